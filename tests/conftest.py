@@ -1,0 +1,46 @@
+"""Shared test setup: process environment, tiny models built once per session, markers."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from megatron_rlhf.runtime import apply_process_env
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+def pytest_configure(config):
+    tmp = Path(os.environ.get("MRLHF_TEST_TMP", "/tmp/mrlhf_tests"))
+    tmp.mkdir(parents=True, exist_ok=True)
+    apply_process_env(str(tmp))
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama (2 layers, hidden 128, 4 heads / 2 KV heads, head_dim 32, untied)."""
+    from megatron_rlhf.testing.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_tied_dir(tmp_path_factory) -> Path:
+    """Same as ``tiny_llama_dir`` with tied input/output embeddings (like SmolLM2)."""
+    from megatron_rlhf.testing.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_llama_tied"), "llama", tie_word_embeddings=True)
