@@ -45,6 +45,11 @@ def _check(cond: bool, key: str, value: Any, allowed: str) -> None:
         raise ConfigError(f"config key '{key}' = {value!r} is invalid: {allowed}")
 
 
+def _is_dotted_fn(name: str) -> bool:
+    mod, sep, fn = name.partition(":")
+    return bool(sep) and all(p.isidentifier() for p in mod.split(".")) and fn.isidentifier()
+
+
 # ----------------------------------------------------------------------------------- sections
 @dataclass(kw_only=True)
 class RunConfig:
@@ -112,7 +117,9 @@ class TaskConfig:
     name: str = "math"
     data: DataConfig = field(default_factory=lambda: DataConfig(path="data/math_word_problems/mawps.jsonl"))
     reward: str = "math_verify"
-    """Reward function by name: ``math_verify`` (binary, rule-checked answer)."""
+    """Reward by name: ``math_verify`` (binary, rule-checked answer), or a plug-in given by dotted
+    path ``package.module:function`` taking ``(completions: list[str], answers: list[str])`` and
+    returning ``list[float]`` (binary 0/1 rewards pair correct vs incorrect; others best vs worst)."""
     weight: float = 1.0
     """Share of trained pairs per batch."""
     instruction: str = ("Solve the problem. Think step by step, then give the final answer as a "
@@ -120,8 +127,8 @@ class TaskConfig:
     """Appended to every prompt (after a blank line) before the chat template is applied."""
 
     def __post_init__(self):
-        _check(self.reward in ("math_verify",), f"tasks[{self.name}].reward", self.reward,
-               "one of: math_verify")
+        _check(self.reward in ("math_verify",) or _is_dotted_fn(self.reward), f"tasks[{self.name}].reward",
+               self.reward, "'math_verify' or a plug-in 'package.module:function'")
         _check(self.weight > 0, f"tasks[{self.name}].weight", self.weight, "a number > 0")
 
 

@@ -1,0 +1,90 @@
+"""Tolerant reading of JSON Lines / JSON-array data files into plain dict records.
+
+Datasets here come as JSONL (one object per line: MT-Bench, HH-RLHF, dove) or as one JSON array
+(AlpacaEval ``model_outputs.json`` / ``annotations.json``). Both are read with Hugging Face
+``datasets`` (``load_dataset("json", ...)``, Arrow-backed, cached). Arrow refuses a whole file when a
+single line is broken JSON or a field changes type between rows; in that case JSONL files are
+re-read line by line with the standard ``json`` module so that the bad lines are skipped and counted
+instead of failing the run (plan.md: "Malformed data rows are skipped and counted, never crash").
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+__all__ = ["read_json_records", "resolve_data_path"]
+
+
+def resolve_data_path(path: str | Path, *, key: str = "data.path") -> Path:
+    """Resolve a data file path: absolute as is; relative against the repo root, then the CWD.
+
+    Args:
+        path: file path (``~`` expanded).
+        key: config key named in the error message.
+    Returns:
+        The existing file's path.
+    Raises:
+        ValueError: the file exists in neither place (the message names ``key`` and both tries).
+    """
+    p = Path(path).expanduser()
+    if p.is_absolute():
+        if p.is_file():
+            return p
+        raise ValueError(f"{key}={str(path)!r}: file not found; give an existing JSON/JSONL file")
+    repo = Path(__file__).resolve().parents[2]
+    for base in (repo, Path.cwd()):
+        if (base / p).is_file():
+            return (base / p).resolve()
+    raise ValueError(f"{key}={str(path)!r}: file not found under the repo root ({repo}) or the "
+                     f"working directory ({Path.cwd()}); give an existing JSON/JSONL file")
+
+
+def read_json_records(path: str | Path) -> tuple[list[dict | None], int]:
+    """Read every record of a JSONL or JSON-array file, in file order.
+
+    Args:
+        path: a ``.jsonl`` file (one JSON object per line; blank lines ignored) or a ``.json`` file
+            holding one array of objects.
+    Returns:
+        ``(records, num_bad)``: one entry per non-blank line (JSONL) or array element (JSON), the
+        parsed ``dict`` or ``None`` where the line is not valid JSON or not an object (so row
+        indices stay aligned with the file); ``num_bad`` counts the ``None`` entries.
+        Missing keys in a row read through Arrow come back as ``None`` values.
+    Raises:
+        ValueError: the file is missing, or a ``.json`` file is not a valid JSON array of objects.
+    Source: ``datasets.load_dataset("json", data_files=...)`` (Hugging Face datasets docs, "Load
+        JSON"); fallback: ``json.loads`` per line.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"data file {str(p)!r} not found")
+    try:
+        import datasets
+
+        ds = datasets.load_dataset("json", data_files=str(p), split="train")
+        return [dict(r) for r in ds], 0
+    except Exception as err:  # Arrow: broken line, mixed types, array with non-objects, ...
+        arrow_error = err
+    text = p.read_text(encoding="utf-8", errors="replace")
+    if text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"data file {str(p)!r} is not valid JSON ({e}); fix or remove it") from e
+        if not isinstance(rows, list):
+            raise ValueError(f"data file {str(p)!r}: expected a JSON array of objects")
+        recs = [r if isinstance(r, dict) else None for r in rows]
+        return recs, sum(r is None for r in recs)
+    recs: list[dict | None] = []
+    for line in text.split("\n"):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            obj = None
+        recs.append(obj if isinstance(obj, dict) else None)
+    if not recs:
+        raise ValueError(f"data file {str(p)!r} holds no records (Arrow said: {arrow_error})")
+    return recs, sum(r is None for r in recs)

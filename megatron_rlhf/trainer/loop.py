@@ -1,0 +1,298 @@
+"""The controller: set up a run, then the Cleanba one-step off-policy loop.
+
+    weight_version = batches the learner has finished; the generator starts at version 0.
+    generator thread (RolloutProducer): batch k waits for version >= k - bound, is generated,
+        scored and paired, then queued (maxsize 1).
+    learner loop (below): take batch k; staleness = own version - batch version; train;
+        version += 1; publish the weights (exported on the learner, handed to the generator
+        through Ray's object store between batches); checkpoint every checkpoint.interval steps.
+
+With ``async.sync: true`` the bound is 0, so batch k waits for the weights of step k: generate,
+train, sync strictly in turn (the on-policy A/B baseline, staleness always 0). With bound 1 the
+first batch has staleness 0 and every later one exactly 1.
+
+The learner loop consumes RolloutBatches, waits for the queue (learner idle time), and is
+unblocked by the generator thread putting a batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import threading
+import time
+from pathlib import Path
+
+from megatron_rlhf.config import Config, config_to_dict, save_config
+from megatron_rlhf.trainer.checkpoint import CheckpointManager
+from megatron_rlhf.trainer.metrics import MetricsLogger, summarize
+from megatron_rlhf.trainer.rollout import ProducerError, PublishedWeights, RolloutProducer, WeightChannel
+from megatron_rlhf.types import LearnerBatch
+
+__all__ = ["train", "resolve_model_dir", "RunResult"]
+
+
+class RunResult(dict):
+    """Summary of a finished (or stopped) run: :func:`metrics.summarize` plus ``run_dir``,
+    ``stopped_early`` and ``resumed_from_step``."""
+
+
+def resolve_model_dir(model_cfg) -> Path:
+    """The HF folder of the base model: converted (and cached) SmolLM2, or ``model.source``."""
+    if model_cfg.source == "smollm2":
+        from megatron_rlhf.convert.gguf import ensure_smollm2_hf
+
+        return Path(ensure_smollm2_hf(os.path.expanduser(model_cfg.cache_dir)))
+    return Path(os.path.expanduser(model_cfg.source)).resolve()
+
+
+class _StopFlag:
+    """SIGTERM/SIGINT -> finish the current step, checkpoint, exit cleanly (SLURM requeue)."""
+
+    def __init__(self):
+        self.requested = False
+        self._old = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = True
+        print(f"\n[megatron-rlhf] signal {signal.Signals(signum).name}: finishing this step, "
+              "then checkpointing and exiting", flush=True)
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def _init_ray(cfg: Config):
+    import ray
+
+    from megatron_rlhf.runtime import process_env
+
+    if ray.is_initialized():
+        return False
+    env = process_env()
+    address = os.environ.get("RAY_ADDRESS")
+    kw = dict(include_dashboard=False, log_to_driver=True, runtime_env={"env_vars": env},
+              logging_level="WARNING")
+    if address:
+        ray.init(address=address, **kw)
+    else:
+        ray.init(num_cpus=max(2, cfg.generators.num_workers + 1), **kw)
+    return True
+
+
+def _build_actors(cfg: Config, model_dir: Path):
+    import ray
+
+    from megatron_rlhf.generator.vllm_engine import VLLMGenerator
+    from megatron_rlhf.learner.actor import MegatronLearner
+
+    pin = cfg.generators.cpu_core
+    learner_cls = ray.remote(num_cpus=1, max_restarts=0)(MegatronLearner)
+    gen_cls = ray.remote(num_cpus=1, max_restarts=0)(VLLMGenerator)
+    learner = learner_cls.remote(model_dir=str(model_dir), learner_cfg=cfg.learner,
+                                 algorithm_cfg=cfg.algorithm, dtype=cfg.model.dtype, seed=cfg.run.seed,
+                                 total_steps=cfg.run.num_steps, cpu_core=pin + 1 if pin >= 0 else -1)
+    generator = gen_cls.remote(model_dir=str(model_dir), generator_cfg=cfg.generators,
+                               dtype=cfg.model.dtype, seed=cfg.run.seed, cpu_core=pin)
+    return learner, generator
+
+
+def _load_prompts(cfg: Config, model_dir: Path):
+    from transformers import AutoTokenizer
+
+    from megatron_rlhf.data import PromptSampler, load_task_prompts
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    max_prompt = cfg.generators.max_model_len - cfg.generators.max_new_tokens
+    prompts, counts = [], {}
+    for task in cfg.tasks:
+        p, c = load_task_prompts(task, tok, max_prompt)
+        prompts.extend(p)
+        counts[task.name] = c
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    return PromptSampler(prompts, seed=cfg.run.seed), counts, pad_id
+
+
+def train(cfg: Config, *, quiet: bool = False) -> RunResult:
+    """Run (or resume) the job ``cfg`` describes; returns its summary.
+
+    Raises:
+        ProducerError: generation failed (cause attached).
+        ray.exceptions.RayActorError: an actor died (the last complete checkpoint is intact).
+        TimeoutError: a remote wait exceeded ``async.timeout_s``.
+    """
+    import ray
+    from tqdm import tqdm
+
+    from megatron_rlhf.rewards import MathVerifyReward
+    from megatron_rlhf.rollout.pairs import select_pair
+
+    run_dir = cfg.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.yaml")
+    say = (lambda *a: None) if quiet else (lambda *a: print("[megatron-rlhf]", *a, flush=True))
+    say(f"run folder {run_dir}")
+    model_dir = resolve_model_dir(cfg.model)
+    sampler, data_counts, pad_id = _load_prompts(cfg, model_dir)
+    say(f"model {model_dir}; prompts per task: {json.dumps(data_counts)}")
+    ckpts = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep_last)
+    needs_math = any(t.reward == "math_verify" for t in cfg.tasks)
+    reward = MathVerifyReward(num_workers=1) if needs_math else None
+    reward_fns = _reward_fns(cfg, reward)
+    started_ray = _init_ray(cfg)
+    timeout = cfg.async_.timeout_s
+    learner = generator = None
+    try:
+        learner, generator = _build_actors(cfg, model_dir)
+        start_step, version, rng_state = 0, 0, None
+        latest = ckpts.latest() if cfg.checkpoint.resume else None
+        if latest is not None:
+            path, state = latest
+            version = ray.get(learner.load_checkpoint.remote(str(path / "learner")), timeout=timeout)
+            start_step, rng_state = state["step"], state["rng_state"]
+            sampler.load_state_dict(state["sampler_state"])
+            say(f"resuming from {path.name} (step {start_step}, weight version {version})")
+        ray.get([a.__ray_ready__.remote() for a in (learner, generator)], timeout=timeout)
+        channel = WeightChannel(PublishedWeights(version=0))
+        if version > 0:  # the generator starts from the base weights: hand it the resumed ones
+            channel.publish(_export(learner, version, timeout))
+        batches: queue.Queue = queue.Queue(maxsize=1)
+        producer = RolloutProducer(
+            generator=generator, sampler=sampler, reward_fns=reward_fns,
+            pair_fn=select_pair, channel=channel, out_queue=batches, algorithm_cfg=cfg.algorithm,
+            generator_cfg=cfg.generators, staleness_bound=cfg.async_.staleness_bound,
+            first_batch=start_step, num_batches=cfg.run.num_steps, min_version=version,
+            rng_state=rng_state, seed=cfg.run.seed, timeout_s=timeout)
+        thread = threading.Thread(target=producer.run, name="rollout-producer", daemon=True)
+        metrics = MetricsLogger(run_dir, cfg.logging, config_to_dict(cfg))
+        bar = tqdm(total=cfg.run.num_steps, initial=start_step, desc="steps", unit="step",
+                   disable=quiet or not cfg.logging.progress, dynamic_ncols=True)
+        done, saved, last_batch = start_step, start_step, None
+        t_start = time.perf_counter()
+        with _StopFlag() as stop:
+            thread.start()
+            while done < cfg.run.num_steps and not stop.requested:
+                t_wait = time.perf_counter()
+                batch = _take(batches, timeout, stop)
+                if batch is None:
+                    break
+                learner_idle = time.perf_counter() - t_wait
+                staleness = version - batch.weight_version
+                lb = LearnerBatch.from_pairs(list(batch.pairs), pad_id)
+                t0 = time.perf_counter()
+                out = ray.get(learner.train_step.remote(lb), timeout=timeout)
+                train_s = time.perf_counter() - t0
+                version += 1
+                done, last_batch = done + 1, batch
+                if done < cfg.run.num_steps and not stop.requested:
+                    channel.publish(_export(learner, version, timeout))
+                row = {"step": done, "weight_version": version, "staleness/max": staleness,
+                       "staleness/mean": staleness, "loss/total": out.get("loss/total"),
+                       **batch.stats, **{k: v for k, v in out.items() if k != "time/train_s"},
+                       "time/train_s": train_s, "time/learner_idle_s": learner_idle,
+                       "time/step_s": time.perf_counter() - t_wait}
+                metrics.log(row)
+                bar.update(1)
+                bar.set_postfix(reward=f"{row['reward/mean']:.3f}", stale=staleness,
+                                loss=f"{row['loss/total']:.3f}",
+                                pairs=f"{row['pairs/count']}/{row['prompts/drawn']}")
+                interval = cfg.checkpoint.interval
+                if interval and done % interval == 0 and done < cfg.run.num_steps:
+                    saved = _save(ckpts, learner, done, version, batch, timeout)
+            wall = time.perf_counter() - t_start
+            if last_batch is not None and saved < done:  # the end, or a stop signal
+                saved = _save(ckpts, learner, done, version, last_batch, timeout)
+            stopped_early = done < cfg.run.num_steps
+        bar.close()
+        producer.stop_event.set()
+        channel.close()
+        _drain(batches)
+        thread.join(timeout=5)
+        metrics.close()
+        if not stopped_early and cfg.checkpoint.export_hf:
+            ray.get(learner.export_hf.remote(str(run_dir / "hf_final"), str(model_dir)), timeout=timeout)
+        result = RunResult(summarize(metrics.rows, wall))
+        result.update(run_dir=str(run_dir), stopped_early=stopped_early, resumed_from_step=start_step,
+                      data=data_counts)
+        (run_dir / "summary.json").write_text(json.dumps(result, indent=1, default=str))
+        return result
+    finally:
+        if reward is not None:
+            reward.close()
+        for actor in (learner, generator):
+            if actor is not None:
+                ray.kill(actor)
+        if started_ray:
+            ray.shutdown()
+
+
+def _reward_fns(cfg: Config, math_reward) -> dict:
+    """Task name -> reward callable: math-verify (process pool) or a ``module:function`` plug-in."""
+    import importlib
+
+    fns = {}
+    for task in cfg.tasks:
+        if task.reward == "math_verify":
+            fns[task.name] = math_reward
+        else:
+            mod, _, fn = task.reward.partition(":")
+            try:
+                fns[task.name] = getattr(importlib.import_module(mod), fn)
+            except (ImportError, AttributeError) as e:
+                raise ValueError(f"tasks[{task.name}].reward = {task.reward!r} cannot be imported: {e}") from e
+    return fns
+
+
+def _export(learner, version: int, timeout: float) -> PublishedWeights:
+    """Export the learner's weights into the object store (the learner is busy for export_s)."""
+    import ray
+
+    t0 = time.perf_counter()
+    ref = learner.export_weights.remote()
+    ray.wait([ref], timeout=timeout, fetch_local=False)
+    return PublishedWeights(version=version, buckets_ref=ref, export_s=time.perf_counter() - t0)
+
+
+def _take(batches: queue.Queue, timeout: float, stop) -> object | None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if stop.requested:
+            return None
+        try:
+            item = batches.get(timeout=1.0)
+        except queue.Empty:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no rollout batch within async.timeout_s={timeout:.0f} s")
+            continue
+        if isinstance(item, BaseException):
+            raise ProducerError(f"generation failed: {type(item).__name__}: {item}") from item
+        return item
+
+
+def _drain(batches: queue.Queue) -> None:
+    try:
+        while True:
+            batches.get_nowait()
+    except queue.Empty:
+        pass
+
+
+def _save(ckpts: CheckpointManager, learner, step: int, version: int, batch, timeout: float) -> int:
+    import ray
+
+    state = {"step": step, "weight_version": version, "sampler_state": batch.sampler_state,
+             "rng_state": batch.rng_state, "time": time.time()}
+    ckpts.save(step, state, lambda tmp: ray.get(
+        learner.save_checkpoint.remote(str(tmp / "learner")), timeout=timeout))
+    return step

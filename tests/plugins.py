@@ -1,0 +1,15 @@
+"""Reward plug-ins for integration tests (loaded by dotted path, like a user's custom reward).
+
+Tiny random models never solve a math problem, so the loop tests use rewards that a random
+model satisfies about half the time; they exercise exactly the same pairing and training path.
+"""
+
+
+def has_digit(completions: list[str], answers: list[str]) -> list[float]:
+    """1.0 when the completion contains an ASCII digit, else 0.0 (binary)."""
+    return [float(any(ch.isdigit() for ch in c)) for c in completions]
+
+
+def char_parity(completions: list[str], answers: list[str]) -> list[float]:
+    """1.0 when the completion has an even number of characters, else 0.0 (binary, ~50/50)."""
+    return [float(len(c) % 2 == 0) for c in completions]
