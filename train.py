@@ -44,7 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     apply_process_env()
     from megatron_rlhf.trainer.loop import train
 
-    res = train(cfg)
+    try:
+        res = train(cfg)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     print(format_summary(res), flush=True)
     return 0
 

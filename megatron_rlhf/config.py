@@ -29,6 +29,8 @@ from typing import Any
 
 import yaml
 
+from megatron_rlhf.placement import PlacementConfig, check_layout
+
 __all__ = [
     "ConfigError", "RunConfig", "ModelConfig", "DataConfig", "TaskConfig", "GeneratorConfig",
     "OptimizerConfig", "LearnerConfig", "AlgorithmConfig", "AsyncConfig", "CheckpointConfig",
@@ -138,6 +140,14 @@ class GeneratorConfig:
 
     num_workers: int = 1
     """vLLM engines (Ray actors)."""
+    tensor_parallel: int = 1
+    """GPUs per vLLM engine (vLLM ``tensor_parallel_size``); 1 on CPU."""
+    gpu_memory_utilization: float = 0.9
+    """GPU only: share of each engine GPU vLLM may use (weights + activations + KV cache)."""
+    max_num_seqs: int = 256
+    """vLLM ``max_num_seqs``: sequences an engine runs at once (sizes the KV cache estimate)."""
+    max_num_batched_tokens: int = 8192
+    """vLLM ``max_num_batched_tokens``: tokens per engine step (prefill chunk)."""
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 192
@@ -161,10 +171,16 @@ class GeneratorConfig:
         _check(self.max_new_tokens >= 1, "generators.max_new_tokens", self.max_new_tokens, ">= 1")
         _check(self.max_model_len > self.max_new_tokens, "generators.max_model_len",
                self.max_model_len, f"> generators.max_new_tokens ({self.max_new_tokens})")
+        _check(self.tensor_parallel >= 1, "generators.tensor_parallel", self.tensor_parallel, ">= 1")
+        _check(0 < self.gpu_memory_utilization <= 1, "generators.gpu_memory_utilization",
+               self.gpu_memory_utilization, "a fraction in (0, 1]")
+        _check(self.max_num_seqs >= 1, "generators.max_num_seqs", self.max_num_seqs, ">= 1")
+        _check(self.max_num_batched_tokens >= 1, "generators.max_num_batched_tokens",
+               self.max_num_batched_tokens, ">= 1")
         _check(self.prompts_per_request >= 1, "generators.prompts_per_request",
                self.prompts_per_request, "an integer >= 1")
-        _check(self.transport in ("object_store",), "generators.transport", self.transport,
-               "one of: object_store")
+        _check(self.transport in ("object_store", "nccl"), "generators.transport", self.transport,
+               "one of: object_store, nccl")
 
 
 @dataclass(kw_only=True)
@@ -202,6 +218,12 @@ class LearnerConfig:
     data_parallel: int = 1
     micro_batch_size: int = 2
     """Sequences per forward/backward (a DPO pair is 2 sequences)."""
+    distributed_optimizer: bool = False
+    """Shard fp32 master weights and Adam state over DP ranks (megatron-core DistributedOptimizer)."""
+    sequence_parallel: bool = True
+    """Megatron sequence parallelism when tensor_parallel > 1."""
+    recompute: str = "none"
+    """Activation recomputation: ``none`` or ``full`` (every layer, uniform)."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     ref_sync_interval: int = 0
     """Copy policy -> reference every r learner batches (0 = never; Lanchantin et al. 2025)."""
@@ -209,6 +231,7 @@ class LearnerConfig:
     def __post_init__(self):
         for k in ("tensor_parallel", "pipeline_parallel", "data_parallel", "micro_batch_size"):
             _check(getattr(self, k) >= 1, f"learner.{k}", getattr(self, k), "an integer >= 1")
+        _check(self.recompute in ("none", "full"), "learner.recompute", self.recompute, "none or full")
         _check(self.ref_sync_interval >= 0, "learner.ref_sync_interval", self.ref_sync_interval, ">= 0")
 
 
@@ -301,16 +324,16 @@ class Config:
     async_: AsyncConfig = field(default_factory=AsyncConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
 
     def __post_init__(self):
         _check(len(self.tasks) >= 1, "tasks", self.tasks, "a list of at least one task")
         names = [t.name for t in self.tasks]
         _check(len(set(names)) == len(names), "tasks[].name", names, "unique task names")
         lp = self.learner
-        _check(lp.tensor_parallel * lp.pipeline_parallel * lp.data_parallel == 1,
-               "learner.tensor_parallel/pipeline_parallel/data_parallel",
-               (lp.tensor_parallel, lp.pipeline_parallel, lp.data_parallel),
-               "1/1/1 for now: multi-process learner groups are not built yet")
+        check_layout(self.placement, learner_world_size=lp.tensor_parallel * lp.pipeline_parallel * lp.data_parallel,
+                     learner_tensor_parallel=lp.tensor_parallel, num_engines=self.generators.num_workers,
+                     engine_tensor_parallel=self.generators.tensor_parallel)
 
     @property
     def run_dir(self) -> Path:

@@ -20,8 +20,9 @@ def process_env(tmp_dir: str | None = None) -> dict[str, str]:
     * ``tmp_dir``: where vLLM puts its sockets and caches (tests pass a temp folder).
     """
     env = {
-        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-        "RAY_AUTH_MODE": "disabled",
+        # loopback-only Ray for local runs; a multi-node job (ray_cluster.sh) sets its own values
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"),
+        "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
         "RAY_USAGE_STATS_ENABLED": "0",
         "RAY_DEDUP_LOGS": "0",
         "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),

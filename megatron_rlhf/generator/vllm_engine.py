@@ -192,6 +192,9 @@ class VLLMGenerator:
             if isinstance(b, dict):
                 for name, t in b.items():
                     self._check_tensor(name, t, i)
+            elif not _is_object_ref(b):
+                raise TypeError(f"update_weights: buckets[{i}] is a {type(b).__name__}; expected a "
+                                "dict of tensors or a ray.ObjectRef of one")
         counts = {"bytes": 0, "tensors": 0}
         t0 = time.perf_counter()
         try:
@@ -310,12 +313,18 @@ def _iter_tensors(buckets: Iterable[Any], counts: dict, check) -> Iterator[tuple
             yield name, t
 
 
-def _resolve_ref(ref: Any, i: int) -> dict:
+def _is_object_ref(x: Any) -> bool:
     try:
         import ray
     except ImportError:  # pragma: no cover - ray is a dependency
-        ray = None
-    if ray is None or not isinstance(ref, ray.ObjectRef):
+        return False
+    return isinstance(x, ray.ObjectRef)
+
+
+def _resolve_ref(ref: Any, i: int) -> dict:
+    import ray
+
+    if not _is_object_ref(ref):
         raise TypeError(f"update_weights: buckets[{i}] is a {type(ref).__name__}; expected a dict of "
                         "tensors or a ray.ObjectRef of one")
     b = ray.get(ref)

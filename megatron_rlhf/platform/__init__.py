@@ -66,6 +66,17 @@ class Platform:
 
             gpu.seed(seed_value)
 
+    def optimizer_step_context(self):
+        """Context manager to wrap ``megatron_optimizer.step()``: CPU -> the scoped
+        ``Tensor.type()`` shim megatron's grad clipping needs (``platform.cpu``); GPU -> nothing."""
+        if self.is_cpu:
+            from megatron_rlhf.platform import cpu
+
+            return cpu.optimizer_step_context()
+        import contextlib
+
+        return contextlib.nullcontext()
+
     def synchronize(self) -> None:
         """Wait for queued device work (before timing); no-op on CPU."""
         if not self.is_cpu:

@@ -11,8 +11,10 @@ only when CUDA is absent; it is idempotent and :func:`uninstall` restores torch.
 * P3 :class:`CudaToCpuMode`, a ``TorchFunctionMode`` that rewrites ``device="cuda"`` /
   ``"cuda:N"`` / int device literals and ``Tensor.cuda()`` / ``Tensor.to("cuda")`` to CPU
   (pipeline schedules' ``torch.zeros(..., device="cuda")``, tied embeddings under PP).
-  The DistributedOptimizer's ``Tensor.type()`` spoof (P4 in the probe) is *not* installed: we use
-  the non-distributed optimizer on CPU.
+* P4 (scoped, not installed globally) :func:`optimizer_step_context`: megatron's gradient
+  clipping (``clip_grad_by_total_norm_fp32``) and the DistributedOptimizer assert
+  ``grad.type() == 'torch.cuda.FloatTensor'``; inside this context ``Tensor.type()`` reports CPU
+  tensors as ``torch.cuda.*``. The learner wraps only ``optimizer.step()`` in it.
 
 The model-level CPU pieces go through megatron's public ``ModuleSpec`` mechanism instead of
 patching: :class:`SDPACoreAttention` (``DotProductAttention.forward`` allocates a CUDA scratch
@@ -22,6 +24,7 @@ buffer) and :class:`CPUNorm` (torch ``RMSNorm``/``LayerNorm``; unlike megatron's
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -30,7 +33,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["CudaToCpuMode", "SDPACoreAttention", "CPUNorm", "install", "uninstall", "is_installed",
+__all__ = ["CudaToCpuMode", "CudaTypeSpoofMode", "optimizer_step_context", "SDPACoreAttention", "CPUNorm", "install", "uninstall", "is_installed",
            "cpu_layer_spec", "seed"]
 
 _LOCK = threading.Lock()
@@ -62,6 +65,28 @@ class CudaToCpuMode(TorchFunctionMode):
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
             args = (args[0], "cpu") + tuple(args[2:])
         return func(*args, **kwargs)
+
+
+class CudaTypeSpoofMode(TorchFunctionMode):
+    """``Tensor.type()`` (no arguments) of a CPU tensor returns ``'torch.cuda.<T>Tensor'`` (P4).
+    Only for megatron's dtype assertions in the optimizer step; see :func:`optimizer_step_context`."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs and isinstance(out, str) \
+                and out.startswith("torch.") and not out.startswith("torch.cuda."):
+            return "torch.cuda." + out[len("torch."):]
+        return out
+
+
+@contextlib.contextmanager
+def optimizer_step_context():
+    """Scope of P4: wrap ``megatron_optimizer.step()`` on CPU (no-op when CUDA is available)."""
+    if torch.cuda.is_available():
+        yield
+        return
+    with CudaTypeSpoofMode():
+        yield
 
 
 def is_installed() -> bool:

@@ -25,7 +25,7 @@ import threading
 import time
 from pathlib import Path
 
-from megatron_rlhf.config import Config, config_to_dict, save_config
+from megatron_rlhf.config import Config, ConfigError, config_to_dict, save_config
 from megatron_rlhf.trainer.checkpoint import CheckpointManager
 from megatron_rlhf.trainer.metrics import MetricsLogger, summarize
 from megatron_rlhf.trainer.rollout import ProducerError, PublishedWeights, RolloutProducer, WeightChannel
@@ -91,6 +91,21 @@ def _init_ray(cfg: Config):
     return True
 
 
+def _actor_options(role: str, gpus: int) -> dict:
+    """Ray options of a learner rank or generator engine: one CPU; on GPU clusters ``gpus`` GPUs
+    and the role resource ``mrlhf_<role>`` that slurm/ray_cluster.sh declares on that role's
+    nodes (so learners and vLLM engines never share a GPU)."""
+    import ray
+
+    resources = ray.cluster_resources()
+    opts: dict = {"num_cpus": 1, "max_restarts": 0}
+    if resources.get("GPU", 0) > 0:
+        opts["num_gpus"] = gpus
+    if resources.get(f"mrlhf_{role}", 0) > 0:
+        opts["resources"] = {f"mrlhf_{role}": gpus}
+    return opts
+
+
 def _build_actors(cfg: Config, model_dir: Path):
     import ray
 
@@ -98,8 +113,8 @@ def _build_actors(cfg: Config, model_dir: Path):
     from megatron_rlhf.learner.actor import MegatronLearner
 
     pin = cfg.generators.cpu_core
-    learner_cls = ray.remote(num_cpus=1, max_restarts=0)(MegatronLearner)
-    gen_cls = ray.remote(num_cpus=1, max_restarts=0)(VLLMGenerator)
+    learner_cls = ray.remote(**_actor_options("learner", 1))(MegatronLearner)
+    gen_cls = ray.remote(**_actor_options("generator", cfg.generators.tensor_parallel))(VLLMGenerator)
     learner = learner_cls.remote(model_dir=str(model_dir), learner_cfg=cfg.learner,
                                  algorithm_cfg=cfg.algorithm, dtype=cfg.model.dtype, seed=cfg.run.seed,
                                  total_steps=cfg.run.num_steps, cpu_core=pin + 1 if pin >= 0 else -1)
@@ -138,6 +153,9 @@ def train(cfg: Config, *, quiet: bool = False) -> RunResult:
     from megatron_rlhf.rewards import MathVerifyReward
     from megatron_rlhf.rollout.pairs import select_pair
 
+    if cfg.generators.transport != "object_store":
+        raise ConfigError(f"generators.transport = {cfg.generators.transport!r}: only 'object_store' is "
+                          "built so far; use it (the NCCL transport comes with the generator pool)")
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")

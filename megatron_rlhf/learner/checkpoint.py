@@ -1,0 +1,131 @@
+"""Learner checkpoints and HF export.
+
+Layout of a learner checkpoint folder::
+
+    path/policy/        megatron dist_checkpointing (torch_dist): the policy GPTModel's
+                        sharded_state_dict (TE-layout names; reshardable to any TP/PP)
+    path/reference/     same for the frozen reference
+    path/learner_state.pt   torch.save: optimizer state dict, LR-scheduler state, RNG states,
+                        weight_version, layout (tp, pp, dp, model_type, dtype)
+
+dist_checkpointing's torch_dist writer forks writer processes and creates a ``spawn``
+multiprocessing Manager queue once per process (``filesystem_async._get_write_results_queue``);
+the spawned manager re-imports ``__main__``, which is safe from pytest, a Ray worker or any script
+whose main module has an ``if __name__ == "__main__":`` guard. It needs ``psutil`` (else it hangs).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+__all__ = ["save_learner_checkpoint", "load_learner_checkpoint", "write_hf_folder",
+           "STATE_FILE"]
+
+STATE_FILE = "learner_state.pt"
+_WEIGHT_PATTERNS = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json",
+                    ".pt", ".pth", ".gguf")
+
+
+def _save_model(model, folder: Path) -> None:
+    from megatron.core import dist_checkpointing
+
+    folder.mkdir(parents=True, exist_ok=True)
+    dist_checkpointing.save(model.sharded_state_dict(), str(folder))
+
+
+def _load_model(model, folder: Path) -> None:
+    from megatron.core import dist_checkpointing
+
+    if not (folder / "metadata.json").is_file():
+        raise FileNotFoundError(f"{folder}: not a megatron dist checkpoint (no metadata.json)")
+    state = dist_checkpointing.load(model.sharded_state_dict(), str(folder))
+    result = model.load_state_dict(state, strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    if missing or result.unexpected_keys:
+        raise RuntimeError(f"{folder}: checkpoint does not match the model: missing {missing[:5]}, "
+                           f"unexpected {result.unexpected_keys[:5]}")
+
+
+def save_learner_checkpoint(learner, path: Path) -> None:
+    """Write ``learner``'s models, optimizer, scheduler, RNG and version under ``path`` (see
+    module doc). ``path`` may exist; it should be empty (the caller makes the save atomic)."""
+    path.mkdir(parents=True, exist_ok=True)
+    _save_model(learner.policy, path / "policy")
+    _save_model(learner.reference, path / "reference")
+    state = {"weight_version": learner.weight_version,
+             "optimizer": learner.optimizer.state_dict(),
+             "scheduler": learner.scheduler.state_dict(),
+             "rng": learner._rng_state(),
+             "layout": {"tp": learner.groups.tp, "pp": learner.groups.pp, "dp": learner.groups.dp,
+                        "model_type": learner.hf_config.model_type, "dtype": str(learner.dtype)}}
+    torch.save(state, path / STATE_FILE)
+
+
+def load_learner_checkpoint(learner, path: Path) -> int:
+    """Restore what :func:`save_learner_checkpoint` wrote into ``learner``; returns the weight
+    version.
+
+    Raises:
+        FileNotFoundError: ``path/learner_state.pt`` or a model folder is missing.
+        ValueError: the checkpoint's layout (TP/PP/DP, model type) differs from the learner's
+            (resharding the optimizer is not supported yet; models reshard via dist_checkpointing).
+    """
+    state_file = path / STATE_FILE
+    if not state_file.is_file():
+        raise FileNotFoundError(f"{path}: no {STATE_FILE}; not a learner checkpoint")
+    state = torch.load(state_file, map_location="cpu", weights_only=False)
+    layout = state["layout"]
+    mine = {"tp": learner.groups.tp, "pp": learner.groups.pp, "dp": learner.groups.dp,
+            "model_type": learner.hf_config.model_type}
+    if any(layout.get(k) != v for k, v in mine.items()):
+        raise ValueError(f"{path}: checkpoint layout {layout} does not match the learner {mine}")
+    _load_model(learner.policy, path / "policy")
+    _load_model(learner.reference, path / "reference")
+    learner.optimizer.load_state_dict(state["optimizer"])
+    learner.scheduler.load_state_dict(state["scheduler"])
+    learner._set_rng_state(state["rng"])
+    return int(state["weight_version"])
+
+
+def write_hf_folder(hf_tensors: dict[str, torch.Tensor], out_dir: str | os.PathLike,
+                    base_model_dir: str | os.PathLike, max_shard_size: str = "5GB") -> None:
+    """Write an HF model folder: ``hf_tensors`` as safetensors (sharded with an index by
+    ``huggingface_hub.split_torch_state_dict_into_shards`` when above ``max_shard_size``) plus all
+    non-weight files of ``base_model_dir`` (config.json, tokenizer files, chat template,
+    generation_config.json). Atomic: written to a temporary sibling, then renamed.
+
+    Raises:
+        FileExistsError: ``out_dir`` exists and is not empty.
+    """
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    out, base = Path(out_dir), Path(base_model_dir)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"export_hf: {out} exists and is not empty; pass a new folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        for f in base.iterdir():
+            if f.is_file() and not f.name.startswith(".") and not f.name.endswith(_WEIGHT_PATTERNS):
+                shutil.copy2(f, tmp / f.name)
+        split = split_torch_state_dict_into_shards(hf_tensors, max_shard_size=max_shard_size)
+        for filename, names in split.filename_to_tensors.items():
+            save_file({n: hf_tensors[n] for n in names}, str(tmp / filename),
+                      metadata={"format": "pt"})
+        if split.is_sharded:
+            import json
+
+            index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        if out.exists():
+            out.rmdir()
+        os.rename(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)

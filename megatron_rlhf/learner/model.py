@@ -1,0 +1,127 @@
+"""Build a megatron-core GPTModel from a Hugging Face folder (config, platform spec, weights).
+
+    hf_config = load_hf_config(model_dir)
+    tcfg = transformer_config_from_hf(hf_config, dtype="float32")
+    model = build_gpt_model(hf_config, tcfg, platform=get_platform())
+    load_mcore_state(model, hf_to_mcore(load_hf_state_dict(model_dir), hf_config))
+
+Weights are full (TP=PP=1) tensors keyed by global layer index; sharding for TP/PP slots in at
+:func:`load_mcore_state` / :func:`full_mcore_state` (today they raise for TP/PP > 1).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from megatron_rlhf.convert.llama import align_names, gpt_model_kwargs_from_hf
+
+__all__ = ["load_hf_config", "load_hf_state_dict", "build_gpt_model", "load_mcore_state",
+           "full_mcore_state", "HF_WEIGHT_FILES"]
+
+HF_WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin",
+                   "pytorch_model.bin.index.json")
+
+
+def load_hf_config(model_dir: str | Path):
+    """``transformers.AutoConfig`` of an HF folder (offline, local files only)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+
+
+def load_hf_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of an HF folder's safetensors files (single file or sharded with an index).
+
+    Returns:
+        HF names -> CPU tensors in the stored dtype.
+    Raises:
+        FileNotFoundError: the folder has no ``*.safetensors`` file.
+    """
+    from safetensors.torch import load_file
+
+    d = Path(model_dir)
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in d.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{d}: no *.safetensors weights (save the model with "
+                                "save_pretrained(..., safe_serialization=True))")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update(load_file(str(d / f), device="cpu"))
+    return out
+
+
+def build_gpt_model(hf_config, transformer_config, *, platform, pg_collection=None,
+                    pre_process: bool = True, post_process: bool = True):
+    """An (uninitialised unless ``transformer_config.perform_initialization``) GPTModel for an HF
+    config, with the platform's layer spec, on the platform's device.
+
+    Args:
+        hf_config: HF config (vocab, positions, RoPE base, tying come from it).
+        transformer_config: from :func:`megatron_rlhf.convert.transformer_config_from_hf`.
+        platform: :class:`megatron_rlhf.platform.Platform`.
+        pg_collection: megatron ``ProcessGroupCollection`` (None: megatron's global groups).
+        pre_process, post_process: first / last pipeline stage flags.
+    Returns:
+        ``megatron.core.models.gpt.GPTModel``.
+    """
+    from megatron.core.models.gpt import GPTModel
+
+    kwargs = gpt_model_kwargs_from_hf(hf_config)
+    if pg_collection is not None:
+        kwargs["pg_collection"] = pg_collection
+    model = GPTModel(config=transformer_config,
+                     transformer_layer_spec=platform.layer_spec(transformer_config),
+                     pre_process=pre_process, post_process=post_process, **kwargs)
+    return model.to(platform.device)
+
+
+def _params_and_buffers(model) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in model.state_dict(keep_vars=True).items()
+            if torch.is_tensor(v) and not k.endswith("_extra_state")}
+
+
+def _check_unsharded(model) -> None:
+    cfg = model.config
+    if cfg.tensor_model_parallel_size != 1 or cfg.pipeline_model_parallel_size != 1:
+        raise NotImplementedError("full-tensor load/export needs TP=PP=1 for now "
+                                  f"(got TP={cfg.tensor_model_parallel_size}, "
+                                  f"PP={cfg.pipeline_model_parallel_size})")
+
+
+@torch.no_grad()
+def load_mcore_state(model, mcore_state: dict[str, torch.Tensor]) -> None:
+    """Copy full megatron tensors (from :func:`megatron_rlhf.convert.hf_to_mcore`) into ``model``.
+
+    Names are aligned to the model's spec (local vs TE norm names); every model tensor must be
+    given with the same shape; dtype is converted to the parameter's.
+
+    Raises:
+        KeyError: model tensors missing from ``mcore_state`` or unexpected extra tensors.
+        ValueError: a shape differs (names it).
+    """
+    _check_unsharded(model)
+    target = _params_and_buffers(model)
+    src = align_names(mcore_state, target.keys())
+    missing = sorted(set(target) - set(src))
+    extra = sorted(set(src) - set(target))
+    if missing or extra:
+        raise KeyError(f"load_mcore_state: missing {missing[:5]}, unexpected {extra[:5]}")
+    for name, dst in target.items():
+        if tuple(dst.shape) != tuple(src[name].shape):
+            raise ValueError(f"load_mcore_state: {name} has shape {tuple(src[name].shape)}, "
+                             f"model expects {tuple(dst.shape)}")
+        dst.copy_(src[name])
+
+
+def full_mcore_state(model) -> dict[str, torch.Tensor]:
+    """The model's full tensors by megatron name (detached views of the live parameters;
+    clone before modifying the model if you keep them)."""
+    _check_unsharded(model)
+    return {k: v.detach() for k, v in _params_and_buffers(model).items()}

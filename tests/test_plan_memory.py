@@ -1,0 +1,109 @@
+"""tools/plan_memory.py against a hand calculation for Llama-3.1-8B (the 2n8g recipe's layout)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("plan_memory", REPO / "tools" / "plan_memory.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["plan_memory"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+pm = _tool()
+
+# ---- Hand calculation: Llama-3.1-8B, learner TP=2 PP=1 DP=4, distributed optimizer, micro-batch 2
+# sequences x 2048 tokens, no recompute, sequence parallel; h=4096, L=32, 32 heads / 8 KV heads,
+# d=128, f=14336, V=128256 (already a multiple of 128*2 = 256, so no padding).
+LAYER_SHARDED = 4096 * 4096 + 2 * 4096 * 1024 + 4096 * 4096 + 3 * 4096 * 14336   # 218,103,808
+LAYER_REPLICATED = 2 * 4096                                                      # two RMSNorm weights
+EMB_SHARD = 128256 * 4096 // 2                                                    # 262,668,288
+P_GPU = 32 * (LAYER_SHARDED // 2 + LAYER_REPLICATED) + 2 * EMB_SHARD + 4096       # + final norm
+P_TOTAL = 32 * (LAYER_SHARDED + LAYER_REPLICATED) + 2 * 128256 * 4096 + 4096
+A_LAYER = 2048 * 2 // 2 * (8 * 4096 + 4 * 4096 + 4 * 1024 + 6 * 14336)           # s*b/t*(8h+4hq+4hkv+6f)
+HAND = {
+    "weights": 2 * P_GPU,                 # bf16
+    "grads": 4 * P_GPU,                   # fp32 main grads
+    "optimizer": 12 * P_GPU // 4,         # fp32 master + Adam m, v, sharded over DP=4
+    "reference": 2 * P_GPU,               # frozen bf16 copy
+    "activations": 32 * A_LAYER,          # PP=1: one micro-batch in flight, 32 layers
+    "logits": 6 * 2048 * 2 * 128256 // 2,  # bf16 logits + fp32 copy, vocab split over TP
+}
+
+
+@pytest.mark.timeout(30)
+def test_hand_calculation_constants_are_what_the_paper_formulas_give():
+    # the numbers written out, so a reader can check them with a calculator
+    assert P_TOTAL == 8_030_261_248          # Llama-3.1-8B's published 8.03 B parameters
+    assert P_GPU == 4_015_263_744
+    assert A_LAYER == 285_212_672
+    assert sum(HAND.values()) == 54_870_716_416  # 51.10 GiB before overhead
+
+
+@pytest.mark.timeout(30)
+def test_learner_estimate_matches_hand_calculation_for_8b_tp2_dp4():
+    lay = pm.LearnerLayout(tp=2, pp=1, dp=4, micro_batch=2, seq_len=2048)
+    m = pm.learner_memory(pm.PRESETS["llama3.1-8b"], lay)
+    assert m["params"] == P_GPU
+    for key, want in HAND.items():
+        assert m[key] == pytest.approx(want, rel=1e-12), key
+    assert m["total"] == pytest.approx(sum(HAND.values()), rel=1e-12)
+
+
+@pytest.mark.timeout(30)
+def test_distributed_optimizer_off_costs_18_bytes_per_param_and_recompute_keeps_layer_inputs():
+    shape = pm.PRESETS["llama3.1-8b"]
+    off = pm.learner_memory(shape, pm.LearnerLayout(tp=2, dp=4, micro_batch=2, distributed_optimizer=False))
+    assert off["weights"] + off["grads"] + off["optimizer"] == 18 * P_GPU
+    full = pm.learner_memory(shape, pm.LearnerLayout(tp=2, dp=4, micro_batch=2, recompute="full"))
+    assert full["activations"] == pytest.approx(32 * 2 * 2048 * 2 * 4096 / 2 + A_LAYER)
+
+
+@pytest.mark.timeout(30)
+def test_pipeline_stage_zero_holds_pp_microbatches_and_last_stage_the_logits():
+    shape = pm.PRESETS["llama3.1-70b"]
+    lay = pm.LearnerLayout(tp=8, pp=2, dp=2, micro_batch=1, seq_len=2048)
+    a = pm.layer_activation_bytes(shape, lay)
+    m = pm.learner_memory(shape, lay)
+    assert m["stage"] == 0 and m["activations"] == pytest.approx(2 * 40 * a) and m["logits"] == 0
+
+
+@pytest.mark.timeout(30)
+def test_generator_kv_cache_and_weights_for_8b_engine():
+    g = pm.generator_memory(pm.PRESETS["llama3.1-8b"], pm.GeneratorLayout(tp=1, max_model_len=2048, concurrent_seqs=128))
+    assert g["kv_bytes_per_token"] == 2 * 32 * 8 * 128 * 2          # K+V, 32 layers, 8 KV heads, bf16
+    assert g["kv_cache"] == 128 * 2048 * 131072                      # 32 GiB
+    assert g["weights"] == 2 * P_TOTAL
+    # TP=16 > 8 KV heads: vLLM replicates KV heads, one per GPU
+    g16 = pm.generator_memory(pm.PRESETS["llama3.1-70b"], pm.GeneratorLayout(tp=16))
+    assert g16["kv_bytes_per_token"] == 2 * 80 * 1 * 128 * 2
+
+
+@pytest.mark.timeout(30)
+def test_hf_config_json_gives_the_preset_shape(tmp_path):
+    cfg = {"model_type": "qwen2", "hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28,
+           "num_key_value_heads": 4, "intermediate_size": 18944, "vocab_size": 152064,
+           "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert pm.load_shape(str(tmp_path)) == pm.PRESETS["qwen2.5-7b"]
+
+
+@pytest.mark.timeout(60)
+def test_cli_exits_2_when_the_layout_exceeds_the_gpu_and_0_when_it_fits(capsys):
+    ok = ["--model", "llama3.1-8b", "--tp", "2", "--dp", "4", "--micro-batch", "2", "--seq-len", "2048",
+          "--gen-concurrent-seqs", "128"]
+    assert pm.main(ok) == 0
+    assert pm.main(ok + ["--gpu-mem-gib", "40"]) == 2          # 54.1 GiB learner > 40
+    assert pm.main(["--model", "llama3.1-70b", "--tp", "8", "--seq-len", "2048", "--only", "learner"]) == 2
+    assert "EXCEEDS" in capsys.readouterr().out
+    assert pm.main(["--model", "no-such-model"]) == 1

@@ -1,0 +1,165 @@
+"""The CPU platform shims (megatron_rlhf.platform): each one does what it claims, and only that."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_rlhf.platform import get_platform
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU shims are inactive with CUDA")
+
+
+@pytest.fixture
+def cpu_mod():
+    """The platform.cpu module; restores the install state it found."""
+    from megatron_rlhf.platform import cpu
+
+    was = cpu.is_installed()
+    yield cpu
+    if was:
+        cpu.install()
+    else:
+        cpu.uninstall()
+
+
+@pytest.fixture
+def groups():
+    from megatron_rlhf.learner import parallel
+
+    get_platform().install()
+    g = parallel.acquire(backend="gloo")
+    yield g
+    parallel.release()
+
+
+@pytest.mark.timeout(30)
+def test_get_platform_is_cpu_gloo_without_cuda_and_refuses_forced_cuda():
+    p = get_platform()
+    assert (p.device, p.dist_backend, p.is_cpu) == ("cpu", "gloo", True)
+    with pytest.raises(ValueError, match="no CUDA GPU"):
+        get_platform("cuda")
+    with pytest.raises(ValueError, match="expected 'cpu', 'cuda'"):
+        get_platform("tpu")
+
+
+@pytest.mark.timeout(30)
+def test_install_is_idempotent_and_uninstall_restores_torch(cpu_mod):
+    cpu_mod.uninstall()
+    with pytest.raises((AssertionError, RuntimeError)):
+        torch.cuda.current_device()  # CPU torch: "Torch not compiled with CUDA enabled"
+    assert cpu_mod.install() is True
+    first = torch.cuda.current_device
+    assert cpu_mod.install() is True  # second call changes nothing
+    assert torch.cuda.current_device is first
+    cpu_mod.uninstall()
+    assert not cpu_mod.is_installed()
+    with pytest.raises((AssertionError, RuntimeError)):
+        torch.cuda.current_device()
+
+
+@pytest.mark.timeout(30)
+def test_current_device_is_cpu_and_synchronize_is_noop(cpu_mod):
+    cpu_mod.install()
+    assert torch.cuda.current_device() == torch.device("cpu")
+    assert torch.cuda.synchronize() is None
+    t = torch.arange(4, device=torch.cuda.current_device())  # what RoPE/DDP buffers do
+    assert t.device.type == "cpu"
+
+
+@pytest.mark.timeout(30)
+def test_function_mode_maps_cuda_device_literals_to_cpu(cpu_mod):
+    cpu_mod.install()
+    assert torch.zeros(2, device="cuda").device.type == "cpu"
+    assert torch.empty(3, device="cuda:0").device.type == "cpu"
+    assert torch.ones(2, device=torch.device("cuda")).device.type == "cpu"
+    assert torch.full((2,), 1.0, device=0).device.type == "cpu"
+    x = torch.ones(2)
+    assert x.cuda() is x
+    assert x.to("cuda").device.type == "cpu"
+    assert x.to("cuda", torch.float64).dtype == torch.float64
+    assert torch.zeros(2, device="cpu").device.type == "cpu"  # untouched
+
+
+@pytest.mark.timeout(30)
+def test_type_spoof_is_scoped_to_the_optimizer_step_context(cpu_mod):
+    x = torch.ones(2)
+    assert x.type() == "torch.FloatTensor"
+    with get_platform().optimizer_step_context():
+        assert x.type() == "torch.cuda.FloatTensor"
+        assert x.double().type() == "torch.cuda.DoubleTensor"
+        assert x.type(torch.float64).dtype == torch.float64  # conversions are not spoofed
+    assert x.type() == "torch.FloatTensor"
+
+
+def _tiny_config(**kw):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                normalization="RMSNorm", use_cpu_initialization=True, hidden_dropout=0.0,
+                attention_dropout=0.0, bias_activation_fusion=False, bias_dropout_fusion=False,
+                masked_softmax_fusion=False, gradient_accumulation_fusion=False,
+                persist_layer_norm=False, apply_rope_fusion=False)
+    base.update(kw)
+    return TransformerConfig(**base)
+
+
+@pytest.mark.timeout(60)
+def test_sdpa_core_attention_matches_explicit_causal_gqa_softmax(groups):
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_rlhf.platform.cpu import SDPACoreAttention
+
+    cfg = _tiny_config()
+    attn = SDPACoreAttention(config=cfg, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                             attention_type="self", pg_collection=groups.pg_collection)
+    sq, b, np_, ng, hn = 7, 2, 4, 2, 16
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(sq, b, np_, hn, generator=g)
+    k = torch.randn(sq, b, ng, hn, generator=g)
+    v = torch.randn(sq, b, ng, hn, generator=g)
+    out = attn(q, k, v, attention_mask=None)
+    assert out.shape == (sq, b, np_ * hn)
+    # reference: query head h uses KV group h // (np/ng); causal softmax(q k^T / sqrt(hn)) v
+    kk, vv = k.repeat_interleave(np_ // ng, dim=2), v.repeat_interleave(np_ // ng, dim=2)
+    scores = torch.einsum("sbhd,tbhd->bhst", q, kk) / hn ** 0.5
+    causal = torch.triu(torch.ones(sq, sq, dtype=torch.bool), 1)
+    ref = torch.einsum("bhst,tbhd->sbhd", scores.masked_fill(causal, float("-inf")).softmax(-1), vv)
+    torch.testing.assert_close(out, ref.reshape(sq, b, np_ * hn), atol=1e-5, rtol=1e-5)
+    # explicit megatron mask (True = masked) gives the same result as the causal flag
+    out_mask = attn(q, k, v, attention_mask=causal.view(1, 1, sq, sq))
+    torch.testing.assert_close(out_mask, out, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.timeout(30)
+def test_cpu_norm_is_torch_rmsnorm_or_layernorm_and_accepts_sequence_parallel():
+    from megatron_rlhf.platform.cpu import CPUNorm
+
+    norm = CPUNorm(_tiny_config(), 64, eps=1e-5)
+    assert isinstance(norm, torch.nn.RMSNorm)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight
+    torch.testing.assert_close(norm(x), ref, atol=1e-6, rtol=1e-6)
+    ln = CPUNorm(_tiny_config(normalization="LayerNorm"), 64)
+    assert isinstance(ln, torch.nn.LayerNorm)
+    sp = CPUNorm(_tiny_config(sequence_parallel=True, tensor_model_parallel_size=2), 64)
+    assert all(p.sequence_parallel for p in sp.parameters())
+
+
+@pytest.mark.timeout(60)
+def test_cpu_layer_spec_uses_sdpa_attention_and_cpu_norms(groups):
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    from megatron_rlhf.platform.cpu import CPUNorm, SDPACoreAttention
+
+    spec = get_platform().layer_spec(_tiny_config())
+    assert spec.module is TransformerBlock
+    layers = spec.submodules.layer_specs
+    assert len(layers) == 2 and spec.submodules.layer_norm is CPUNorm
+    sub = layers[0].submodules
+    assert sub.self_attention.submodules.core_attention is SDPACoreAttention
+    assert sub.input_layernorm is CPUNorm and sub.pre_mlp_layernorm is CPUNorm
+    # checkpoint names stay in the TE layout (so GPU runs can load CPU checkpoints)
+    assert sub.sharded_state_dict_keys_map["input_layernorm."] == "self_attention.linear_qkv.layer_norm_"

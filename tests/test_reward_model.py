@@ -1,0 +1,164 @@
+"""Reward model: Bradley-Terry loss, batched scoring, per-task normalisation, and real RM training."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_rlhf.rewards.reward_model import (RewardModel, RunningRewardNormalizer, bradley_terry_loss,
+                                                length_normalized_rewards)
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_PREFS = REPO.parent / "shared" / "data" / "preferences"
+
+
+@pytest.mark.timeout(10)
+def test_bradley_terry_loss_equals_hand_computed_value():
+    # d = r_c - r_r = [1, -2]; loss = (log(1 + e^-1) + log(1 + e^2)) / 2 = (0.3132617 + 2.1269280) / 2
+    loss, m = bradley_terry_loss(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 2.0]))
+    assert loss.item() == pytest.approx(1.2200948, abs=1e-6)
+    assert m == {"rm/accuracy": 0.5, "rm/margin": -0.5}
+    with pytest.raises(ValueError, match="same non-empty shape"):
+        bradley_terry_loss(torch.zeros(2), torch.zeros(3))
+
+
+@pytest.fixture(scope="module")
+def tiny_rm_dir(tiny_llama_dir, tmp_path_factory) -> Path:
+    """A tiny random Llama sequence-classification model (num_labels=1) with the tiny tokenizer."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    out = tmp_path_factory.mktemp("tiny_rm")
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    torch.manual_seed(0)
+    m = AutoModelForSequenceClassification.from_pretrained(tiny_llama_dir, num_labels=1,
+                                                           pad_token_id=tok.pad_token_id)
+    torch.nn.init.normal_(m.score.weight, std=1.0)
+    m.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+PROMPTS = [[{"role": "user", "content": "how many apples"}], "solve the problem",
+           [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"},
+            {"role": "user", "content": "one two three four five six seven"}],
+           "the quick brown fox"]
+REPLIES = ["four apples", "the answer is 7 #### 7", "eight nine ten", "jumps over the lazy dog " * 3]
+
+
+@pytest.mark.timeout(120)
+def test_scores_are_deterministic_and_batched_equals_one_by_one(tiny_rm_dir):
+    rm4 = RewardModel(tiny_rm_dir, batch_size=4)
+    rm1 = RewardModel(tiny_rm_dir, batch_size=1)
+    a, b, c = rm4.score(PROMPTS, REPLIES), rm4.score(PROMPTS, REPLIES), rm1.score(PROMPTS, REPLIES)
+    assert a == b
+    assert max(abs(x - y) for x, y in zip(a, c)) < 1e-5
+    assert len(set(round(x, 4) for x in a)) == 4  # different inputs, different rewards
+
+
+@pytest.mark.timeout(120)
+def test_pooled_score_equals_transformers_sequence_classification_logits(tiny_rm_dir):
+    from transformers import AutoModelForSequenceClassification
+
+    rm = RewardModel(tiny_rm_dir, batch_size=4)
+    hf = AutoModelForSequenceClassification.from_pretrained(tiny_rm_dir).eval()
+    seqs = [rm.encode(p, r) for p, r in zip(PROMPTS, REPLIES)]
+    assert all(s[-1] == rm.tokenizer.eos_token_id for s in seqs)  # reward read at the end-of-turn token
+    ours = rm.score_token_ids(seqs)
+    with torch.no_grad():
+        ref = [hf(input_ids=torch.tensor([s])).logits[0, 0].item() for s in seqs]
+    assert max(abs(x - y) for x, y in zip(ours, ref)) < 1e-5
+
+
+@pytest.mark.timeout(120)
+def test_prompt_token_ids_and_chat_messages_score_the_same(tiny_rm_dir):
+    from megatron_rlhf.data.chat import chat_prompt_token_ids
+
+    rm = RewardModel(tiny_rm_dir)
+    ids = chat_prompt_token_ids(rm.tokenizer, "how many apples")
+    assert rm.score([ids], ["four apples"]) == rm.score([PROMPTS[0]], ["four apples"])
+    with pytest.raises(ValueError, match="prompts but"):
+        rm.score(PROMPTS, REPLIES[:2])
+    with pytest.raises(ValueError, match="expected chat messages"):
+        rm.score([3.5], ["x"])
+
+
+@pytest.mark.timeout(120)
+def test_long_sequences_are_cut_from_the_left_keeping_the_reply_end(tiny_rm_dir):
+    rm = RewardModel(tiny_rm_dir, max_length=8)
+    long_prompt = "one two three four five six seven eight nine ten " * 5
+    s1 = rm.score([long_prompt], ["seven eight"])
+    s2 = rm.score(["different words here " * 5], ["seven eight"])
+    assert rm.num_truncated == 2
+    full = rm.encode(long_prompt, "seven eight")
+    assert s1 == rm.score_token_ids([full[-8:]])
+    assert isinstance(s2[0], float)
+
+
+@pytest.mark.timeout(60)
+def test_folder_without_scalar_head_is_rejected(tiny_llama_dir):
+    with pytest.raises(ValueError, match="num_labels"):
+        RewardModel(tiny_llama_dir)  # a causal LM config (num_labels defaults to 2)
+    with pytest.raises(ValueError, match="config.json"):
+        RewardModel("/nonexistent/rm")
+
+
+@pytest.mark.timeout(10)
+def test_running_normalizer_merges_batches_exactly_and_round_trips():
+    rng = torch.Generator().manual_seed(0)
+    xs = (torch.randn(100, generator=rng) * 3 + 5).tolist()
+    ys = (torch.randn(40, generator=rng) - 2).tolist()
+    norm = RunningRewardNormalizer()
+    for i in range(0, 100, 7):
+        norm.update("chat", xs[i:i + 7])
+    norm.update("math", ys)
+    n, mean, std = norm.stats("chat")
+    t = torch.tensor(xs, dtype=torch.float64)
+    assert n == 100 and mean == pytest.approx(t.mean().item(), abs=1e-9)
+    assert std == pytest.approx(t.std(unbiased=False).item(), abs=1e-9)
+    z = norm.normalize("chat", xs)
+    assert sum(z) / len(z) == pytest.approx(0.0, abs=1e-9)
+    other = RunningRewardNormalizer()
+    other.load_state_dict(json.loads(json.dumps(norm.state_dict())))
+    assert other.normalize("math", [1.0]) == norm.normalize("math", [1.0])
+    norm.update("chat", [float("nan")])  # ignored
+    assert norm.stats("chat")[0] == 100
+    with pytest.raises(KeyError, match="update"):
+        norm.normalize("unseen", [1.0])
+
+
+@pytest.mark.timeout(10)
+def test_length_normalized_reward_is_reward_per_token():
+    assert length_normalized_rewards([2.0, -3.0, 1.0], [4, 3, 0]) == [0.5, -1.0, 1.0]
+    with pytest.raises(ValueError):
+        length_normalized_rewards([1.0], [1, 2])
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(not SHARED_PREFS.is_dir(), reason="needs ../shared/data/preferences")
+def test_reward_model_training_on_a_small_slice_beats_chance_by_three_standard_errors(tmp_path):
+    """SmolLM2-135M features (first 12 layers), 400 train / 300 held-out pairs, 64 tokens, seed 0.
+
+    Bar: accuracy > 0.5 + 3 * sqrt(0.25 / n) = 0.5866 for n = 300 (3 s.e. of chance).
+    A second identical run must reuse the feature cache (no extraction).
+    """
+    import sys
+
+    sys.path.insert(0, str(REPO / "tools"))
+    from train_reward_model import train_reward_model
+
+    cache = Path.home() / ".cache" / "megatron_rlhf"  # the shared SmolLM2 conversion cache
+    kw = dict(base="smollm2", data=[str(SHARED_PREFS)], train_pairs=400, eval_pairs=300, max_len=64,
+              layers=12, seed=0, cache_dir=str(cache), feature_cache_dir=str(tmp_path / "features"))
+    rep = train_reward_model(out=str(tmp_path / "rm"), **kw)
+    n = rep["n_eval"]
+    bar = 0.5 + 3 * math.sqrt(0.25 / n)
+    assert n >= 300
+    assert rep["accuracy"] > bar, rep
+    assert rep["reload_check_max_abs_diff"] < 1e-3
+    rep2 = train_reward_model(out=str(tmp_path / "rm2"), **kw)
+    assert rep2["accuracy"] == rep["accuracy"] and rep2["features_computed"] == 0
+    rm = RewardModel(tmp_path / "rm")
+    assert len(rm.score(PROMPTS, REPLIES)) == 4

@@ -1,0 +1,428 @@
+#!/usr/bin/env python
+"""Per-GPU memory estimate of a megatron-rlhf layout: learner GPUs and vLLM generator GPUs.
+
+    # a named preset or an HF config.json (file or model folder), layout on the command line:
+    python tools/plan_memory.py --model llama3.1-8b --tp 2 --pp 1 --dp 4 --micro-batch 2 --seq-len 2048
+    python tools/plan_memory.py --model /models/Llama-3.1-70B --tp 8 --pp 2 --dp 2 --gen-tp 4
+    # or everything from a recipe (model.source, learner.*, generators.*, placement.gpu_memory_gib):
+    python tools/plan_memory.py --config configs/online-dpo-llama3.1-8b-2n8g.yaml
+
+Exit code 0 when both GPU kinds fit, 2 when either estimate exceeds its budget (the learner GPU:
+``--gpu-mem-gib``; a generator GPU: ``--gpu-memory-utilization`` x ``--gpu-mem-gib``, the share
+vLLM takes), 1 on bad input. ``slurm/submit.py`` runs the same check before submitting.
+
+Notation: P parameters, h hidden size, L layers, a = query heads, k = KV heads, d = head dim,
+hq = a*d, hkv = k*d, f = FFN (SwiGLU) size, V vocab padded as Megatron pads it (to a multiple of
+128*TP), t = learner TP, p = PP, D = DP, b = micro-batch (sequences), s = sequence length
+(prompt + completion), g = vLLM TP. Sizes are bytes; GiB = 2**30 bytes.
+
+Parameters (one Llama/Qwen2 decoder layer; norms are RMSNorm with one weight vector)::
+
+    attention   = h*hq + 2*h*hkv + hq*h  (+ hq + 2*hkv QKV bias, Qwen2)
+    mlp         = 3*h*f                  (gate, up, down)
+    norms       = 2*h
+    embedding   = V*h;  output layer = V*h (untied; tied models keep a copy on the last PP stage
+                  when p > 1, as Megatron does); final norm = h
+
+Learner GPU, per pipeline stage (L/p layers; stage 0 also holds the embedding, the last stage
+the final norm and output layer). TP divides every matrix and bias by t; norms are replicated.
+Per-stage parameters P_s. Bytes per parameter follow Megatron-LM's distributed-optimizer table
+(docs/source/api-guide/dist_optimizer.md, "bf16 param, fp32 grads": 18 bytes, or 6 + 12/D with
+the distributed optimizer)::
+
+    policy weights   = 2 * P_s                          (bf16)
+    gradients        = 4 * P_s                          (fp32 main grads, Megatron DDP)
+    optimizer state  = 12 * P_s        (fp32 master copy + Adam m + Adam v)
+                     = 12 * P_s / D    with the distributed optimizer (sharded over DP)
+    reference model  = 2 * P_s                          (bf16, frozen, same sharding; --no-reference: 0)
+
+Activations kept for backward, per layer and micro-batch, bf16, with sequence parallelism
+(Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+sec. 4, counted tensor by tensor for a Llama layer: no dropout, flash attention so no s*s
+score matrix)::
+
+    A_layer = s*b/t * (8h + 4hq + 4hkv + 6f)
+      8h    : RMSNorm inputs (2) and the linear inputs they produce (2), 2 bytes each
+      4hq+4hkv : Q, K, V after RoPE (flash-attention inputs) + attention output (o_proj input)
+      6f    : fc1 output [gate, up] (SwiGLU input, 2f) + SwiGLU output (fc2 input, f)
+
+Without sequence parallelism the 8h term is not divided by t. With full recomputation
+(``--recompute full``) a layer keeps only its input, ``2*s*b*h/t``, and one layer's A_layer is
+live while it is recomputed. Under the 1F1B pipeline schedule stage i keeps the activations of
+``p - i`` micro-batches in flight (Narayanan et al. 2021, sec. 2.2), so stage 0 holds p of them.
+The last stage also holds the logits for the log-probabilities: bf16 logits plus their fp32 copy
+for the (vocab-parallel) log-softmax, ``6*s*b*V/t``. The reference forward runs without grad
+and keeps nothing.
+
+Generator GPU (one vLLM engine spans g GPUs; everything sharded by g)::
+
+    weights          = 2 * P / g                                       (bf16)
+    KV cache needed  = concurrent_seqs * max_model_len * 2 * L * max(1, k/g) * d * 2
+                       (K and V, bf16; vLLM replicates KV heads when g > k)
+    activations      = T * 2 * ((hq + 2*hkv)/g + 2f/g + 2h) + 4 * concurrent_seqs * V
+                       (peak of one layer's QKV, fc1 output and residual for T =
+                       max_num_batched_tokens tokens, plus fp32 sampler logits)
+
+Both GPU kinds also pay ``--overhead-gib`` (CUDA context, NCCL buffers, allocator fragmentation,
+CUDA graphs; default 3 GiB). These are estimates: a real run adds allocator slack; leave 5-10%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+GiB = 2**30
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """Decoder-only transformer shape (Llama / Qwen2 / Mistral family)."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_size: int
+    vocab_size: int
+    tied_embeddings: bool = False
+    qkv_bias: bool = False
+
+    def padded_vocab(self, tp: int) -> int:
+        """Vocab padded to a multiple of ``128 * tp`` (Megatron's make_vocab_size_divisible_by)."""
+        m = 128 * tp
+        return math.ceil(self.vocab_size / m) * m
+
+    def layer_params(self) -> tuple[int, int]:
+        """(TP-sharded, replicated) parameter counts of one decoder layer."""
+        h, hq, hkv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        sharded = h * hq + 2 * h * hkv + hq * h + 3 * h * self.ffn_size
+        if self.qkv_bias:
+            sharded += hq + 2 * hkv
+        return sharded, 2 * h
+
+    def total_params(self) -> int:
+        """Parameters of the HF model (unpadded vocab)."""
+        sh, rep = self.layer_params()
+        emb = self.vocab_size * self.hidden_size
+        return self.num_layers * (sh + rep) + emb * (1 if self.tied_embeddings else 2) + self.hidden_size
+
+
+PRESETS: dict[str, ModelShape] = {
+    # meta-llama/Llama-3.1-8B(-Instruct) config.json
+    "llama3.1-8b": ModelShape(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                              head_dim=128, ffn_size=14336, vocab_size=128256),
+    # meta-llama/Llama-3.1-70B(-Instruct) config.json
+    "llama3.1-70b": ModelShape(hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8,
+                               head_dim=128, ffn_size=28672, vocab_size=128256),
+    # Qwen/Qwen2.5-7B(-Instruct) config.json (QKV bias, untied)
+    "qwen2.5-7b": ModelShape(hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4,
+                             head_dim=128, ffn_size=18944, vocab_size=152064, qkv_bias=True),
+}
+
+
+def shape_from_hf_config(cfg: dict) -> ModelShape:
+    """A :class:`ModelShape` from a Hugging Face ``config.json`` mapping.
+
+    Raises:
+        ValueError: a required key (hidden_size, num_hidden_layers, num_attention_heads,
+            intermediate_size, vocab_size) is missing.
+    """
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
+        if key not in cfg:
+            raise ValueError(f"HF config has no '{key}': pass a decoder-only LM config.json")
+    heads = cfg["num_attention_heads"]
+    return ModelShape(
+        hidden_size=cfg["hidden_size"], num_layers=cfg["num_hidden_layers"], num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        ffn_size=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")))
+
+
+def load_shape(model: str) -> ModelShape:
+    """A preset name, a ``config.json`` path or a model folder holding one.
+
+    Raises:
+        ValueError: unknown preset and no such file.
+    """
+    if model in PRESETS:
+        return PRESETS[model]
+    path = Path(model).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ValueError(f"--model {model!r}: not a preset ({', '.join(PRESETS)}) nor a config.json / model folder")
+    return shape_from_hf_config(json.loads(path.read_text()))
+
+
+@dataclass(frozen=True, kw_only=True)
+class LearnerLayout:
+    """Learner parallel layout and batch shape (one GPU per rank)."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    micro_batch: int = 1
+    """Sequences per micro-batch (b)."""
+    seq_len: int = 2048
+    """Tokens per sequence (s): prompt + completion."""
+    distributed_optimizer: bool = True
+    sequence_parallel: bool = True
+    """Megatron sequence parallelism (only matters when tp > 1)."""
+    recompute: str = "none"
+    """``none`` or ``full`` activation recomputation."""
+    reference: bool = True
+    """Keep the frozen reference model on the learner GPUs."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class GeneratorLayout:
+    """One vLLM engine."""
+
+    tp: int = 1
+    max_model_len: int = 2048
+    concurrent_seqs: int = 256
+    """Sequences the engine should hold at full length at once (vLLM ``max_num_seqs``)."""
+    max_batched_tokens: int = 8192
+    """vLLM ``max_num_batched_tokens`` (activation peak of a prefill chunk)."""
+    gpu_memory_utilization: float = 0.9
+
+
+def stage_params(shape: ModelShape, tp: int, pp: int, stage: int) -> int:
+    """Parameters one GPU of pipeline stage ``stage`` holds (TP shard), padded vocab.
+
+    Raises:
+        ValueError: heads, KV heads or layers do not divide by tp / pp.
+    """
+    if shape.num_heads % tp or shape.num_kv_heads % tp and tp % shape.num_kv_heads:
+        raise ValueError(f"tp={tp} must divide the {shape.num_heads} query heads and divide or be a "
+                         f"multiple of the {shape.num_kv_heads} KV heads")
+    if shape.num_layers % pp:
+        raise ValueError(f"pp={pp} must divide num_layers={shape.num_layers}")
+    sharded, replicated = shape.layer_params()
+    n = shape.num_layers // pp * (sharded / tp + replicated)
+    emb = shape.padded_vocab(tp) * shape.hidden_size / tp
+    if stage == 0:
+        n += emb
+    if stage == pp - 1:
+        n += shape.hidden_size
+        if not shape.tied_embeddings or pp > 1:
+            n += emb
+    return int(round(n))
+
+
+def layer_activation_bytes(shape: ModelShape, lay: LearnerLayout) -> float:
+    """``A_layer`` of the module docstring: bytes one layer keeps for backward, one micro-batch."""
+    h, f = shape.hidden_size, shape.ffn_size
+    hq, hkv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    t, sb = lay.tp, lay.seq_len * lay.micro_batch
+    sp = lay.sequence_parallel or t == 1
+    return sb * (8 * h / (t if sp else 1) + (4 * hq + 4 * hkv + 6 * f) / t)
+
+
+def learner_memory(shape: ModelShape, lay: LearnerLayout) -> dict:
+    """Per-GPU learner memory of the worst pipeline stage.
+
+    Returns:
+        ``{"stage": i, "params": P_s, "weights": B, "grads": B, "optimizer": B, "reference": B,
+        "activations": B, "logits": B, "total": B}`` in bytes (overhead not included).
+    Raises:
+        ValueError: bad layout (see :func:`stage_params`; ``recompute`` not none/full).
+    """
+    if lay.recompute not in ("none", "full"):
+        raise ValueError(f"recompute={lay.recompute!r}: use none or full")
+    a_layer = layer_activation_bytes(shape, lay)
+    t, s, b = lay.tp, lay.seq_len, lay.micro_batch
+    sp = lay.sequence_parallel or t == 1
+    layers = shape.num_layers // lay.pp
+    best = None
+    for stage in sorted({0, lay.pp - 1}):
+        p = stage_params(shape, t, lay.pp, stage)
+        in_flight = lay.pp - stage
+        if lay.recompute == "full":
+            act = in_flight * layers * 2 * s * b * shape.hidden_size / (t if sp else 1) + a_layer
+        else:
+            act = in_flight * layers * a_layer
+        logits = 6 * s * b * shape.padded_vocab(t) / t if stage == lay.pp - 1 else 0
+        parts = {
+            "stage": stage, "params": p,
+            "weights": 2 * p, "grads": 4 * p,
+            "optimizer": 12 * p / (lay.dp if lay.distributed_optimizer else 1),
+            "reference": 2 * p if lay.reference else 0,
+            "activations": act, "logits": logits,
+        }
+        parts["total"] = sum(v for k, v in parts.items() if k not in ("stage", "params"))
+        if best is None or parts["total"] > best["total"]:
+            best = parts
+    return best
+
+
+def generator_memory(shape: ModelShape, gen: GeneratorLayout) -> dict:
+    """Per-GPU memory of one vLLM engine's GPU (bytes; overhead not included).
+
+    Returns:
+        ``{"weights", "kv_cache", "kv_bytes_per_token", "activations", "total"}``.
+    Raises:
+        ValueError: g does not divide the query heads.
+    """
+    g = gen.tp
+    if shape.num_heads % g:
+        raise ValueError(f"gen tp={g} must divide the {shape.num_heads} query heads")
+    h, f, d = shape.hidden_size, shape.ffn_size, shape.head_dim
+    hq, hkv = shape.num_heads * d, shape.num_kv_heads * d
+    kv_heads = max(1, shape.num_kv_heads // g)
+    per_token = 2 * shape.num_layers * kv_heads * d * 2
+    kv = gen.concurrent_seqs * gen.max_model_len * per_token
+    act = gen.max_batched_tokens * 2 * ((hq + 2 * hkv) / g + 2 * f / g + 2 * h) + 4 * gen.concurrent_seqs * shape.vocab_size
+    weights = 2 * shape.total_params() / g
+    return {"weights": weights, "kv_cache": kv, "kv_bytes_per_token": per_token, "activations": act,
+            "total": weights + kv + act}
+
+
+def plan(shape: ModelShape, lay: LearnerLayout | None, gen: GeneratorLayout | None, *,
+         gpu_mem_gib: float = 80.0, overhead_gib: float = 3.0) -> dict:
+    """Both estimates plus their budgets and verdicts (``fits``); sizes in GiB."""
+    out: dict = {"model_params": shape.total_params(), "gpu_mem_gib": gpu_mem_gib, "overhead_gib": overhead_gib}
+    if lay is not None:
+        m = learner_memory(shape, lay)
+        row = {k: (v / GiB if k not in ("stage", "params") else v) for k, v in m.items()}
+        row["total"] += overhead_gib
+        row["budget"] = gpu_mem_gib
+        row["fits"] = row["total"] <= gpu_mem_gib
+        out["learner"] = row
+    if gen is not None:
+        m = generator_memory(shape, gen)
+        row = {k: (v / GiB if k != "kv_bytes_per_token" else v) for k, v in m.items()}
+        row["total"] += overhead_gib
+        row["budget"] = gen.gpu_memory_utilization * gpu_mem_gib
+        free_for_kv = row["budget"] - overhead_gib - row["weights"] - row["activations"]
+        row["kv_capacity_seqs"] = max(0, int(free_for_kv * GiB // (m["kv_bytes_per_token"] * gen.max_model_len)))
+        row["fits"] = row["total"] <= row["budget"]
+        out["generator"] = row
+    out["fits"] = all(out[k]["fits"] for k in ("learner", "generator") if k in out)
+    return out
+
+
+def format_plan(p: dict, lay: LearnerLayout | None, gen: GeneratorLayout | None) -> str:
+    """A human-readable table of :func:`plan`'s result."""
+    lines = [f"model: {p['model_params'] / 1e9:.2f} B parameters; GPU {p['gpu_mem_gib']:g} GiB"]
+    if lay is not None:
+        r = p["learner"]
+        lines += [f"learner GPU (TP={lay.tp} PP={lay.pp} DP={lay.dp}, distributed optimizer "
+                  f"{'on' if lay.distributed_optimizer else 'off'}, micro-batch {lay.micro_batch} x "
+                  f"{lay.seq_len} tokens, recompute {lay.recompute}; worst stage {r['stage']}, "
+                  f"{r['params'] / 1e9:.3f} B params):"]
+        for k in ("weights", "grads", "optimizer", "reference", "activations", "logits"):
+            lines.append(f"  {k:<12} {r[k]:8.2f} GiB")
+        lines.append(f"  {'overhead':<12} {p['overhead_gib']:8.2f} GiB")
+        lines.append(f"  {'total':<12} {r['total']:8.2f} GiB of {r['budget']:g}  "
+                     + ("OK" if r["fits"] else "EXCEEDS"))
+    if gen is not None:
+        r = p["generator"]
+        lines += [f"generator GPU (vLLM TP={gen.tp}, {gen.concurrent_seqs} seqs x {gen.max_model_len} "
+                  f"tokens, {r['kv_bytes_per_token'] / 1024:.0f} KiB KV per token per GPU):"]
+        for k in ("weights", "kv_cache", "activations"):
+            lines.append(f"  {k:<12} {r[k]:8.2f} GiB")
+        lines.append(f"  {'overhead':<12} {p['overhead_gib']:8.2f} GiB")
+        lines.append(f"  {'total':<12} {r['total']:8.2f} GiB of {r['budget']:.1f} "
+                     f"(gpu_memory_utilization x GPU)  " + ("OK" if r["fits"] else "EXCEEDS")
+                     + f"; KV room for {r['kv_capacity_seqs']} full-length sequences")
+    return "\n".join(lines)
+
+
+def layouts_from_config(cfg) -> tuple[ModelShape, LearnerLayout, GeneratorLayout, float]:
+    """Shape and layouts from a loaded :class:`megatron_rlhf.config.Config` (a cluster recipe).
+
+    Reads model.source (HF folder), learner.{tensor,pipeline,data}_parallel, micro_batch_size,
+    distributed_optimizer, sequence_parallel, recompute; generators.{tensor_parallel,
+    max_model_len, max_num_seqs, max_num_batched_tokens, gpu_memory_utilization};
+    placement.gpu_memory_gib.
+    """
+    ln, gn = cfg.learner, cfg.generators
+    shape = load_shape(cfg.model.source)
+    lay = LearnerLayout(tp=ln.tensor_parallel, pp=ln.pipeline_parallel, dp=ln.data_parallel,
+                        micro_batch=ln.micro_batch_size, seq_len=gn.max_model_len,
+                        distributed_optimizer=ln.distributed_optimizer,
+                        sequence_parallel=ln.sequence_parallel, recompute=ln.recompute)
+    gen = GeneratorLayout(tp=gn.tensor_parallel, max_model_len=gn.max_model_len,
+                          concurrent_seqs=gn.max_num_seqs, max_batched_tokens=gn.max_num_batched_tokens,
+                          gpu_memory_utilization=gn.gpu_memory_utilization)
+    return shape, lay, gen, cfg.placement.gpu_memory_gib
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", help="a recipe YAML: layout read from it (other layout flags ignored)")
+    ap.add_argument("overrides", nargs="*", help="config overrides (with --config)")
+    ap.add_argument("--model", default="llama3.1-8b", help=f"preset ({', '.join(PRESETS)}), config.json or HF folder")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--dp", type=int, default=1)
+    ap.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
+    ap.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (prompt + completion)")
+    ap.add_argument("--no-distributed-optimizer", action="store_true")
+    ap.add_argument("--no-sequence-parallel", action="store_true")
+    ap.add_argument("--recompute", choices=("none", "full"), default="none")
+    ap.add_argument("--no-reference", action="store_true", help="reference model not on learner GPUs")
+    ap.add_argument("--gen-tp", type=int, default=1)
+    ap.add_argument("--gen-max-model-len", type=int, default=None, help="default: --seq-len")
+    ap.add_argument("--gen-concurrent-seqs", type=int, default=256)
+    ap.add_argument("--gen-max-batched-tokens", type=int, default=8192)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--gpu-mem-gib", type=float, default=None, help="GPU memory (default 80, or the recipe's)")
+    ap.add_argument("--overhead-gib", type=float, default=3.0)
+    ap.add_argument("--only", choices=("learner", "generator"), help="estimate one GPU kind only")
+    ap.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    args = ap.parse_args(argv)
+    try:
+        if args.config:
+            repo = str(Path(__file__).resolve().parents[1])
+            if repo not in sys.path:  # this checkout's package, whatever else is installed
+                sys.path.insert(0, repo)
+            from megatron_rlhf.config import load_config
+
+            shape, lay, gen, mem = layouts_from_config(load_config(args.config, args.overrides))
+        else:
+            if args.overrides:
+                ap.error("overrides need --config")
+            shape = load_shape(args.model)
+            lay = LearnerLayout(tp=args.tp, pp=args.pp, dp=args.dp, micro_batch=args.micro_batch,
+                                seq_len=args.seq_len, distributed_optimizer=not args.no_distributed_optimizer,
+                                sequence_parallel=not args.no_sequence_parallel, recompute=args.recompute,
+                                reference=not args.no_reference)
+            gen = GeneratorLayout(tp=args.gen_tp, max_model_len=args.gen_max_model_len or args.seq_len,
+                                  concurrent_seqs=args.gen_concurrent_seqs,
+                                  max_batched_tokens=args.gen_max_batched_tokens,
+                                  gpu_memory_utilization=args.gpu_memory_utilization)
+            mem = 80.0
+        if args.gpu_mem_gib is not None:
+            mem = args.gpu_mem_gib
+        if args.only == "learner":
+            gen = None
+        elif args.only == "generator":
+            lay = None
+        result = plan(shape, lay, gen, gpu_mem_gib=mem, overhead_gib=args.overhead_gib)
+    except ValueError as e:  # includes ConfigError
+        print(f"plan_memory: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"shape": asdict(shape), **result}, indent=1))
+    else:
+        print(format_plan(result, lay, gen))
+    if not result["fits"]:
+        print("WARNING: the estimate exceeds the GPU memory: raise TP/PP/DP, turn on the distributed "
+              "optimizer or recompute, or lower micro-batch / max_num_seqs", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

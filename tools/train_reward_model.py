@@ -1,0 +1,391 @@
+#!/usr/bin/env python
+"""Train a Bradley-Terry reward model on preference pairs, on CPU in a few minutes.
+
+    python tools/train_reward_model.py --out runs/rm_smollm2            # the CPU demo's reward model
+    python tools/train_reward_model.py --out DIR --base PATH_TO_HF_MODEL --train-pairs 4000 \\
+        --eval-pairs 1000 --max-len 256 --layers 0 --data ../shared/data/preferences
+
+What it does (honest summary):
+* Model: ``AutoModelForSequenceClassification(num_labels=1)`` built from the base causal LM
+  (default SmolLM2-135M-Instruct via ``megatron_rlhf.convert.gguf.ensure_smollm2_hf``), keeping the
+  first ``--layers`` transformer layers (0 = all) and the final norm; the reward is a bias-free
+  linear head on the final hidden state at the end-of-turn token
+  (``megatron_rlhf.rewards.reward_model.encode_for_reward``).
+* Only the head is trained. A full fine-tune costs ~2 s per forward+backward of 4x69 tokens on
+  2 CPU cores, so the frozen trunk's features are extracted once (forward only), cached as
+  safetensors keyed by (base model, layers, data files, max length), and the head is fit on them:
+  Bradley-Terry loss ``-log sigmoid(r_c - r_r)`` (Bradley & Terry 1952; Ouyang et al. 2022 eq. 1)
+  + L2, i.e. logistic regression on standardised feature differences, full-batch L-BFGS; the L2
+  strength is picked by group-wise 4-fold cross-validation on the training pairs only.
+* Data: preference files (``hh_rlhf``, ``dove``, ``alpaca_eval`` formats, see
+  ``megatron_rlhf.data.preferences``), default ``../shared/data/preferences`` relative to the repo
+  (AlpacaEval annotations are CC BY-NC 4.0: read there, never copied). Split by prompt group with a
+  fixed seed so no prompt is on both sides; sequences longer than ``--max-len`` tokens are cut from
+  the left (the reply's end, where the reward is read, is kept).
+* Output: ``--out`` holds an HF folder (config, safetensors, tokenizer + chat template) that
+  ``AutoModelForSequenceClassification`` and ``megatron_rlhf.rewards.reward_model.RewardModel``
+  load, and ``rm_report.json`` (n, held-out pairwise accuracy, its standard error
+  sqrt(p(1-p)/n), per-source accuracy, timings, cache path). The saved model is reloaded and
+  re-scored on some held-out pairs as a check of the cached-feature path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_DATA = REPO.parent / "shared" / "data" / "preferences"
+ENCODING_VERSION = "v1:template+strip+eos,left-trunc"
+
+
+# ----------------------------------------------------------------------------- data
+def build_pairs(tokenizer, data: list[str], num_train: int, num_eval: int, max_len: int, seed: int):
+    """Load preference files, split by prompt group, and encode (chosen, rejected) token ids.
+
+    Returns:
+        ``(train, eval, counts, truncated)``: lists of dicts ``{uid, source, chosen_ids, rejected_ids}``
+        (ids ``[<= max_len]``), per-file counts, and the number of sequences cut to ``max_len``.
+    Raises:
+        ValueError: not enough pairs for ``num_train + num_eval``.
+    """
+    from megatron_rlhf.data.preferences import load_preference_files, split_by_group
+    from megatron_rlhf.rewards.reward_model import encode_for_reward
+
+    examples, counts = load_preference_files(data)
+    if len(examples) < num_train + num_eval:
+        raise ValueError(f"--train-pairs {num_train} + --eval-pairs {num_eval} exceed the {len(examples)} "
+                         f"usable pairs in {data}")
+    train_ex, eval_ex = split_by_group(examples, num_eval, seed)
+    train_ex = train_ex[:num_train]
+    digests: dict[str, str] = {}
+    truncated = 0
+
+    def enc(ex):
+        nonlocal truncated
+        if ex.file not in digests:
+            digests[ex.file] = _sha256_file(Path(ex.file))[:16]
+        out = {"uid": f"{digests[ex.file]}:{ex.index}", "source": ex.source, "group": ex.group}
+        for key, reply in (("chosen_ids", ex.chosen), ("rejected_ids", ex.rejected)):
+            ids = encode_for_reward(tokenizer, list(ex.prompt), reply)
+            truncated += len(ids) > max_len
+            out[key] = ids[-max_len:]
+        return out
+
+    return [enc(e) for e in train_ex], [enc(e) for e in eval_ex], counts, truncated
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------- features
+def cache_key(base_dir: Path, layers: int, max_len: int, data_files: list[Path]) -> str:
+    """Hex key of (base model config+weights, layers, max length, data file contents, encoding)."""
+    h = hashlib.sha256()
+    h.update((base_dir / "config.json").read_bytes())
+    for w in sorted(base_dir.glob("*.safetensors")):
+        st = w.stat()
+        h.update(f"{w.name}:{st.st_size}:{int(st.st_mtime)}".encode())
+    h.update(f"layers={layers};max_len={max_len};{ENCODING_VERSION}".encode())
+    for f in sorted(data_files):
+        h.update(_sha256_file(f).encode())
+    return h.hexdigest()[:24]
+
+
+def extract_features(trunk, pairs: list[dict], cache_file: Path, pad_id: int, batch_size: int) -> dict:
+    """Final hidden state at the last token of every chosen/rejected sequence, cached on disk.
+
+    Args:
+        trunk: the (truncated) base model returning ``last_hidden_state [B, S, H]``.
+        pairs: dicts with ``uid``, ``chosen_ids``, ``rejected_ids``.
+        cache_file: safetensors file with tensors ``chosen``/``rejected`` ``[M, H]`` and metadata
+            ``uids`` (JSON list); missing uids are computed and the file rewritten atomically.
+        pad_id: right-padding id (pooling uses the attention mask, so its value does not matter).
+        batch_size: sequences per forward pass.
+    Returns:
+        ``({uid: (chosen [H], rejected [H])}`` float32 tensors for every pair, number of pairs whose
+        features were computed now (0 when everything came from the cache)).
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+    from tqdm import tqdm
+
+    from megatron_rlhf.rewards.reward_model import pad_right
+
+    have: dict[str, tuple] = {}
+    if cache_file.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(cache_file), "pt") as f:
+            uids = json.loads(f.metadata()["uids"])
+        t = load_file(str(cache_file))
+        have = {u: (t["chosen"][i], t["rejected"][i]) for i, u in enumerate(uids)}
+    todo = [p for p in pairs if p["uid"] not in have]
+    seqs = [(p["uid"], k, p[k + "_ids"]) for p in todo for k in ("chosen", "rejected")]
+    seqs.sort(key=lambda s: len(s[2]))
+    got: dict[tuple, torch.Tensor] = {}
+    bar = tqdm(total=sum(len(s[2]) for s in seqs), unit="tok", desc="features", disable=not seqs)
+    with torch.no_grad():
+        for b in range(0, len(seqs), batch_size):
+            chunk = seqs[b:b + batch_size]
+            ids, mask = pad_right([s[2] for s in chunk], pad_id)
+            h = trunk(input_ids=ids, attention_mask=mask).last_hidden_state
+            last = mask.sum(-1) - 1
+            feats = h[torch.arange(len(chunk)), last].float()
+            for (uid, k, _), f in zip(chunk, feats):
+                got[(uid, k)] = f.clone()
+            bar.update(int(mask.sum()))
+    bar.close()
+    for p in todo:
+        have[p["uid"]] = (got[(p["uid"], "chosen")], got[(p["uid"], "rejected")])
+    if todo:
+        uids = list(have)
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_file.with_suffix(f".tmp{os.getpid()}")
+        save_file({"chosen": torch.stack([have[u][0] for u in uids]).contiguous(),
+                   "rejected": torch.stack([have[u][1] for u in uids]).contiguous()},
+                  str(tmp), metadata={"uids": json.dumps(uids)})
+        os.replace(tmp, cache_file)
+    return {p["uid"]: have[p["uid"]] for p in pairs}, len(todo)
+
+
+# ----------------------------------------------------------------------------- head
+def fit_head(dc, dr, weight_decay: float, max_iter: int = 200):
+    """Fit ``w`` minimising ``mean(softplus(-(dc - dr) @ w)) + wd/2 * |w|^2`` (BT loss + L2).
+
+    Args:
+        dc, dr: ``[N, H]`` standardised features of chosen / rejected replies.
+        weight_decay: L2 strength (per pair-mean loss).
+    Returns:
+        ``w [H]`` float32.
+    Source: logistic regression view of Bradley-Terry; torch.optim.LBFGS (strong Wolfe).
+    """
+    import torch
+
+    from megatron_rlhf.rewards.reward_model import bradley_terry_loss
+
+    w = torch.zeros(dc.shape[1], dtype=torch.float64, requires_grad=True)
+    dc64, dr64 = dc.double(), dr.double()
+    opt = torch.optim.LBFGS([w], max_iter=max_iter, line_search_fn="strong_wolfe", tolerance_grad=1e-9)
+
+    def closure():
+        opt.zero_grad()
+        loss, _ = bradley_terry_loss(dc64 @ w, dr64 @ w)
+        loss = loss + 0.5 * weight_decay * (w * w).sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    return w.detach().float()
+
+
+def choose_weight_decay(dc, dr, groups: list[str], grid: list[float], seed: int, folds: int = 4):
+    """Group-wise k-fold cross-validation of the L2 strength on training pairs only.
+
+    Returns:
+        ``(best_wd, {wd: mean held-out-fold accuracy})``.
+    """
+    import torch
+
+    keys = sorted(set(groups))
+    random.Random(seed).shuffle(keys)
+    fold_of = {k: i % folds for i, k in enumerate(keys)}
+    fold = torch.tensor([fold_of[g] for g in groups])
+    scores = {}
+    for wd in grid:
+        accs = []
+        for k in range(folds):
+            tr, te = fold != k, fold == k
+            if not te.any() or not tr.any():
+                continue
+            w = fit_head(dc[tr], dr[tr], wd)
+            accs.append(float(((dc[te] - dr[te]) @ w > 0).float().mean()))
+        scores[wd] = sum(accs) / len(accs)
+    best = max(grid, key=lambda wd: (scores[wd], wd))
+    return best, scores
+
+
+def accuracy_se(correct) -> tuple[int, float, float]:
+    """``(n, p, sqrt(p(1-p)/n))`` of a boolean tensor of pairwise correctness."""
+    n = int(correct.numel())
+    p = float(correct.float().mean()) if n else float("nan")
+    return n, p, math.sqrt(p * (1 - p) / n) if n else float("nan")
+
+
+# ----------------------------------------------------------------------------- main
+def resolve_base(base: str, cache_dir: str) -> Path:
+    """``smollm2`` -> the cached SmolLM2-135M-Instruct HF folder; else an existing HF folder.
+
+    Raises:
+        ValueError: ``base`` is neither ``smollm2`` nor a folder with a config.json.
+    """
+    if base == "smollm2":
+        from megatron_rlhf.convert.gguf import ensure_smollm2_hf
+
+        return ensure_smollm2_hf(cache_dir)
+    p = Path(base).expanduser()
+    if not (p / "config.json").is_file():
+        raise ValueError(f"--base {base!r}: expected 'smollm2' or a local HF causal-LM folder with config.json")
+    return p
+
+
+def train_reward_model(*, out: str, base: str = "smollm2", data: list[str] | None = None,
+                       train_pairs: int = 1000, eval_pairs: int = 500, max_len: int = 64, layers: int = 0,
+                       seed: int = 0, cache_dir: str = "~/.cache/megatron_rlhf",
+                       feature_cache_dir: str | None = None, batch_size: int = 16,
+                       threads: int = 0, wd_grid: tuple[float, ...] = (1e-3, 1e-2, 1e-1, 1.0)) -> dict:
+    """Train, evaluate and save a reward model (see the module docstring). Returns the report dict.
+
+    Raises:
+        ValueError: bad arguments (named), missing data or base model.
+    """
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    t0 = time.time()
+    if train_pairs < 1 or eval_pairs < 1 or max_len < 8 or layers < 0:
+        raise ValueError(f"--train-pairs {train_pairs}, --eval-pairs {eval_pairs}, --max-len {max_len}, "
+                         f"--layers {layers}: need >= 1, >= 1, >= 8, >= 0")
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    data = [str(d) for d in (data or [DEFAULT_DATA])]
+    base_dir = resolve_base(base, cache_dir)
+    tok = AutoTokenizer.from_pretrained(base_dir)
+    if tok.pad_token_id is None or tok.pad_token_id == tok.eos_token_id:
+        # HF sequence classification pools at the last token != pad_token_id; the reward is read at
+        # the eos (end-of-turn) token, so the pad id must differ from it.
+        vocab = tok.get_vocab()
+        cand = [t for t in ("<|endoftext|>", "<|pad|>", "<pad>", tok.unk_token)
+                if t and t in vocab and vocab[t] != tok.eos_token_id]
+        if not cand:
+            raise ValueError(f"--base {base}: no pad token distinct from eos {tok.eos_token!r} in the vocabulary")
+        tok.pad_token = cand[0]
+    model = AutoModelForSequenceClassification.from_pretrained(
+        base_dir, num_labels=1, dtype=torch.float32, pad_token_id=tok.pad_token_id,
+        **({"num_hidden_layers": layers} if layers else {})).eval()
+    n_layers = model.config.num_hidden_layers
+    trunk = getattr(model, model.base_model_prefix)
+    t_load = time.time() - t0
+
+    from megatron_rlhf.data.preferences import find_preference_files
+
+    files = [f.resolve() for d in data for f in find_preference_files(d)]
+    train, ev, counts, truncated = build_pairs(tok, data, train_pairs, eval_pairs, max_len, seed)
+    key = cache_key(base_dir, n_layers, max_len, files)
+    fdir = Path(os.path.expanduser(feature_cache_dir or os.path.join(cache_dir, "rm_features")))
+    cache_file = fdir / key / "features.safetensors"
+    print(f"[rm] base {base_dir} ({n_layers} layers), {len(train)} train / {len(ev)} eval pairs, "
+          f"max_len {max_len} ({truncated} sequences cut), feature cache {cache_file}", flush=True)
+    t1 = time.time()
+    feats, computed = extract_features(trunk, train + ev, cache_file, tok.pad_token_id, batch_size)
+    t_feat = time.time() - t1
+
+    def stack(pairs):
+        return (torch.stack([feats[p["uid"]][0] for p in pairs]), torch.stack([feats[p["uid"]][1] for p in pairs]))
+
+    xc, xr = stack(train)
+    allx = torch.cat([xc, xr])
+    mu, sd = allx.mean(0), allx.std(0).clamp_min(1e-6)
+    zc, zr = (xc - mu) / sd, (xr - mu) / sd
+    t2 = time.time()
+    groups = [p["group"] for p in train]  # CV folds never split one prompt's pairs
+    wd, cv = choose_weight_decay(zc, zr, groups, list(wd_grid), seed)
+    w = fit_head(zc, zr, wd)
+    t_fit = time.time() - t2
+    # reward = w . (x - mu) / sd = (w / sd) . x + const; the constant cancels in every comparison
+    with torch.no_grad():
+        model.score.weight.copy_((w / sd).unsqueeze(0))
+    ec, er = stack(ev)
+    head = (w / sd)
+    correct = (ec @ head) > (er @ head)
+    n, acc, se = accuracy_se(correct)
+    train_acc = float((((xc - xr) @ head) > 0).float().mean())
+    by_source = {}
+    for s in sorted({p["source"] for p in ev}):
+        m = torch.tensor([p["source"] == s for p in ev])
+        ns, ps, ses = accuracy_se(correct[m])
+        by_source[s] = {"n": ns, "accuracy": ps, "se": ses}
+
+    out_dir = Path(out).expanduser()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.config.architectures = [type(model).__name__]
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    check = reload_check(out_dir, ev[: min(8, len(ev))], ec @ head, er @ head)
+    report = {
+        "n_eval": n, "accuracy": acc, "se": se, "chance_z": (acc - 0.5) / math.sqrt(0.25 / n),
+        "train_accuracy": train_acc, "n_train": len(train), "eval_by_source": by_source,
+        "train_by_source": {s: sum(p["source"] == s for p in train) for s in sorted({p["source"] for p in train})},
+        "weight_decay": wd, "cv_accuracy": {str(k): v for k, v in cv.items()},
+        "base": str(base_dir), "layers": n_layers, "max_len": max_len, "seed": seed,
+        "sequences_truncated": truncated, "data": data, "data_counts": counts,
+        "feature_cache": str(cache_file), "features_computed": computed, "reload_check_max_abs_diff": check,
+        "time_s": {"load": round(t_load, 1), "features": round(t_feat, 1), "fit": round(t_fit, 1),
+                   "total": round(time.time() - t0, 1)},
+        "out": str(out_dir),
+    }
+    (out_dir / "rm_report.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
+def reload_check(out_dir: Path, pairs: list[dict], rc, rr) -> float:
+    """Max |reward from the saved folder via RewardModel - reward from cached features| on ``pairs``.
+
+    Returns:
+        The max absolute difference (reward units); raises nothing, the caller reports it.
+    """
+    from megatron_rlhf.rewards.reward_model import RewardModel
+
+    rm = RewardModel(out_dir, batch_size=8, max_length=10**9)
+    got = rm.score_token_ids([p["chosen_ids"] for p in pairs] + [p["rejected_ids"] for p in pairs])
+    want = [float(x) for x in rc[: len(pairs)]] + [float(x) for x in rr[: len(pairs)]]
+    return max(abs(a - b) for a, b in zip(got, want))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="output HF folder (created)")
+    ap.add_argument("--base", default="smollm2", help="'smollm2' (packaged SmolLM2-135M-Instruct) or an HF folder")
+    ap.add_argument("--data", nargs="+", default=None,
+                    help=f"preference files or folders (default {DEFAULT_DATA})")
+    ap.add_argument("--train-pairs", type=int, default=1000)
+    ap.add_argument("--eval-pairs", type=int, default=500)
+    ap.add_argument("--max-len", type=int, default=64, help="tokens per sequence (cut from the left)")
+    ap.add_argument("--layers", type=int, default=0, help="keep the first N transformer layers (0 = all)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cache-dir", default="~/.cache/megatron_rlhf", help="base model + feature cache")
+    ap.add_argument("--feature-cache-dir", default=None,
+                    help="where trunk features are cached (default CACHE_DIR/rm_features)")
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    a = ap.parse_args(argv)
+    try:
+        rep = train_reward_model(out=a.out, base=a.base, data=a.data, train_pairs=a.train_pairs,
+                                 eval_pairs=a.eval_pairs, max_len=a.max_len, layers=a.layers, seed=a.seed,
+                                 cache_dir=a.cache_dir, feature_cache_dir=a.feature_cache_dir, batch_size=a.batch_size, threads=a.threads)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"[rm] held-out pairwise accuracy {rep['accuracy']:.3f} +- {rep['se']:.3f} (s.e.), n={rep['n_eval']} "
+          f"({rep['chance_z']:.1f} s.e. above chance); train acc {rep['train_accuracy']:.3f}; "
+          f"per source {json.dumps({k: round(v['accuracy'], 3) for k, v in rep['eval_by_source'].items()})}")
+    print(f"[rm] saved {rep['out']} (report rm_report.json); times {rep['time_s']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
