@@ -55,7 +55,8 @@ def test_async_run_staleness_is_0_then_1(ray_cluster, tiny_llama_dir, tmp_path):
     for r in rows:
         assert set(REQUIRED_KEYS) <= set(r)
         assert r["loss/total"] is not None and r["time/train_s"] > 0 and r["time/gen_s"] > 0
-    assert rows[1]["time/sync_s"] > 0 and rows[1]["sync/bytes"] > 0   # batch 2 was generated after a push
+    assert rows[1]["time/sync_s"] == 0                                   # batch 2: still version 0
+    assert rows[2]["time/sync_s"] > 0 and rows[2]["sync/bytes"] > 0   # batch 3 came after the push of v1
     run = Path(res["run_dir"])
     assert (run / "config.yaml").is_file() and (run / "hf_final" / "config.json").is_file()
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2", "step_3"]  # keep_last 2

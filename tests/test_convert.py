@@ -20,7 +20,7 @@ def groups():
     from megatron_rlhf.learner import parallel
 
     platform = get_platform()
-    platform.install()
+    platform.install(function_mode=False)
     g = parallel.acquire(backend=platform.dist_backend)
     platform.seed(0)
     yield g

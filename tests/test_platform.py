@@ -15,19 +15,18 @@ def cpu_mod():
     """The platform.cpu module; restores the install state it found."""
     from megatron_rlhf.platform import cpu
 
-    was = cpu.is_installed()
+    was, mode = cpu.is_installed(), cpu.function_mode_active()
     yield cpu
+    cpu.uninstall()
     if was:
-        cpu.install()
-    else:
-        cpu.uninstall()
+        cpu.install(function_mode=mode)
 
 
 @pytest.fixture
 def groups():
     from megatron_rlhf.learner import parallel
 
-    get_platform().install()
+    get_platform().install(function_mode=False)
     g = parallel.acquire(backend="gloo")
     yield g
     parallel.release()
@@ -53,9 +52,20 @@ def test_install_is_idempotent_and_uninstall_restores_torch(cpu_mod):
     assert cpu_mod.install() is True  # second call changes nothing
     assert torch.cuda.current_device is first
     cpu_mod.uninstall()
-    assert not cpu_mod.is_installed()
+    assert not cpu_mod.is_installed() and not cpu_mod.function_mode_active()
     with pytest.raises((AssertionError, RuntimeError)):
         torch.cuda.current_device()
+
+
+@pytest.mark.timeout(30)
+def test_without_function_mode_only_current_device_and_synchronize_are_patched(cpu_mod):
+    cpu_mod.uninstall()
+    cpu_mod.install(function_mode=False)
+    assert torch.cuda.current_device() == torch.device("cpu") and not cpu_mod.function_mode_active()
+    with pytest.raises((AssertionError, RuntimeError)):
+        torch.zeros(1, device="cuda")  # device literals are not rewritten
+    cpu_mod.install()  # adds the mode later
+    assert cpu_mod.function_mode_active() and torch.zeros(1, device="cuda").device.type == "cpu"
 
 
 @pytest.mark.timeout(30)
@@ -82,13 +92,16 @@ def test_function_mode_maps_cuda_device_literals_to_cpu(cpu_mod):
 
 
 @pytest.mark.timeout(30)
-def test_type_spoof_is_scoped_to_the_optimizer_step_context(cpu_mod):
+def test_type_spoof_and_device_mapping_are_scoped_to_the_optimizer_context(cpu_mod):
+    cpu_mod.uninstall()
+    cpu_mod.install(function_mode=False)
     x = torch.ones(2)
     assert x.type() == "torch.FloatTensor"
-    with get_platform().optimizer_step_context():
+    with get_platform().optimizer_context():
         assert x.type() == "torch.cuda.FloatTensor"
         assert x.double().type() == "torch.cuda.DoubleTensor"
         assert x.type(torch.float64).dtype == torch.float64  # conversions are not spoofed
+        assert torch.zeros(1, dtype=torch.int, device="cuda").device.type == "cpu"  # clip_grads
     assert x.type() == "torch.FloatTensor"
 
 

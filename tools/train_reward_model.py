@@ -72,7 +72,8 @@ def build_pairs(tokenizer, data: list[str], num_train: int, num_eval: int, max_l
         nonlocal truncated
         if ex.file not in digests:
             digests[ex.file] = _sha256_file(Path(ex.file))[:16]
-        out = {"uid": f"{digests[ex.file]}:{ex.index}", "source": ex.source, "group": ex.group}
+        out = {"uid": f"{digests[ex.file]}:{ex.index}", "source": ex.source, "group": ex.group,
+               "longer_chosen": len(ex.chosen) > len(ex.rejected)}
         for key, reply in (("chosen_ids", ex.chosen), ("rejected_ids", ex.rejected)):
             ids = encode_for_reward(tokenizer, list(ex.prompt), reply)
             truncated += len(ids) > max_len
@@ -312,6 +313,8 @@ def train_reward_model(*, out: str, base: str = "smollm2", data: list[str] | Non
     head = (w / sd)
     correct = (ec @ head) > (er @ head)
     n, acc, se = accuracy_se(correct)
+    # reference point: "the longer reply wins" (in characters), a known bias of AI judges
+    longer_wins = sum(p["longer_chosen"] for p in ev) / len(ev)
     train_acc = float((((xc - xr) @ head) > 0).float().mean())
     by_source = {}
     for s in sorted({p["source"] for p in ev}):
@@ -327,7 +330,7 @@ def train_reward_model(*, out: str, base: str = "smollm2", data: list[str] | Non
     check = reload_check(out_dir, ev[: min(8, len(ev))], ec @ head, er @ head)
     report = {
         "n_eval": n, "accuracy": acc, "se": se, "chance_z": (acc - 0.5) / math.sqrt(0.25 / n),
-        "train_accuracy": train_acc, "n_train": len(train), "eval_by_source": by_source,
+        "train_accuracy": train_acc, "baseline_longer_reply_wins": longer_wins, "n_train": len(train), "eval_by_source": by_source,
         "train_by_source": {s: sum(p["source"] == s for p in train) for s in sorted({p["source"] for p in train})},
         "weight_decay": wd, "cv_accuracy": {str(k): v for k, v in cv.items()},
         "base": str(base_dir), "layers": n_layers, "max_len": max_len, "seed": seed,
@@ -381,7 +384,8 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"[rm] held-out pairwise accuracy {rep['accuracy']:.3f} +- {rep['se']:.3f} (s.e.), n={rep['n_eval']} "
-          f"({rep['chance_z']:.1f} s.e. above chance); train acc {rep['train_accuracy']:.3f}; "
+          f"({rep['chance_z']:.1f} s.e. above chance; 'longer reply wins' baseline "
+          f"{rep['baseline_longer_reply_wins']:.3f}); train acc {rep['train_accuracy']:.3f}; "
           f"per source {json.dumps({k: round(v['accuracy'], 3) for k, v in rep['eval_by_source'].items()})}")
     print(f"[rm] saved {rep['out']} (report rm_report.json); times {rep['time_s']}")
     return 0

@@ -10,25 +10,25 @@ Formats are registered by name in :data:`DATASETS` (``mawps``, ``svamp``, ``gsm8
                answer_field: target, filter: {type: [singleop, addsub]}}
 
 Rules (see :func:`load_task_prompts`): rows are read with ``datasets.load_dataset("json")``
-(falling back to ``load_dataset("text")`` + ``json.loads`` per line when the file has broken
-lines or mixed types, so one bad row never loses the file); malformed rows are skipped and
+(``data.jsonrecords.read_json_records`` falls back to ``json.loads`` per line when the file has
+broken lines or mixed types, so one bad row never loses the file); malformed rows are skipped and
 counted; prompts longer than ``max_prompt_tokens`` are filtered and counted.
 
-Sources: Hugging Face ``datasets`` docs, "Load -> JSON" and "Load -> Text";
+Sources: Hugging Face ``datasets`` docs, "Load -> JSON";
 transformers docs, "Chat templates" (``apply_chat_template(..., add_generation_prompt=True)``).
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from megatron_rlhf.config import DataConfig, TaskConfig
+from megatron_rlhf.data.jsonrecords import read_json_records
+from megatron_rlhf.data.jsonrecords import resolve_data_path as _resolve
 from megatron_rlhf.types import Prompt
 
 __all__ = ["DatasetSpec", "DATASETS", "register_dataset", "dataset_config", "resolve_data_path",
@@ -110,19 +110,13 @@ def dataset_config(name: str, **overrides: Any) -> DataConfig:
 
 
 def resolve_data_path(path: str) -> Path:
-    """Absolute path of a data file: ``~`` expanded; a relative path is looked up under the repo
-    root first, then the current directory.
+    """Absolute path of a task's data file: ``~`` expanded; a relative path is looked up under the
+    repo root first, then the current directory (``data.jsonrecords.resolve_data_path``).
 
     Raises:
         ValueError: no such file (names ``tasks[].data.path`` and where it looked).
     """
-    p = Path(os.path.expanduser(path))
-    candidates = [p] if p.is_absolute() else [_REPO_ROOT / p, Path.cwd() / p]
-    for c in candidates:
-        if c.is_file():
-            return c.resolve()
-    raise ValueError(f"tasks[].data.path = {path!r}: no such file (looked at "
-                     f"{', '.join(str(c) for c in candidates)}); give an existing JSONL file")
+    return _resolve(path, key="tasks[].data.path")
 
 
 # ------------------------------------------------------------------------------ loading
@@ -212,34 +206,19 @@ def load_task_prompts(task_cfg: TaskConfig, tokenizer, max_prompt_tokens: int) -
 
 
 def _read_rows(path: Path):
-    """Yield ``(index, row)`` for each non-blank line: ``row`` is the parsed JSON value (any type)
-    or ``None`` when the line is not valid JSON."""
+    """Yield ``(index, row)`` for each non-blank line: ``row`` is the parsed JSON object, or
+    ``None`` when the line is not valid JSON / not an object (``data.jsonrecords``: Arrow via
+    ``datasets.load_dataset("json")``, line-by-line ``json.loads`` when Arrow refuses the file)."""
     import datasets
 
     datasets.disable_progress_bars()
     level = datasets.logging.get_verbosity()
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # the failed attempt logs an error
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # a refused file logs an error
     try:
-        ds = datasets.load_dataset("json", data_files=str(path), split="train")
-    except Exception:  # broken lines or mixed types: parse line by line below
-        ds = None
+        records, _ = read_json_records(path)
     finally:
         datasets.logging.set_verbosity(level)
-    if ds is not None:
-        yield from enumerate(ds)
-        return
-    ds = datasets.load_dataset("text", data_files=str(path), split="train")
-    idx = 0
-    for r in ds:
-        line = r["text"].strip()
-        if not line:
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError:
-            row = None
-        yield idx, row
-        idx += 1
+    yield from enumerate(records)
 
 
 def _problem_text(row: Any, parts: list[str]) -> str | None:

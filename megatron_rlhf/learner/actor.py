@@ -70,7 +70,8 @@ class MegatronLearner:
         self.dtype = torch_dtype(dtype)
         self.total_steps = int(total_steps)
         self.platform = get_platform()
-        self.platform.install()
+        # the global CUDA->CPU function mode is only needed by pipeline schedules (PP > 1)
+        self.platform.install(function_mode=learner_cfg.pipeline_parallel > 1)
         self.groups = parallel.acquire(backend=self.platform.dist_backend,
                                        tp=learner_cfg.tensor_parallel, pp=learner_cfg.pipeline_parallel)
         self._closed = False
@@ -118,7 +119,8 @@ class MegatronLearner:
             adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
             clip_grad=o.clip_grad, bf16=self.dtype == torch.bfloat16, fp16=False,
             params_dtype=self.dtype, use_distributed_optimizer=False)
-        optimizer = get_megatron_optimizer(ocfg, [ddp])
+        with self.platform.optimizer_context():  # FP32Optimizer allocates on device='cuda'
+            optimizer = get_megatron_optimizer(ocfg, [ddp])
         scheduler = OptimizerParamScheduler(optimizer, **self._lr_schedule_args())
         return ddp, optimizer, scheduler
 
@@ -213,7 +215,7 @@ class MegatronLearner:
             pol_lp[rows], pol_tok[rows] = seq.detach(), tok.detach()
         finalize_model_grads([self.ddp], pg_collection=self.groups.pg_collection)
         self.scheduler.step(1)  # LR of this step (see _lr_schedule_args)
-        with self.platform.optimizer_step_context():
+        with self.platform.optimizer_context():
             ok, grad_norm, _ = self.optimizer.step()
         if grad_norm is None:
             grad_norm = self.optimizer.get_grad_norm()

@@ -1,6 +1,7 @@
 """CPU platform: every shim megatron-core 0.16.1 needs to run on a CPU-only torch build (gloo).
 
-Nothing here runs at import. :func:`install` patches *torch only* (never megatron modules), and
+Nothing here runs at import (importing the module imports megatron-core, which only warns that
+Apex/TE are absent). :func:`install` patches *torch only* (never megatron modules), and
 only when CUDA is absent; it is idempotent and :func:`uninstall` restores torch. What it fixes
 (verified in ``shared/notes/probes/megatron_cpu/cuda_shim.py``):
 
@@ -11,10 +12,11 @@ only when CUDA is absent; it is idempotent and :func:`uninstall` restores torch.
 * P3 :class:`CudaToCpuMode`, a ``TorchFunctionMode`` that rewrites ``device="cuda"`` /
   ``"cuda:N"`` / int device literals and ``Tensor.cuda()`` / ``Tensor.to("cuda")`` to CPU
   (pipeline schedules' ``torch.zeros(..., device="cuda")``, tied embeddings under PP).
-* P4 (scoped, not installed globally) :func:`optimizer_step_context`: megatron's gradient
-  clipping (``clip_grad_by_total_norm_fp32``) and the DistributedOptimizer assert
-  ``grad.type() == 'torch.cuda.FloatTensor'``; inside this context ``Tensor.type()`` reports CPU
-  tensors as ``torch.cuda.*``. The learner wraps only ``optimizer.step()`` in it.
+* P4 (scoped, never global) :func:`optimizer_context`: megatron's ``FP32Optimizer.__init__``
+  and gradient clipping (``clip_grad_by_total_norm_fp32``) allocate ``device='cuda'``, and the
+  clipping and the DistributedOptimizer assert ``grad.type() == 'torch.cuda.FloatTensor'``;
+  inside this context ``Tensor.type()`` reports CPU tensors as ``torch.cuda.*`` and P3 applies.
+  The learner wraps only ``get_megatron_optimizer(...)`` and ``optimizer.step()`` in it.
 
 The model-level CPU pieces go through megatron's public ``ModuleSpec`` mechanism instead of
 patching: :class:`SDPACoreAttention` (``DotProductAttention.forward`` allocates a CUDA scratch
@@ -33,8 +35,9 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["CudaToCpuMode", "CudaTypeSpoofMode", "optimizer_step_context", "SDPACoreAttention", "CPUNorm", "install", "uninstall", "is_installed",
-           "cpu_layer_spec", "seed"]
+__all__ = ["install", "uninstall", "is_installed", "function_mode_active", "optimizer_context",
+           "seed", "cpu_layer_spec", "CudaToCpuMode", "CudaTypeSpoofMode", "SDPACoreAttention",
+           "CPUNorm"]
 
 _LOCK = threading.Lock()
 _STATE: dict = {"installed": False, "mode": None, "orig": None}
@@ -67,12 +70,14 @@ class CudaToCpuMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-class CudaTypeSpoofMode(TorchFunctionMode):
-    """``Tensor.type()`` (no arguments) of a CPU tensor returns ``'torch.cuda.<T>Tensor'`` (P4).
-    Only for megatron's dtype assertions in the optimizer step; see :func:`optimizer_step_context`."""
+class CudaTypeSpoofMode(CudaToCpuMode):
+    """P3 plus P4: CUDA device requests go to CPU, and ``Tensor.type()`` (no arguments) of a CPU
+    tensor returns ``'torch.cuda.<T>Tensor'``. Only for megatron's optimizer construction and step
+    (``FP32Optimizer`` and grad clipping allocate ``device='cuda'``, clipping asserts CUDA grads);
+    see :func:`optimizer_context`."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        out = super().__torch_function__(func, types, args, kwargs)
         if func is torch.Tensor.type and len(args) == 1 and not kwargs and isinstance(out, str) \
                 and out.startswith("torch.") and not out.startswith("torch.cuda."):
             return "torch.cuda." + out[len("torch."):]
@@ -80,8 +85,9 @@ class CudaTypeSpoofMode(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def optimizer_step_context():
-    """Scope of P4: wrap ``megatron_optimizer.step()`` on CPU (no-op when CUDA is available)."""
+def optimizer_context():
+    """Scope of P3+P4: wrap megatron optimizer construction and ``step()`` on CPU (no-op when
+    CUDA is available)."""
     if torch.cuda.is_available():
         yield
         return
@@ -94,8 +100,14 @@ def is_installed() -> bool:
     return bool(_STATE["installed"])
 
 
-def install() -> bool:
-    """Install P1-P3 (see module doc) when CUDA is absent; idempotent.
+def install(function_mode: bool = True) -> bool:
+    """Install P1-P2 and, with ``function_mode``, P3 (see module doc) when CUDA is absent.
+
+    Idempotent: repeated calls change nothing; a call with ``function_mode=True`` after one
+    without adds P3. P3 costs ~15% of a CPU forward (every torch call goes through Python), and
+    TP/PP=1 training does not need it (the optimizer step gets it scoped, see
+    :func:`optimizer_context`), so the learner enables it only for pipeline parallelism.
+    The mode stack is per thread: install from the thread that runs the model.
 
     Returns:
         True when the shims are active after the call, False when CUDA is available (then
@@ -104,28 +116,34 @@ def install() -> bool:
     if torch.cuda.is_available():
         return False
     with _LOCK:
-        if _STATE["installed"]:
-            return True
-        _STATE["orig"] = (torch.cuda.current_device, torch.cuda.synchronize)
-        torch.cuda.current_device = lambda: torch.device("cpu")
-        torch.cuda.synchronize = lambda *a, **k: None
-        mode = CudaToCpuMode()
-        mode.__enter__()  # stays on the torch-function mode stack until uninstall()
-        _STATE.update(installed=True, mode=mode)
+        if not _STATE["installed"]:
+            _STATE["orig"] = (torch.cuda.current_device, torch.cuda.synchronize)
+            torch.cuda.current_device = lambda: torch.device("cpu")
+            torch.cuda.synchronize = lambda *a, **k: None
+            _STATE["installed"] = True
+        if function_mode and _STATE["mode"] is None:
+            mode = CudaToCpuMode()
+            mode.__enter__()  # stays on this thread's torch-function mode stack until uninstall()
+            _STATE["mode"] = mode
     return True
 
 
-def uninstall() -> None:
-    """Undo :func:`install` (restores torch's functions, leaves the mode). No-op if not installed.
+def function_mode_active() -> bool:
+    """True when the global P3 mode is installed."""
+    return _STATE["mode"] is not None
 
-    Only for tests and for processes that hand the interpreter to GPU code afterwards; must be
-    called from the thread that called :func:`install` (the mode stack is per thread).
+
+def uninstall() -> None:
+    """Undo :func:`install`: restore torch's functions and leave the P3 mode. No-op if not installed.
+
+    Only for tests and for processes that hand the interpreter to GPU code afterwards; call it
+    from the thread that called :func:`install`.
     """
     with _LOCK:
-        if not _STATE["installed"]:
-            return
-        torch.cuda.current_device, torch.cuda.synchronize = _STATE["orig"]
-        _STATE["mode"].__exit__(None, None, None)
+        if _STATE["mode"] is not None:
+            _STATE["mode"].__exit__(None, None, None)
+        if _STATE["installed"]:
+            torch.cuda.current_device, torch.cuda.synchronize = _STATE["orig"]
         _STATE.update(installed=False, mode=None, orig=None)
 
 

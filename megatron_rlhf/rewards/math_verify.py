@@ -208,6 +208,10 @@ class MathVerifyReward:
         self.close()
 
     def __del__(self):
+        import sys
+
+        if sys.is_finalizing():  # concurrent.futures' own exit hook stops the workers then
+            return
         try:
             self.close()
         except Exception:

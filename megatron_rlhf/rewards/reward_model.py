@@ -47,6 +47,7 @@ def bradley_terry_loss(r_chosen, r_rejected):
                          f"{tuple(r_rejected.shape)} must have the same non-empty shape [P]")
     d = r_chosen - r_rejected
     loss = F.softplus(-d).mean()
+    d = d.detach()
     return loss, {"rm/accuracy": float((d > 0).float().mean()), "rm/margin": float(d.mean())}
 
 
