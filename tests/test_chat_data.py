@@ -94,3 +94,13 @@ def test_format_detection_and_missing_chat_template_error(tok):
     no_template = SimpleNamespace(chat_template=None)
     with pytest.raises(ValueError, match="chat_template"):
         chat_prompt_token_ids(no_template, "hi")
+
+
+@pytest.mark.timeout(10)
+def test_chat_sets_are_in_the_shared_dataset_registry_with_their_licences():
+    from megatron_rlhf.data.prompts import DATASETS
+
+    assert {"mt_bench", "hh_helpful", "alpaca_eval"} <= set(DATASETS)
+    assert DATASETS["mt_bench"].reward == "reward_model" and "Apache" in DATASETS["mt_bench"].licence
+    assert DATASETS["alpaca_eval"].path.startswith("../shared/")  # CC BY-NC: never in the repo
+    assert (REPO / DATASETS["hh_helpful"].path).is_file()

@@ -41,15 +41,29 @@ def test_known_answer_formats_score_as_expected(reward):
         ("I do not know.", "72", 0.0),
         ("The answer is ####", "72", 0.0),  # marker with nothing after it
         ("", "72", 0.0),
+        ("$\\boxed{1/2}$", "0.5", 1.0),
+        ("#### $1,000\nSo she has 5 left.", "1000", 1.0),  # first line after the marker
+        ("Maria has 3 x 7 = 21 eggs.\n#### 2\nThe answer is 21", "21", 0.0),
+        # free text: the LAST number counts, not math-verify's pick of a stray number/expression
+        ("Take 5 steps. Then we are done, the result is 12.", "12", 1.0),
+        ("Take 5 steps. Then we are done, the result is 12.", "5", 0.0),
+        ("Since the equation is represented by the conversion factor 6/3.", "2", 0.0),
+        ("she needs 187 - 134 marbles for her second purchase.", "53", 0.0),
+        ("The temperature fell to -4 degrees.", "-4", 1.0),
     ]
     got = reward([c for c, _, _ in cases], [g for _, g, _ in cases])
     assert got == [e for _, _, e in cases], [(c, g, e, s) for (c, g, e), s in zip(cases, got) if e != s]
 
 
 @pytest.mark.timeout(60)
-def test_text_after_last_marker_is_the_answer():
+def test_answer_text_is_after_last_marker_else_boxed_else_last_number():
     assert extract_answer_text("a #### 1\nb #### 2 ") == "2"
-    assert extract_answer_text("no marker 5") == "no marker 5"
+    assert extract_answer_text("a #### \n\n 72 clips\nmore 5") == "72 clips"
+    assert extract_answer_text("x \\boxed{1} then \\boxed{\\frac{1}{2}} ok") == "\\boxed{\\frac{1}{2}} ok"
+    assert extract_answer_text("no marker 5, then 1,000.") == "1,000"
+    assert extract_answer_text("GL-3 mapping") == "3"
+    assert extract_answer_text("7 apples, Citicac1") == "7"
+    assert extract_answer_text("no numbers") == ""
 
 
 @pytest.mark.timeout(120)

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Train a Bradley-Terry reward model on preference pairs, on CPU in a few minutes.
 
-    python tools/train_reward_model.py --out runs/rm_smollm2            # the CPU demo's reward model
+    python tools/train_reward_model.py --out runs/rm_smollm2     # the CPU demo's reward model (defaults:
+        # SmolLM2-135M first 8 layers, 2000 train / 500 held-out pairs, 128 tokens, seed 0)
     python tools/train_reward_model.py --out DIR --base PATH_TO_HF_MODEL --train-pairs 4000 \\
         --eval-pairs 1000 --max-len 256 --layers 0 --data ../shared/data/preferences
 
@@ -105,14 +106,16 @@ def cache_key(base_dir: Path, layers: int, max_len: int, data_files: list[Path])
     return h.hexdigest()[:24]
 
 
-def extract_features(trunk, pairs: list[dict], cache_file: Path, pad_id: int, batch_size: int) -> dict:
+def extract_features(trunk, pairs: list[dict], cache_file: Path, pad_id: int, batch_size: int
+                     ) -> tuple[dict, int]:
     """Final hidden state at the last token of every chosen/rejected sequence, cached on disk.
 
     Args:
         trunk: the (truncated) base model returning ``last_hidden_state [B, S, H]``.
         pairs: dicts with ``uid``, ``chosen_ids``, ``rejected_ids``.
         cache_file: safetensors file with tensors ``chosen``/``rejected`` ``[M, H]`` and metadata
-            ``uids`` (JSON list); missing uids are computed and the file rewritten atomically.
+            ``uids`` (JSON list); missing uids are computed and the file is rewritten atomically
+            every minute and at the end, so an interrupted run resumes where it stopped.
         pad_id: right-padding id (pooling uses the attention mask, so its value does not matter).
         batch_size: sequences per forward pass.
     Returns:
@@ -137,7 +140,24 @@ def extract_features(trunk, pairs: list[dict], cache_file: Path, pad_id: int, ba
     seqs = [(p["uid"], k, p[k + "_ids"]) for p in todo for k in ("chosen", "rejected")]
     seqs.sort(key=lambda s: len(s[2]))
     got: dict[tuple, torch.Tensor] = {}
+
+    def flush():
+        """Move finished pairs into ``have`` and rewrite the cache atomically (safe to interrupt)."""
+        done = [u for u in {u for u, _ in got} if (u, "chosen") in got and (u, "rejected") in got]
+        for u in done:
+            have[u] = (got.pop((u, "chosen")), got.pop((u, "rejected")))
+        if not done:
+            return
+        uids = list(have)
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_file.with_suffix(f".tmp{os.getpid()}")
+        save_file({"chosen": torch.stack([have[u][0] for u in uids]).contiguous(),
+                   "rejected": torch.stack([have[u][1] for u in uids]).contiguous()},
+                  str(tmp), metadata={"uids": json.dumps(uids)})
+        os.replace(tmp, cache_file)
+
     bar = tqdm(total=sum(len(s[2]) for s in seqs), unit="tok", desc="features", disable=not seqs)
+    last_flush = time.time()
     with torch.no_grad():
         for b in range(0, len(seqs), batch_size):
             chunk = seqs[b:b + batch_size]
@@ -148,17 +168,11 @@ def extract_features(trunk, pairs: list[dict], cache_file: Path, pad_id: int, ba
             for (uid, k, _), f in zip(chunk, feats):
                 got[(uid, k)] = f.clone()
             bar.update(int(mask.sum()))
+            if time.time() - last_flush > 60:
+                flush()
+                last_flush = time.time()
     bar.close()
-    for p in todo:
-        have[p["uid"]] = (got[(p["uid"], "chosen")], got[(p["uid"], "rejected")])
-    if todo:
-        uids = list(have)
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache_file.with_suffix(f".tmp{os.getpid()}")
-        save_file({"chosen": torch.stack([have[u][0] for u in uids]).contiguous(),
-                   "rejected": torch.stack([have[u][1] for u in uids]).contiguous()},
-                  str(tmp), metadata={"uids": json.dumps(uids)})
-        os.replace(tmp, cache_file)
+    flush()
     return {p["uid"]: have[p["uid"]] for p in pairs}, len(todo)
 
 
@@ -243,7 +257,7 @@ def resolve_base(base: str, cache_dir: str) -> Path:
 
 
 def train_reward_model(*, out: str, base: str = "smollm2", data: list[str] | None = None,
-                       train_pairs: int = 1000, eval_pairs: int = 500, max_len: int = 64, layers: int = 0,
+                       train_pairs: int = 2000, eval_pairs: int = 500, max_len: int = 128, layers: int = 8,
                        seed: int = 0, cache_dir: str = "~/.cache/megatron_rlhf",
                        feature_cache_dir: str | None = None, batch_size: int = 16,
                        threads: int = 0, wd_grid: tuple[float, ...] = (1e-3, 1e-2, 1e-1, 1.0)) -> dict:
@@ -330,7 +344,8 @@ def train_reward_model(*, out: str, base: str = "smollm2", data: list[str] | Non
     check = reload_check(out_dir, ev[: min(8, len(ev))], ec @ head, er @ head)
     report = {
         "n_eval": n, "accuracy": acc, "se": se, "chance_z": (acc - 0.5) / math.sqrt(0.25 / n),
-        "train_accuracy": train_acc, "baseline_longer_reply_wins": longer_wins, "n_train": len(train), "eval_by_source": by_source,
+        "train_accuracy": train_acc, "baseline_longer_reply_wins": longer_wins, "n_train": len(train),
+        "eval_by_source": by_source,
         "train_by_source": {s: sum(p["source"] == s for p in train) for s in sorted({p["source"] for p in train})},
         "weight_decay": wd, "cv_accuracy": {str(k): v for k, v in cv.items()},
         "base": str(base_dir), "layers": n_layers, "max_len": max_len, "seed": seed,
@@ -365,10 +380,10 @@ def main(argv=None) -> int:
     ap.add_argument("--base", default="smollm2", help="'smollm2' (packaged SmolLM2-135M-Instruct) or an HF folder")
     ap.add_argument("--data", nargs="+", default=None,
                     help=f"preference files or folders (default {DEFAULT_DATA})")
-    ap.add_argument("--train-pairs", type=int, default=1000)
+    ap.add_argument("--train-pairs", type=int, default=2000)
     ap.add_argument("--eval-pairs", type=int, default=500)
-    ap.add_argument("--max-len", type=int, default=64, help="tokens per sequence (cut from the left)")
-    ap.add_argument("--layers", type=int, default=0, help="keep the first N transformer layers (0 = all)")
+    ap.add_argument("--max-len", type=int, default=128, help="tokens per sequence (cut from the left)")
+    ap.add_argument("--layers", type=int, default=8, help="keep the first N transformer layers (0 = all)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cache-dir", default="~/.cache/megatron_rlhf", help="base model + feature cache")
     ap.add_argument("--feature-cache-dir", default=None,

@@ -25,10 +25,27 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rlhf.data.jsonrecords import read_json_records, resolve_data_path
+from megatron_rlhf.data.prompts import DATASETS, DatasetSpec, register_dataset
 from megatron_rlhf.types import Prompt
 
-__all__ = ["CHAT_FORMATS", "detect_chat_format", "chat_prompt_token_ids", "load_chat_prompts",
-           "load_chat_task_prompts"]
+__all__ = ["CHAT_FORMATS", "CHAT_DATASETS", "detect_chat_format", "chat_prompt_token_ids",
+           "load_chat_prompts", "load_chat_task_prompts"]
+
+CHAT_DATASETS = (
+    DatasetSpec(name="mt_bench", path="data/chat/mt_bench/question.jsonl", prompt_field="turns",
+                answer_field="", reward="reward_model", licence="Apache-2.0 (lm-sys/FastChat)"),
+    DatasetSpec(name="hh_helpful", path="data/chat/hh_helpful_dove/test.jsonl", prompt_field="instruction",
+                answer_field="", reward="reward_model", licence="MIT (Hritikbansal/dove; HH-RLHF MIT, Anthropic)"),
+    DatasetSpec(name="alpaca_eval", path="../shared/data/chat/alpaca_eval/gpt4_1106_preview/model_outputs.json",
+                prompt_field="instruction", answer_field="", reward="reward_model",
+                licence="CC BY-NC 4.0 data (tatsu-lab/alpaca_eval): read from ../shared, never copied"),
+)
+"""Chat prompt sets, added to the shared registry ``megatron_rlhf.data.prompts.DATASETS`` when this
+module is imported (static data, like the math sets there); load them with :func:`load_chat_prompts`
+/ :func:`load_chat_task_prompts`, not ``load_task_prompts`` (no gold answer)."""
+for _spec in CHAT_DATASETS:
+    if _spec.name not in DATASETS:
+        register_dataset(_spec)
 
 
 def _mt_bench(rec: dict, prompt_field: str) -> Any:
@@ -105,27 +122,28 @@ def load_chat_prompts(path: str | Path, *, task: str, tokenizer, max_prompt_toke
         instruction: appended to the prompt after a blank line when non-empty.
         system_prompt: optional system message (``None``: the template's default).
         filter: keep only rows whose ``row[field]`` is in the list, e.g. ``{"category": ["writing"]}``.
-        limit: read at most this many rows, in file order (0 = all).
+        limit: stop reading once this many prompts are kept (0 = all), like ``load_task_prompts``.
     Returns:
         ``(prompts, counts)``; ``prompts[i].index`` is the row index in the file; counts are
-        ``{"rows", "filtered", "malformed", "too_long", "kept"}`` with
-        ``rows = filtered + malformed + too_long + kept``.
+        ``{"rows", "filtered", "malformed", "too_long", "kept"}`` over the rows read, with
+        ``rows = filtered + malformed + too_long + kept`` (same keys as ``load_task_prompts``).
     Raises:
         ValueError: the file is missing, ``fmt`` is unknown, or no prompt is left (the message
             names ``data.path`` and the counts).
     """
     p = resolve_data_path(path, key="tasks[].data.path")
     records, _ = read_json_records(p)
-    if limit:
-        records = records[:limit]
     if fmt == "auto":
         fmt = detect_chat_format(records)
     if fmt not in CHAT_FORMATS:
         raise ValueError(f"chat format {fmt!r}: expected 'auto' or one of {sorted(CHAT_FORMATS)}")
     extract = CHAT_FORMATS[fmt]
-    counts = {"rows": len(records), "filtered": 0, "malformed": 0, "too_long": 0, "kept": 0}
+    counts = {"rows": 0, "filtered": 0, "malformed": 0, "too_long": 0, "kept": 0}
     prompts: list[Prompt] = []
     for i, rec in enumerate(records):
+        if limit and counts["kept"] >= limit:
+            break
+        counts["rows"] += 1
         if rec is None:
             counts["malformed"] += 1
             continue

@@ -5,8 +5,14 @@ Layout of a learner checkpoint folder::
     path/policy/        megatron dist_checkpointing (torch_dist): the policy GPTModel's
                         sharded_state_dict (TE-layout names; reshardable to any TP/PP)
     path/reference/     same for the frozen reference
-    path/learner_state.pt   torch.save: optimizer state dict, LR-scheduler state, RNG states,
-                        weight_version, layout (tp, pp, dp, model_type, dtype)
+    path/learner_state.pt   torch.save (rank 0): optimizer state dict, LR-scheduler state, RNG
+                        states, weight_version, layout (tp, pp, dp, model_type, dtype)
+    path/learner_state.rank<r>.pt   the same for rank r > 0 of a multi-process learner (its
+                        optimizer shard; the distributed optimizer adds its DP-sharded
+                        parameter state under ``optimizer_param_state``)
+
+Every rank of a learner group calls save/load together: ``dist_checkpointing`` is collective
+(each rank writes/reads its own shards).
 
 dist_checkpointing's torch_dist writer forks writer processes and creates a ``spawn``
 multiprocessing Manager queue once per process (``filesystem_async._get_write_results_queue``);
@@ -24,11 +30,21 @@ from pathlib import Path
 import torch
 
 __all__ = ["save_learner_checkpoint", "load_learner_checkpoint", "write_hf_folder",
-           "STATE_FILE"]
+           "STATE_FILE", "state_file"]
 
 STATE_FILE = "learner_state.pt"
 _WEIGHT_PATTERNS = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json",
                     ".pt", ".pth", ".gguf")
+
+
+def state_file(path: Path, rank: int) -> Path:
+    """The per-rank state file of a learner checkpoint (``learner_state.pt`` for rank 0)."""
+    return path / (STATE_FILE if rank == 0 else f"learner_state.rank{rank:05d}.pt")
+
+
+def _rank(learner) -> int:
+    groups = getattr(learner, "groups", None)
+    return int(getattr(groups, "rank", 0))
 
 
 def _save_model(model, folder: Path) -> None:
@@ -59,11 +75,28 @@ def save_learner_checkpoint(learner, path: Path) -> None:
     _save_model(learner.reference, path / "reference")
     state = {"weight_version": learner.weight_version,
              "optimizer": learner.optimizer.state_dict(),
+             "optimizer_param_state": _dist_opt_param_state(learner.optimizer),
              "scheduler": learner.scheduler.state_dict(),
              "rng": learner._rng_state(),
              "layout": {"tp": learner.groups.tp, "pp": learner.groups.pp, "dp": learner.groups.dp,
-                        "model_type": learner.hf_config.model_type, "dtype": str(learner.dtype)}}
-    torch.save(state, path / STATE_FILE)
+                        "model_type": learner.hf_config.model_type, "dtype": str(learner.dtype),
+                        # base HF folder (config, tokenizer) for tools/convert/megatron_to_hf.py
+                        "model_dir": os.path.abspath(learner.model_dir)}}
+    torch.save(state, state_file(path, _rank(learner)))
+    if learner.groups.world_size > 1:
+        import torch.distributed as dist
+
+        dist.barrier()  # every rank's files exist before any rank returns
+
+
+def _dist_opt_param_state(optimizer):
+    """DistributedOptimizer: this DP rank's fp32 master weights and Adam moments (megatron's
+    ``get_parameter_state_dp_reshardable``; ``state_dict()`` leaves them out). None otherwise."""
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    if not any(hasattr(o, "get_parameter_state_dp_reshardable") for o in inner):
+        return None
+    return [o.get_parameter_state_dp_reshardable()
+            if hasattr(o, "get_parameter_state_dp_reshardable") else None for o in inner]
 
 
 def load_learner_checkpoint(learner, path: Path) -> int:
@@ -75,10 +108,11 @@ def load_learner_checkpoint(learner, path: Path) -> int:
         ValueError: the checkpoint's layout (TP/PP/DP, model type) differs from the learner's
             (resharding the optimizer is not supported yet; models reshard via dist_checkpointing).
     """
-    state_file = path / STATE_FILE
-    if not state_file.is_file():
-        raise FileNotFoundError(f"{path}: no {STATE_FILE}; not a learner checkpoint")
-    state = torch.load(state_file, map_location="cpu", weights_only=False)
+    sfile = state_file(path, _rank(learner))
+    if not sfile.is_file():
+        raise FileNotFoundError(f"{path}: no {sfile.name}; not a learner checkpoint (or one "
+                                "written by a learner with fewer ranks)")
+    state = torch.load(sfile, map_location="cpu", weights_only=False)
     layout = state["layout"]
     mine = {"tp": learner.groups.tp, "pp": learner.groups.pp, "dp": learner.groups.dp,
             "model_type": learner.hf_config.model_type}
@@ -87,6 +121,11 @@ def load_learner_checkpoint(learner, path: Path) -> int:
     _load_model(learner.policy, path / "policy")
     _load_model(learner.reference, path / "reference")
     learner.optimizer.load_state_dict(state["optimizer"])
+    if state.get("optimizer_param_state") is not None:
+        inner = getattr(learner.optimizer, "chained_optimizers", [learner.optimizer])
+        for o, ps in zip(inner, state["optimizer_param_state"]):
+            if ps is not None:
+                o.load_parameter_state_from_dp_reshardable(ps)
     learner.scheduler.load_state_dict(state["scheduler"])
     learner._set_rng_state(state["rng"])
     return int(state["weight_version"])

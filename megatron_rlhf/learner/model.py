@@ -58,7 +58,8 @@ def load_hf_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
 
 
 def build_gpt_model(hf_config, transformer_config, *, platform, pg_collection=None,
-                    pre_process: bool = True, post_process: bool = True):
+                    pre_process: bool = True, post_process: bool = True,
+                    vocab_size: int | None = None):
     """An (uninitialised unless ``transformer_config.perform_initialization``) GPTModel for an HF
     config, with the platform's layer spec, on the platform's device.
 
@@ -68,12 +69,16 @@ def build_gpt_model(hf_config, transformer_config, *, platform, pg_collection=No
         platform: :class:`megatron_rlhf.platform.Platform`.
         pg_collection: megatron ``ProcessGroupCollection`` (None: megatron's global groups).
         pre_process, post_process: first / last pipeline stage flags.
+        vocab_size: embedding/output rows (None: ``hf_config.vocab_size``); tensor parallelism
+            pads it to a multiple of TP (:func:`megatron_rlhf.convert.sharding.padded_vocab_size`).
     Returns:
         ``megatron.core.models.gpt.GPTModel``.
     """
     from megatron.core.models.gpt import GPTModel
 
     kwargs = gpt_model_kwargs_from_hf(hf_config)
+    if vocab_size is not None:
+        kwargs["vocab_size"] = int(vocab_size)
     if pg_collection is not None:
         kwargs["pg_collection"] = pg_collection
     model = GPTModel(config=transformer_config,

@@ -16,9 +16,16 @@ A timed-out item scores 0.0 and adds to ``num_timeouts``; an item whose scoring 
 and adds to ``num_errors``; a dead worker (``BrokenProcessPool``) rebuilds the pool
 (``num_restarts``) and its items are retried once.
 
-Answer extraction (:func:`extract_answer_text`): if the completion contains ``####``, only the
-text after the LAST ``####`` is parsed (``"... 48/2 = 24 ... #### 72"`` -> 72); otherwise the
-whole completion goes to math-verify, which prefers ``\\boxed{}`` and else takes the last number.
+Answer extraction (:func:`extract_answer_text`), in this order, so the rule is predictable:
+
+1. ``####`` present: the first non-empty line after the LAST ``####`` (``"... 48/2 = 24 ...
+   #### 72"`` -> ``"72"``; ``"#### 72 clips"`` -> ``"72 clips"``, which math-verify reads as 72);
+2. else ``\\boxed{`` present: the text from the last ``\\boxed{`` on (LaTeX: fractions, roots);
+3. else the last plain number in the text (``"so the total is 72 clips."`` -> ``"72"``).
+
+Rule 3 replaces math-verify's free-text extraction, which on rambling sampled text picked
+numbers from the middle (``"... 5 variables ..."``) or evaluated stray expressions (``"6/3."``
+-> 2): measured on SmolLM2-135M samples, most "correct" free-text scores were such accidents.
 Gold answers may be numbers written as floats (``43.0``) or GSM8K solutions (text after ``####``).
 
 Note for callers: the pool uses ``spawn``, which re-imports the caller's ``__main__`` module in
@@ -32,18 +39,41 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import multiprocessing as mp
+import os
+import re
+import sys
 import time
 from concurrent.futures.process import BrokenProcessPool
 
 __all__ = ["MathVerifyReward", "extract_answer_text", "score_one"]
 
 
+_NUMBER = re.compile(r"(?<![A-Za-z])-?\d+(?:,\d{3})*(?:\.\d+)?")
+
+
 def extract_answer_text(completion: str) -> str:
-    """The part of ``completion`` that holds its final answer: the text after the last ``####``
-    when there is one (possibly empty), else the whole completion."""
+    """The part of ``completion`` that holds its final answer (``""`` when there is none).
+
+    1. text after the last ``####``: its first non-empty line;
+    2. else, with ``\\boxed{``: the completion from the last ``\\boxed{`` on;
+    3. else the last number (``-?\\d+(,ddd)*(.d+)?`` not glued to a preceding letter, so
+       ``"x2"`` is no number and ``"GL-3"`` gives ``3``).
+    """
     if "####" in completion:
-        return completion.rsplit("####", 1)[1].strip()
-    return completion
+        tail = completion.rsplit("####", 1)[1]
+        lines = [ln.strip() for ln in tail.splitlines() if ln.strip()]
+        return lines[0] if lines else ""
+    k = completion.rfind("\\boxed{")
+    if k >= 0:
+        return completion[k:]
+    matches = list(_NUMBER.finditer(completion))
+    if not matches:
+        return ""
+    m = matches[-1]
+    num = m.group(0)
+    if num.startswith("-") and m.start() > 0 and completion[m.start() - 1].isalnum():
+        num = num[1:]
+    return num
 
 
 def _normalise_gold(answer: str) -> str:
@@ -93,6 +123,11 @@ def score_one(completion: str, answer: str, timeout_s: float | None = None) -> t
             signal.signal(signal.SIGALRM, old)
 
 
+def _ready(hold_s: float) -> int:
+    time.sleep(hold_s)
+    return os.getpid()
+
+
 def _worker_init() -> None:
     import logging
 
@@ -107,6 +142,7 @@ class MathVerifyReward:
         num_workers: worker processes (>= 1); each costs one sympy import (~1-2 s at start).
         timeout_s: per-item time bound in seconds (> 0).
         grace_s: extra seconds the caller waits before declaring a worker stuck and killing it.
+        startup_timeout_s: how long a (re)started pool may take until all workers are ready.
 
     Attributes:
         num_scored: items scored so far; num_timeouts: items that hit ``timeout_s`` (scored 0);
@@ -119,7 +155,8 @@ class MathVerifyReward:
     binary = True
     """Rewards are 0/1: pairs are one correct vs one incorrect (``rollout.pairs.select_pair``)."""
 
-    def __init__(self, num_workers: int = 1, timeout_s: float = 10.0, grace_s: float = 5.0):
+    def __init__(self, num_workers: int = 1, timeout_s: float = 10.0, grace_s: float = 5.0,
+                 startup_timeout_s: float = 300.0):
         if num_workers < 1:
             raise ValueError(f"MathVerifyReward(num_workers={num_workers}): must be >= 1")
         if timeout_s <= 0:
@@ -127,6 +164,7 @@ class MathVerifyReward:
         self.num_workers = int(num_workers)
         self.timeout_s = float(timeout_s)
         self.grace_s = float(grace_s)
+        self.startup_timeout_s = float(startup_timeout_s)
         self.num_scored = self.num_timeouts = self.num_errors = self.num_restarts = 0
         self._pool: cf.ProcessPoolExecutor | None = None
 
@@ -140,6 +178,7 @@ class MathVerifyReward:
             ``[len(completions)]`` floats, 1.0 correct / 0.0 otherwise (also 0.0 on timeout/error).
         Raises:
             ValueError: the two lists differ in length.
+            RuntimeError: the worker processes did not start within ``startup_timeout_s``.
         """
         if len(completions) != len(answers):
             raise ValueError(f"MathVerifyReward: {len(completions)} completions but {len(answers)} "
@@ -208,8 +247,6 @@ class MathVerifyReward:
         self.close()
 
     def __del__(self):
-        import sys
-
         if sys.is_finalizing():  # concurrent.futures' own exit hook stops the workers then
             return
         try:
@@ -226,10 +263,25 @@ class MathVerifyReward:
             self.num_errors += 1
 
     def _ensure_pool(self) -> cf.ProcessPoolExecutor:
+        """Start the pool and wait until every worker has imported math-verify, so per-item
+        deadlines measure scoring, not process start-up (seconds on a loaded machine)."""
         if self._pool is None:
-            self._pool = cf.ProcessPoolExecutor(max_workers=self.num_workers,
-                                                mp_context=mp.get_context("spawn"),
-                                                initializer=_worker_init)
+            pool = cf.ProcessPoolExecutor(max_workers=self.num_workers,
+                                          mp_context=mp.get_context("spawn"),
+                                          initializer=_worker_init)
+            # each ready-task holds its worker briefly, so every submit spawns a new worker
+            futs = [pool.submit(_ready, 0.2) for _ in range(self.num_workers)]
+            try:
+                for f in futs:
+                    f.result(timeout=self.startup_timeout_s)
+            except Exception as e:
+                self._pool = pool
+                self._kill_pool()
+                raise RuntimeError(f"MathVerifyReward: worker processes did not start within "
+                                   f"{self.startup_timeout_s:.0f} s ({e!r}); is the machine "
+                                   "overloaded, or does the main script lack an "
+                                   "'if __name__ == \"__main__\":' guard (spawn)?") from e
+            self._pool = pool
         return self._pool
 
     def _kill_pool(self) -> None:

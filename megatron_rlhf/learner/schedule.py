@@ -1,0 +1,163 @@
+"""Run micro-batches through a (possibly pipelined) megatron GPTModel and turn the last stage's
+output into token log-probabilities, with an arbitrary per-micro-batch loss on top.
+
+    run_microbatches(model, mbs, on_logprobs, forward_only=False, pp=2, pg_collection=pg, vocab=...)
+
+* PP > 1: megatron-core's ``get_forward_backward_func`` (1F1B without interleaving) with
+  ``config.variable_seq_lengths = True``, so micro-batches of different lengths and row counts
+  cross the pipeline (p2p sends the shape first). PP = 1: the same forward/loss/backward sequence
+  as megatron's ``forward_backward_no_pipelining`` in a plain loop (that schedule allocates
+  ``device="cuda"`` counters, which on CPU would need the global CUDA->CPU torch-function mode and
+  its ~15 % forward overhead).
+* Token logprobs never gather the vocab: the last stage computes ``vocab_parallel_cross_entropy``
+  on its ``[b, s, V/tp]`` logits (megatron-core 0.16.1 ``tensor_parallel/cross_entropy.py``; only
+  ``[b, s]`` max / sum-exp / target logit are all-reduced over TP). When the vocab was padded for
+  TP (:func:`megatron_rlhf.convert.sharding.padded_vocab_size`) the padded columns are set to
+  ``-inf`` first, so they carry no probability mass and the result equals the unpadded model.
+* ``on_logprobs(k, mb, tok_lp)`` runs on the last pipeline stage only and returns the loss of
+  micro-batch k (a scalar tensor). Like megatron's schedules, the loss is divided by the number of
+  micro-batches before backward; callers scale accordingly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from megatron_rlhf.learner.logprobs import _shift, next_token_labels, position_ids_for
+
+__all__ = ["MicroBatchData", "run_microbatches", "make_microbatch"]
+
+
+@dataclass
+class MicroBatchData:
+    """Tensors of one micro-batch.
+
+    Attributes:
+        input_ids: ``[b, s]`` int64 on the model's device (right-padded, cut to the micro-batch length).
+        rows: row indices of these sequences in the full batch.
+        loss_mask: ``[b, s]`` float32 CPU (completion tokens = 1), or None.
+        extra: any per-micro-batch data the loss needs (e.g. reference logprobs).
+    """
+
+    input_ids: torch.Tensor
+    rows: tuple[int, ...]
+    loss_mask: torch.Tensor | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def make_microbatch(input_ids: torch.Tensor, rows, seq_len: int, device, loss_mask=None,
+                    **extra) -> MicroBatchData:
+    """Cut rows ``rows`` of ``input_ids [B, S]`` (and of ``loss_mask``/``extra`` ``[B, S]`` tensors)
+    to ``seq_len`` columns; columns beyond ``S`` are filled with token 0 / mask 0 (right padding,
+    invisible to the causal logprobs of earlier tokens)."""
+    idx = torch.as_tensor(list(rows), dtype=torch.long)
+
+    def cut(t, fill):
+        t = t.index_select(0, idx)[:, :seq_len]
+        if t.shape[1] < seq_len:
+            t = torch.cat([t, t.new_full((t.shape[0], seq_len - t.shape[1]), fill)], dim=1)
+        return t
+
+    return MicroBatchData(
+        input_ids=cut(input_ids, 0).to(device), rows=tuple(rows),
+        loss_mask=None if loss_mask is None else cut(loss_mask, 0.0),
+        extra={k: (cut(v, 0.0) if torch.is_tensor(v) and v.dim() == 2 else v) for k, v in extra.items()})
+
+
+def _vocab_mask_fn(vocab_size: int, padded_vocab: int, tp_rank: int, tp: int):
+    """None when nothing is padded, else ``logits [b, s, V/tp] -> logits`` with padded columns -inf."""
+    if padded_vocab == vocab_size:
+        return None
+    per = padded_vocab // tp
+    cols = torch.arange(tp_rank * per, (tp_rank + 1) * per)
+    pad = cols >= vocab_size
+    if not bool(pad.any()):
+        return lambda logits: logits
+    return lambda logits: logits.masked_fill(pad.to(logits.device), float("-inf"))
+
+
+def _token_logprobs_from_output(output: torch.Tensor, input_ids: torch.Tensor, mask_fn) -> torch.Tensor:
+    """Last-stage model output -> ``[b, s]`` float32 token logprobs (column 0 = 0).
+
+    ``output`` is the per-token cross entropy ``[b, s]`` (model called with labels) or, with vocab
+    padding, the vocab-parallel logits ``[b, s, V/tp]``.
+    """
+    if mask_fn is None:
+        return _shift(-output.float())
+    from megatron.core import tensor_parallel
+
+    ce = tensor_parallel.vocab_parallel_cross_entropy(mask_fn(output), next_token_labels(input_ids))
+    return _shift(-ce.float())
+
+
+def run_microbatches(model, mbs: list[MicroBatchData],
+                     on_logprobs: Callable[[int, MicroBatchData, torch.Tensor], torch.Tensor | None],
+                     *, forward_only: bool, pp: int, pg_collection, vocab_size: int,
+                     padded_vocab: int, tp_rank: int = 0, tp: int = 1, no_sync=None) -> None:
+    """Forward (and backward unless ``forward_only``) every micro-batch of ``mbs`` in order.
+
+    Args:
+        model: GPTModel or megatron DDP of one (this rank's pipeline stage).
+        mbs: this rank's micro-batches (every stage of a pipeline gets the same list).
+        on_logprobs: ``(k, mb, tok_lp [b, s]) -> scalar loss`` called on the last stage for
+            micro-batch k; with ``forward_only`` its return value is ignored (may be None).
+        forward_only: no backward (and ``torch.no_grad``).
+        pp: pipeline size; pg_collection: megatron ``ProcessGroupCollection`` of this rank.
+        vocab_size, padded_vocab, tp_rank, tp: see module doc (vocab padding mask).
+        no_sync: context-manager factory that defers DP grad reduction (megatron DDP's ``no_sync``;
+            used for all but the last micro-batch when grad-reduce overlap is on), or None.
+    Raises:
+        ValueError: ``mbs`` is empty.
+    """
+    if not mbs:
+        raise ValueError("run_microbatches: no micro-batch given")
+    mask_fn = _vocab_mask_fn(vocab_size, padded_vocab, tp_rank, tp)
+    n = len(mbs)
+    data = iter(list(enumerate(mbs)))
+
+    def forward_step(data_iterator, m):
+        k, mb = next(data_iterator)
+        ids = mb.input_ids
+        kwargs = dict(input_ids=ids, position_ids=position_ids_for(ids), attention_mask=None)
+        if mask_fn is None:
+            kwargs["labels"] = next_token_labels(ids)
+        output = m(**kwargs)
+
+        def loss_func(out):
+            tok = _token_logprobs_from_output(out, ids, mask_fn)
+            loss = on_logprobs(k, mb, tok)
+            if loss is None or forward_only:
+                loss = tok.sum() * 0.0
+            return loss, {}
+
+        return output, loss_func
+
+    grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
+    with grad_ctx:
+        if pp == 1:
+            for k in range(n):
+                sync_ctx = no_sync() if (no_sync is not None and not forward_only and k < n - 1) \
+                    else contextlib.nullcontext()
+                with sync_ctx:
+                    out, loss_func = forward_step(data, model)
+                    loss, _ = loss_func(out)
+                    if not forward_only:
+                        (loss / n).backward()
+            return
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+        inner = getattr(model, "module", model)
+        config = inner.config
+        if not config.variable_seq_lengths:
+            raise ValueError("run_microbatches: PP > 1 needs TransformerConfig.variable_seq_lengths=True")
+        fb = get_forward_backward_func(pp_size=pp)
+        fb(forward_step_func=forward_step, data_iterator=data, model=[model], num_microbatches=n,
+           seq_length=max(mb.input_ids.shape[1] for mb in mbs),
+           micro_batch_size=max(mb.input_ids.shape[0] for mb in mbs), forward_only=forward_only,
+           p2p_communicator=P2PCommunicator(pp_group=pg_collection.pp, config=config),
+           pg_collection=pg_collection)

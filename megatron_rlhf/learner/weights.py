@@ -1,0 +1,282 @@
+"""Sharded weight I/O of one learner rank: load its TP/PP shards from an HF folder, and stream the
+full HF-named tensors of its pipeline stage out (gathered over its TP group), one tensor at a time.
+
+No function here ever holds more than one full tensor (plus one bucket / shard file) beyond the
+model itself, so loading, weight sync and HF export scale to models that fill the learner:
+
+* :func:`load_hf_weights`: every rank reads only the HF tensors of its own layers
+  (:class:`~megatron_rlhf.convert.sharding.HFCheckpointReader`), fuses and shards them.
+* :func:`iter_stage_hf_tensors`: on every TP rank of a stage (a collective over the TP group: all
+  TP ranks must call it together); TP rank 0 receives each tensor's shards
+  (``torch.distributed.gather``), un-shards, converts to HF names and yields CPU tensors; the
+  other TP ranks yield nothing.
+* :func:`buckets`: groups ``(name, tensor)`` into dicts of at most ``bucket_bytes``.
+* :func:`write_hf_shards` / :func:`finalize_hf_folder`: safetensors shard files per stage, then
+  the HF names (``model.safetensors`` or ``model-0000k-of-0000n.safetensors`` + index).
+
+Name handling: megatron names carry *local* layer indices on a pipeline stage; the global index
+is ``layer.layer_number - 1`` (megatron's ``TransformerLayer.layer_number`` is global, 1-based).
+Under PP with tied embeddings the last stage holds a copy of the word embeddings as
+``output_layer.weight`` (megatron keeps the copies equal by reducing their grads over the
+embedding group); it loads from the embedding and is never exported (HF tied checkpoints have no
+``lm_head.weight``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+
+from megatron_rlhf.convert.llama import ParamRule, align_names
+from megatron_rlhf.convert.sharding import (HFCheckpointReader, fuse_hf, iter_rules, shard,
+                                            split_to_hf, unshard)
+
+__all__ = ["LocalTensor", "local_tensors", "load_hf_weights", "iter_stage_hf_tensors", "buckets",
+           "write_hf_shards", "prepare_hf_dir", "finalize_hf_folder"]
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json",
+                    ".pt", ".pth", ".gguf")
+
+
+@dataclass(frozen=True)
+class LocalTensor:
+    """One tensor of this rank's model and where it sits in the full model.
+
+    Attributes:
+        name: the model's own (local) state-dict name.
+        tensor: the live parameter/buffer (this rank's TP shard).
+        rule: mapping rule (:class:`~megatron_rlhf.convert.llama.ParamRule`).
+        mcore: global megatron name (local-spec naming, global layer index).
+        hf_names: HF tensors it is made of.
+        tied_copy: the last stage's copy of tied word embeddings (load only, never exported).
+    """
+
+    name: str
+    tensor: torch.Tensor
+    rule: ParamRule
+    mcore: str
+    hf_names: tuple[str, ...]
+    tied_copy: bool = False
+
+
+def _named_tensors(model) -> dict[str, torch.Tensor]:
+    model = getattr(model, "module", model)  # unwrap megatron DDP
+    return {k: v for k, v in model.state_dict(keep_vars=True).items()
+            if torch.is_tensor(v) and not k.endswith("_extra_state")}
+
+
+def _layer_offset(model) -> int:
+    model = getattr(model, "module", model)
+    layers = getattr(getattr(model, "decoder", None), "layers", None)
+    return int(layers[0].layer_number) - 1 if layers is not None and len(layers) else 0
+
+
+def local_tensors(model, hf_config) -> list[LocalTensor]:
+    """This rank's tensors with their rules, in HF checkpoint order (the tied copy last).
+
+    Args:
+        model: GPTModel (or megatron DDP of one) of this rank.
+        hf_config: HF config of the model.
+    Raises:
+        KeyError: a model tensor has no rule (names it), i.e. the model and table disagree.
+    """
+    table = {m: (k, r, tuple(h)) for k, (r, m, h) in enumerate(iter_rules(hf_config))}
+    offset = _layer_offset(model)
+    tensors = _named_tensors(model)
+    global_names = {}
+    for name in tensors:
+        g = name
+        if name.startswith("decoder.layers."):
+            parts = name.split(".")
+            parts[2] = str(int(parts[2]) + offset)
+            g = ".".join(parts)
+        global_names[g] = name
+    aligned = align_names(global_names, table.keys())  # TE-spec norm names -> table names
+    out = []
+    for g, name in aligned.items():
+        if g in table:
+            k, rule, hf = table[g]
+            out.append((k, LocalTensor(name, tensors[name], rule, g, hf)))
+        elif g == "output_layer.weight" and "embedding.word_embeddings.weight" in table:
+            k, rule, hf = table["embedding.word_embeddings.weight"]  # tied copy on the last stage
+            out.append((len(table), LocalTensor(name, tensors[name], rule, g, hf, tied_copy=True)))
+        else:
+            raise KeyError(f"model tensor {name!r} (global {g!r}) has no conversion rule for "
+                           f"model_type={hf_config.model_type!r}")
+    return [t for _, t in sorted(out, key=lambda x: x[0])]
+
+
+@torch.no_grad()
+def load_hf_weights(model, model_dir: str | Path, hf_config, *, tp_rank: int = 0, tp: int = 1,
+                    padded_vocab: int | None = None) -> int:
+    """Copy this rank's shards of the HF checkpoint in ``model_dir`` into ``model``.
+
+    Args:
+        model: GPTModel of this rank (TP rank ``tp_rank`` of ``tp``; any pipeline stage).
+        model_dir: HF folder with safetensors weights.
+        hf_config: its config.
+        padded_vocab: vocab rows of the model (:func:`~megatron_rlhf.convert.sharding.padded_vocab_size`).
+    Returns:
+        number of tensors loaded.
+    Raises:
+        KeyError: an HF tensor is missing; ValueError: a shard's shape differs from the model's.
+    """
+    reader = HFCheckpointReader(model_dir)
+    n = 0
+    for lt in local_tensors(model, hf_config):
+        full = fuse_hf(lt.rule, [reader.get(h) for h in lt.hf_names], hf_config,
+                       padded_vocab=padded_vocab)
+        part = shard(lt.rule, full, tp_rank, tp)
+        if tuple(part.shape) != tuple(lt.tensor.shape):
+            raise ValueError(f"load_hf_weights: {lt.name} (from {list(lt.hf_names)}) has shard "
+                             f"shape {tuple(part.shape)}, model expects {tuple(lt.tensor.shape)} "
+                             f"(TP rank {tp_rank} of {tp})")
+        lt.tensor.copy_(part)
+        n += 1
+    return n
+
+
+def _source(lt: LocalTensor, what: str) -> torch.Tensor:
+    if what == "param":
+        return lt.tensor.detach()
+    g = getattr(lt.tensor, "main_grad", None)
+    g = g if g is not None else lt.tensor.grad
+    return torch.zeros_like(lt.tensor) if g is None else g.detach()
+
+
+@torch.no_grad()
+def iter_stage_hf_tensors(model, hf_config, *, tp_group=None, what: str = "param"
+                          ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full HF-named tensors of this pipeline stage, gathered over the TP group (see module doc).
+
+    Args:
+        model: this rank's GPTModel (or DDP of one).
+        hf_config: HF config.
+        tp_group: the TP process group (None or size 1: no communication).
+        what: ``param`` (weights) or ``grad`` (megatron DDP's ``main_grad`` after a backward,
+            else ``.grad``; zeros when absent) - gradients convert like weights because the
+            HF <-> megatron maps are linear re-arrangements.
+    Yields:
+        on TP rank 0: ``(hf_name, contiguous CPU tensor)`` never sharing storage with the model;
+        on other TP ranks: nothing (they only send their shards).
+    Raises:
+        ValueError: ``what`` is not param/grad.
+    """
+    import torch.distributed as dist
+
+    if what not in ("param", "grad"):
+        raise ValueError(f"iter_stage_hf_tensors(what={what!r}): expected 'param' or 'grad'")
+    tp = 1 if tp_group is None else dist.get_world_size(tp_group)
+    me = 0 if tp_group is None else dist.get_rank(tp_group)
+    for lt in local_tensors(model, hf_config):
+        if lt.tied_copy:
+            continue
+        local = _source(lt, what)
+        if tp > 1 and lt.rule.tp != "replicated":
+            local = local.contiguous()
+            parts = [torch.empty_like(local) for _ in range(tp)] if me == 0 else None
+            dist.gather(local, parts, dst=dist.get_global_rank(tp_group, 0), group=tp_group)
+            if me != 0:
+                continue
+            full = unshard(lt.rule, [p.cpu() for p in parts])
+        elif me != 0:
+            continue
+        else:
+            full = local
+        for hf_name, t in split_to_hf(lt.rule, lt.hf_names, full, hf_config):
+            cpu = t.detach().to("cpu")
+            if cpu.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+                cpu = cpu.clone()  # never hand out views of live parameters
+            yield hf_name, cpu.contiguous()
+
+
+def buckets(items: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+            ) -> Iterator[dict[str, torch.Tensor]]:
+    """Group ``(name, tensor)`` into dicts of at most ``bucket_bytes`` (a larger tensor gets its
+    own bucket), lazily: the caller can ship each bucket before the next is built."""
+    bucket: dict[str, torch.Tensor] = {}
+    size = 0
+    for name, t in items:
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = {}, 0
+        bucket[name] = t
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def write_hf_shards(items: Iterable[tuple[str, torch.Tensor]], folder: str | Path, prefix: str,
+                    max_shard_bytes: int) -> list[dict]:
+    """Write ``items`` as safetensors files ``<folder>/<prefix>-<k>.safetensors`` of at most
+    ``max_shard_bytes`` each (one bucket in memory at a time).
+
+    Returns:
+        ``[{"file": name, "names": [...], "bytes": int}]`` in write order.
+    """
+    from safetensors.torch import save_file
+
+    out = []
+    for k, bucket in enumerate(buckets(items, max_shard_bytes)):
+        fname = f"{prefix}-{k:05d}.safetensors"
+        save_file(bucket, str(Path(folder) / fname), metadata={"format": "pt"})
+        out.append({"file": fname, "names": list(bucket),
+                    "bytes": sum(t.numel() * t.element_size() for t in bucket.values())})
+    return out
+
+
+def prepare_hf_dir(out_dir: str | Path) -> Path:
+    """Create and return an empty temporary sibling of ``out_dir`` for :func:`finalize_hf_folder`.
+
+    Raises:
+        FileExistsError: ``out_dir`` exists and is not empty.
+    """
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"export_hf: {out} exists and is not empty; pass a new folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+
+
+def finalize_hf_folder(tmp: str | Path, out_dir: str | Path, base_model_dir: str | Path,
+                       shards: list[dict]) -> None:
+    """Turn ``tmp`` (shard files from :func:`write_hf_shards`, in HF order) into the HF folder
+    ``out_dir``: rename to ``model.safetensors`` (one shard) or ``model-0000k-of-0000n.safetensors``
+    plus ``model.safetensors.index.json``, copy every non-weight file of ``base_model_dir``
+    (config, tokenizer, chat template, generation config), then rename ``tmp`` to ``out_dir``
+    (atomic on one filesystem). ``tmp`` is removed on failure.
+
+    Raises:
+        FileExistsError: ``out_dir`` exists and is not empty.
+    """
+    tmp, out, base = Path(tmp), Path(out_dir), Path(base_model_dir)
+    try:
+        n = len(shards)
+        weight_map, total = {}, 0
+        for i, s in enumerate(shards):
+            final = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.rename(tmp / s["file"], tmp / final)
+            weight_map.update({name: final for name in s["names"]})
+            total += s["bytes"]
+        if n > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        for f in base.iterdir():
+            if f.is_file() and not f.name.startswith(".") and not f.name.endswith(_WEIGHT_SUFFIXES):
+                shutil.copy2(f, tmp / f.name)
+        if out.exists():
+            if any(out.iterdir()):
+                raise FileExistsError(f"export_hf: {out} exists and is not empty; pass a new folder")
+            out.rmdir()
+        os.rename(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
