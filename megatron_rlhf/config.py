@@ -125,7 +125,7 @@ class TaskConfig:
     weight: float = 1.0
     """Share of trained pairs per batch."""
     instruction: str = ("Solve the problem. Think step by step, then give the final answer as a "
-                        "number after '####', e.g. '#### 42'.")
+                        "number on the last line after '####'.")
     """Appended to every prompt (after a blank line) before the chat template is applied."""
 
     def __post_init__(self):
@@ -159,10 +159,28 @@ class GeneratorConfig:
     kv_cache_gib: float = 0.25
     """KV-cache size on CPU (vLLM needs it given explicitly there)."""
     transport: str = "object_store"
-    """Weight-sync transport: ``object_store`` (Ray object store; CPU and small models)."""
+    """Weight-sync transport (``megatron_rlhf.generator.weight_sync``): ``object_store`` (HF-named
+    buckets through Ray's object store; CPU and small models), ``filesystem`` (safetensors shards
+    in ``<run>/weight_sync/v<N>/``, for nodes that share storage but no NCCL fabric) or ``nccl``
+    (GPU only: broadcast over a process group of the exporting learner rank and every vLLM worker)."""
     cpu_core: int = 0
-    """CPU only: the core the generator is pinned to (the learner gets the next one), so the
-    overlap of generation and training is real; -1 disables pinning."""
+    """CPU only: generator i is pinned to core ``cpu_core + i`` and the learner to core
+    ``cpu_core + num_workers`` (modulo the cores available), so the overlap of generation and
+    training is real; -1 disables pinning (use it when there are fewer cores than processes)."""
+    inflight_updates: bool = False
+    """Push a newer published weight version to a worker between its generate requests, not only at
+    batch boundaries. A batch may then span several versions; every completion records its
+    version and the batch's staleness counts from the oldest one."""
+    check_weight_sync: bool = False
+    """After every weight push, compare each worker's teacher-forced logprobs of a fixed probe
+    sequence with the learner's (same version) and raise ``WeightSyncError`` beyond
+    ``check_weight_sync_tol`` (catches stale weights: a skipped push, a kept prefix cache)."""
+    check_weight_sync_tol: float = 1e-3
+    """Largest allowed |vLLM - learner| token logprob (nats) of the probe: about 1e-3 for fp32;
+    bf16 needs about 5e-2."""
+    max_restarts: int = 3
+    """Times Ray restarts a dead generator worker (each restart reloads the model, receives the
+    current weights and redoes the worker's unfinished prompts); beyond it the run stops."""
 
     def __post_init__(self):
         _check(self.num_workers >= 1, "generators.num_workers", self.num_workers, "an integer >= 1")
@@ -179,8 +197,11 @@ class GeneratorConfig:
                self.max_num_batched_tokens, ">= 1")
         _check(self.prompts_per_request >= 1, "generators.prompts_per_request",
                self.prompts_per_request, "an integer >= 1")
-        _check(self.transport in ("object_store", "nccl"), "generators.transport", self.transport,
-               "one of: object_store, nccl")
+        _check(self.transport in ("object_store", "filesystem", "nccl"), "generators.transport",
+               self.transport, "one of: object_store, filesystem, nccl")
+        _check(self.check_weight_sync_tol > 0, "generators.check_weight_sync_tol",
+               self.check_weight_sync_tol, "a number > 0 (nats)")
+        _check(self.max_restarts >= 0, "generators.max_restarts", self.max_restarts, "an integer >= 0")
 
 
 @dataclass(kw_only=True)
@@ -267,12 +288,27 @@ class AsyncConfig:
     sync: bool = False
     """``true``: on-policy baseline (generate, train, push; staleness always 0)."""
     max_staleness: int = 1
-    """Batch k is generated with weights of version >= k - max_staleness (1 = one-step async)."""
+    """Batch k is generated with weights of version >= k - max_staleness (1 = one-step async);
+    a sample whose staleness (learner version at train time - generating version) exceeds it is
+    dropped and counted (Online DPO has no importance correction). Must be >= ``sync_interval``."""
+    sync_interval: int = 1
+    """Push weights to the generators every s learner batches: 1 = online, larger = semi-online
+    (Lanchantin et al. 2025); also the off-policyness N of Noukhovitch et al. 2024. Staleness then
+    reaches s."""
     timeout_s: float = 1800.0
     """Upper bound of any single remote wait (seconds); nothing waits forever."""
 
     def __post_init__(self):
         _check(self.max_staleness >= 0, "async.max_staleness", self.max_staleness, ">= 0")
+        _check(self.sync_interval >= 1, "async.sync_interval", self.sync_interval, "an integer >= 1")
+        if self.sync:
+            _check(self.sync_interval == 1, "async.sync_interval", self.sync_interval,
+                   "1 when async.sync is true (on-policy pushes after every batch); for "
+                   "semi-online training set async.sync=false and async.max_staleness >= sync_interval")
+        else:
+            _check(self.max_staleness >= self.sync_interval, "async.max_staleness", self.max_staleness,
+                   f">= async.sync_interval ({self.sync_interval}): weights arrive only every "
+                   "sync_interval batches, so a smaller bound would wait forever")
         _check(self.timeout_s > 0, "async.timeout_s", self.timeout_s, "> 0")
 
     @property

@@ -28,13 +28,14 @@ def process_env(tmp_dir: str | None = None) -> dict[str, str]:
         "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"),
         "VLLM_CONFIGURE_LOGGING": "1",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "HF_DATASETS_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
-        "PYTHONWARNINGS": "ignore::DeprecationWarning,ignore::FutureWarning",
+        "PYTHONWARNINGS": os.environ.get(
+            "PYTHONWARNINGS", "ignore::DeprecationWarning,ignore::FutureWarning,ignore::UserWarning"),
     }
     if tmp_dir:
         env.update({"TMPDIR": tmp_dir, "VLLM_RPC_BASE_PATH": tmp_dir,
@@ -62,7 +63,15 @@ def pin_to_core(core: int) -> None:
     if core < 0 or not hasattr(os, "sched_setaffinity"):
         return
     cores = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cores[core % len(cores)]})
+    target = {cores[core % len(cores)]}
+    # sched_setaffinity(0) binds only the calling thread: bind every existing thread of the
+    # process too (Ray's and gRPC's threads started before this call); later threads inherit it.
+    tids = os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["0"]
+    for tid in tids:
+        try:
+            os.sched_setaffinity(int(tid), target)
+        except OSError:  # a thread that exited meanwhile
+            pass
     import torch
 
     torch.set_num_threads(1)

@@ -2,7 +2,7 @@
 """Train a Bradley-Terry reward model on preference pairs, on CPU in a few minutes.
 
     python tools/train_reward_model.py --out runs/rm_smollm2     # the CPU demo's reward model (defaults:
-        # SmolLM2-135M first 8 layers, 2000 train / 500 held-out pairs, 128 tokens, seed 0)
+        # SmolLM2-135M first 8 layers, 1000 train / 500 held-out pairs, 128 tokens, seed 0)
     python tools/train_reward_model.py --out DIR --base PATH_TO_HF_MODEL --train-pairs 4000 \\
         --eval-pairs 1000 --max-len 256 --layers 0 --data ../shared/data/preferences
 
@@ -257,7 +257,7 @@ def resolve_base(base: str, cache_dir: str) -> Path:
 
 
 def train_reward_model(*, out: str, base: str = "smollm2", data: list[str] | None = None,
-                       train_pairs: int = 2000, eval_pairs: int = 500, max_len: int = 128, layers: int = 8,
+                       train_pairs: int = 1000, eval_pairs: int = 500, max_len: int = 128, layers: int = 8,
                        seed: int = 0, cache_dir: str = "~/.cache/megatron_rlhf",
                        feature_cache_dir: str | None = None, batch_size: int = 16,
                        threads: int = 0, wd_grid: tuple[float, ...] = (1e-3, 1e-2, 1e-1, 1.0)) -> dict:
@@ -380,7 +380,7 @@ def main(argv=None) -> int:
     ap.add_argument("--base", default="smollm2", help="'smollm2' (packaged SmolLM2-135M-Instruct) or an HF folder")
     ap.add_argument("--data", nargs="+", default=None,
                     help=f"preference files or folders (default {DEFAULT_DATA})")
-    ap.add_argument("--train-pairs", type=int, default=2000)
+    ap.add_argument("--train-pairs", type=int, default=1000)
     ap.add_argument("--eval-pairs", type=int, default=500)
     ap.add_argument("--max-len", type=int, default=128, help="tokens per sequence (cut from the left)")
     ap.add_argument("--layers", type=int, default=8, help="keep the first N transformer layers (0 = all)")

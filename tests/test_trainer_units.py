@@ -1,0 +1,76 @@
+"""Trainer pieces without actors: the weight handshake, the run summary, the metrics contract."""
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_rlhf.trainer.metrics import REQUIRED_KEYS, MetricsLogger, summarize
+from megatron_rlhf.trainer.rollout import PublishedWeights, WeightChannel
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_handshake_blocks_until_the_needed_version_is_published():
+    ch = WeightChannel(PublishedWeights(version=0))
+    assert ch.wait_for(0, timeout_s=1).version == 0          # version 0 is there from the start
+    got = {}
+
+    def waiter():
+        got["w"] = ch.wait_for(2, timeout_s=10)
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    ch.publish(PublishedWeights(version=1))
+    time.sleep(0.2)
+    assert t.is_alive()                                       # version 1 is not enough
+    ch.publish(PublishedWeights(version=2, export_s=0.5))
+    t.join(timeout=5)
+    assert got["w"].version == 2 and got["w"].export_s == 0.5
+    ch.publish(PublishedWeights(version=1))                   # an older version never replaces a newer one
+    assert ch.latest().version == 2
+
+
+def test_handshake_timeout_and_close():
+    ch = WeightChannel(PublishedWeights(version=0))
+    with pytest.raises(TimeoutError, match="async.timeout_s"):
+        ch.wait_for(1, timeout_s=0.2)
+    ch.close()
+    assert ch.wait_for(5, timeout_s=1) is None
+
+
+def _row(step, **kw):
+    row = {k: 0.0 for k in REQUIRED_KEYS}
+    row.update(step=step, **kw)
+    return row
+
+
+def test_summary_speedup_is_serial_over_wall():
+    rows = [_row(1, **{"reward/mean": 0.1, "time/gen_s": 10.0, "time/train_s": 4.0, "time/sync_s": 1.0,
+                       "pairs/count": 2, "pairs/skipped_prompts": 6, "prompts/drawn": 8}),
+            _row(2, **{"reward/mean": 0.3, "time/gen_s": 10.0, "time/train_s": 4.0, "time/sync_s": 1.0,
+                       "pairs/count": 2, "pairs/skipped_prompts": 2, "prompts/drawn": 4})]
+    s = summarize(rows, wall_s=20.0, edge=1)
+    assert s["async_speedup"] == pytest.approx(30.0 / 20.0)
+    assert s["reward_first"] == pytest.approx(0.1) and s["reward_last"] == pytest.approx(0.3)
+    assert (s["pairs_formed"], s["prompts_skipped"], s["prompts_drawn"]) == (4, 8, 12)
+
+
+def test_metrics_logger_requires_the_contract_keys(tmp_path):
+    from megatron_rlhf.config import LoggingConfig
+
+    log = MetricsLogger(tmp_path, LoggingConfig())
+    log.log(_row(1, **{"loss/total": float("nan")}))
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["loss/total"] is None   # NaN -> null
+    with pytest.raises(ValueError, match="staleness/max"):
+        log.log({"step": 2})
+
+
+def test_train_cli_reports_config_errors_before_any_work(tmp_path, capsys):
+    import train
+
+    cfg = Path(__file__).resolve().parents[1] / "configs" / "cpu_demo.yaml"
+    assert train.main(["--config", str(cfg), "algorithm.beta=0"]) == 2
+    assert "algorithm.beta" in capsys.readouterr().err
