@@ -1,33 +1,39 @@
 #!/usr/bin/env python
 """Train a Bradley-Terry reward model on preference pairs, on CPU in a few minutes.
 
-    python tools/train_reward_model.py --out runs/rm_smollm2     # the CPU demo's reward model (defaults:
-        # SmolLM2-135M first 8 layers, 1000 train / 500 held-out pairs, 128 tokens, seed 0)
+    python tools/train_reward_model.py --out runs/rm_smollm2     # the CPU demo's reward model (defaults
+        # below: SmolLM2-135M-Instruct first 8 layers, features of layers 4 and 8, 128 tokens, seed 0)
     python tools/train_reward_model.py --out DIR --base PATH_TO_HF_MODEL --train-pairs 4000 \\
-        --eval-pairs 1000 --max-len 256 --layers 0 --data ../shared/data/preferences
+        --eval-pairs 1000 --max-len 256 --layers 0 --feature-layers 12,24 --data ../shared/data/preferences
 
 What it does (honest summary):
-* Model: ``AutoModelForSequenceClassification(num_labels=1)`` built from the base causal LM
-  (default SmolLM2-135M-Instruct via ``megatron_rlhf.convert.gguf.ensure_smollm2_hf``), keeping the
-  first ``--layers`` transformer layers (0 = all) and the final norm; the reward is a bias-free
-  linear head on the final hidden state at the end-of-turn token
-  (``megatron_rlhf.rewards.reward_model.encode_for_reward``).
-* Only the head is trained. A full fine-tune costs ~2 s per forward+backward of 4x69 tokens on
-  2 CPU cores, so the frozen trunk's features are extracted once (forward only), cached as
-  safetensors keyed by (base model, layers, data files, max length), and the head is fit on them:
-  Bradley-Terry loss ``-log sigmoid(r_c - r_r)`` (Bradley & Terry 1952; Ouyang et al. 2022 eq. 1)
-  + L2, i.e. logistic regression on standardised feature differences, full-batch L-BFGS; the L2
-  strength is picked by group-wise 4-fold cross-validation on the training pairs only.
+* Model: the base causal LM's trunk (``AutoModel``; default SmolLM2-135M-Instruct via
+  ``megatron_rlhf.convert.gguf.ensure_smollm2_hf``) cut to its first ``--layers`` layers (0 = all),
+  frozen. Features (``megatron_rlhf.rewards.reward_model.reward_features``, the function the
+  serving :class:`RewardModel` uses too): for each ``--feature-layers`` hidden state, the state at
+  the end-of-turn token and the mean over the reply's tokens (``--pooling``), plus
+  ``log(1 + reply tokens)`` unless ``--no-length-feature`` (reply length is a real signal in these
+  labels -- longer answers win most AlpacaEval/DOVE pairs, shorter ones most HH-harmless pairs --
+  and the report states the "longer reply wins" baseline next to the model's accuracy).
+* Only a linear head on the standardised features is trained. A full fine-tune costs ~2 s per
+  forward+backward of 4x69 tokens on 2 CPU cores, so the frozen trunk's features are extracted once
+  (forward only), cached as safetensors keyed by (base model, layers, feature spec, data files, max
+  length, encoding), and the head is fit on them: Bradley-Terry loss ``-log sigmoid(r_c - r_r)``
+  (Bradley & Terry 1952; Ouyang et al. 2022 eq. 1) + L2, i.e. logistic regression on feature
+  differences, full-batch L-BFGS; the L2 strength is picked by group-wise 4-fold cross-validation
+  on the training pairs only (the held-out split is never used to choose anything).
 * Data: preference files (``hh_rlhf``, ``dove``, ``alpaca_eval`` formats, see
   ``megatron_rlhf.data.preferences``), default ``../shared/data/preferences`` relative to the repo
   (AlpacaEval annotations are CC BY-NC 4.0: read there, never copied). Split by prompt group with a
   fixed seed so no prompt is on both sides; sequences longer than ``--max-len`` tokens are cut from
-  the left (the reply's end, where the reward is read, is kept).
-* Output: ``--out`` holds an HF folder (config, safetensors, tokenizer + chat template) that
-  ``AutoModelForSequenceClassification`` and ``megatron_rlhf.rewards.reward_model.RewardModel``
-  load, and ``rm_report.json`` (n, held-out pairwise accuracy, its standard error
-  sqrt(p(1-p)/n), per-source accuracy, timings, cache path). The saved model is reloaded and
-  re-scored on some held-out pairs as a check of the cached-feature path.
+  the left (the reply's end is kept; the length feature counts the untruncated reply).
+* Output: ``--out`` holds the trunk (HF ``AutoModel`` folder + tokenizer with chat template) and
+  the head (``reward_head.json``: feature spec, max length, report summary;
+  ``reward_head.safetensors``: ``mean``, ``std``, ``weight``), loaded by
+  ``megatron_rlhf.rewards.reward_model.RewardModel``; and ``rm_report.json`` (n, held-out pairwise
+  accuracy, its standard error sqrt(p(1-p)/n), per-source accuracy, the length baseline, timings
+  incl. CPU seconds, cache path). The saved folder is reloaded and a few held-out pairs are
+  re-scored from their text, checking that serving features and rewards equal the training ones.
 """
 
 from __future__ import annotations
@@ -44,44 +50,75 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "preferences"
-ENCODING_VERSION = "v1:template+strip+eos,left-trunc"
+ENCODING_VERSION = "v2:template+strip+eos,left-trunc,reply-len"
+DEFAULTS = dict(train_pairs=1500, eval_pairs=500, max_len=128, layers=8, feature_layers=(4, 8),
+                poolings=("last", "reply_mean"), length_feature=True, length_interactions=True)
+"""Defaults of the CPU demo's reward model (see the README section on the reward model)."""
 
 
 # ----------------------------------------------------------------------------- data
-def build_pairs(tokenizer, data: list[str], num_train: int, num_eval: int, max_len: int, seed: int):
+def build_pairs(tokenizer, data: list[str], num_train: int, num_eval: int, max_len: int, seed: int,
+                sources: tuple[str, ...] = ()):
     """Load preference files, split by prompt group, and encode (chosen, rejected) token ids.
 
+    Args:
+        tokenizer: the base model's tokenizer (chat template).
+        data: preference files or folders.
+        num_train: training pairs kept (the first ``num_train`` of the shuffled training side).
+        num_eval: held-out pairs (at least; whole prompt groups).
+        max_len: sequences are cut from the left to this many tokens.
+        seed: split seed.
+        sources: keep only these formats (``hh_rlhf``/``dove``/``alpaca_eval``); empty = all.
     Returns:
-        ``(train, eval, counts, truncated)``: lists of dicts ``{uid, source, chosen_ids, rejected_ids}``
-        (ids ``[<= max_len]``), per-file counts, and the number of sequences cut to ``max_len``.
+        ``(train, eval, counts, truncated)``: lists of dicts ``{uid, source, group, prompt, chosen,
+        rejected, chosen_ids, rejected_ids, chosen_reply, rejected_reply, longer_chosen}`` (ids
+        ``[<= max_len]``, ``*_reply`` = untruncated reply tokens incl. eos), per-file counts, and
+        the number of sequences cut to ``max_len``.
     Raises:
-        ValueError: not enough pairs for ``num_train + num_eval``.
+        ValueError: not enough pairs for ``num_train + num_eval``, or an unknown source.
     """
-    from megatron_rlhf.data.preferences import load_preference_files, split_by_group
-    from megatron_rlhf.rewards.reward_model import encode_for_reward
+    from megatron_rlhf.data.preferences import PREFERENCE_FORMATS, load_preference_files, split_by_group
+    from megatron_rlhf.rewards.reward_model import encode_reward_parts
 
+    bad = [s for s in sources if s not in PREFERENCE_FORMATS]
+    if bad:
+        raise ValueError(f"--sources {bad}: expected names among {sorted(PREFERENCE_FORMATS)}")
     examples, counts = load_preference_files(data)
+    if sources:
+        examples = [e for e in examples if e.source in sources]
     if len(examples) < num_train + num_eval:
         raise ValueError(f"--train-pairs {num_train} + --eval-pairs {num_eval} exceed the {len(examples)} "
-                         f"usable pairs in {data}")
+                         f"usable pairs in {data} (sources {list(sources) or 'all'})")
     train_ex, eval_ex = split_by_group(examples, num_eval, seed)
     train_ex = train_ex[:num_train]
     digests: dict[str, str] = {}
     truncated = 0
 
-    def enc(ex):
+    def enc(exs):
+        # == encode_reward_parts(tokenizer, prompt, reply) per reply (the template is applied once per
+        # pair and the replies are tokenised in one batched call, which is much faster)
         nonlocal truncated
-        if ex.file not in digests:
-            digests[ex.file] = _sha256_file(Path(ex.file))[:16]
-        out = {"uid": f"{digests[ex.file]}:{ex.index}", "source": ex.source, "group": ex.group,
-               "longer_chosen": len(ex.chosen) > len(ex.rejected)}
-        for key, reply in (("chosen_ids", ex.chosen), ("rejected_ids", ex.rejected)):
-            ids = encode_for_reward(tokenizer, list(ex.prompt), reply)
-            truncated += len(ids) > max_len
-            out[key] = ids[-max_len:]
-        return out
+        replies = tokenizer([r.strip() for ex in exs for r in (ex.chosen, ex.rejected)],
+                            add_special_tokens=False)["input_ids"]
+        eos = [int(tokenizer.eos_token_id)]
+        outs = []
+        for i, ex in enumerate(exs):
+            if ex.file not in digests:
+                digests[ex.file] = _sha256_file(Path(ex.file))[:16]
+            out = {"uid": f"{digests[ex.file]}:{ex.index}", "source": ex.source, "group": ex.group,
+                   "prompt": list(ex.prompt), "chosen": ex.chosen, "rejected": ex.rejected,
+                   "longer_chosen": len(ex.chosen) > len(ex.rejected)}
+            p_ids = encode_reward_parts(tokenizer, list(ex.prompt), "")[0]
+            for j, key in enumerate(("chosen", "rejected")):
+                r_ids = list(replies[2 * i + j]) + eos
+                ids = p_ids + r_ids
+                truncated += len(ids) > max_len
+                out[key + "_ids"] = ids[-max_len:]
+                out[key + "_reply"] = len(r_ids)
+            outs.append(out)
+        return outs
 
-    return [enc(e) for e in train_ex], [enc(e) for e in eval_ex], counts, truncated
+    return enc(train_ex), enc(eval_ex), counts, truncated
 
 
 def _sha256_file(path: Path) -> str:
@@ -93,40 +130,41 @@ def _sha256_file(path: Path) -> str:
 
 
 # ----------------------------------------------------------------------------- features
-def cache_key(base_dir: Path, layers: int, max_len: int, data_files: list[Path]) -> str:
-    """Hex key of (base model config+weights, layers, max length, data file contents, encoding)."""
+def cache_key(base_dir: Path, layers: int, max_len: int, data_files: list[Path], spec) -> str:
+    """Hex key of (base model config+weights, trunk depth, feature spec, max length, data, encoding)."""
     h = hashlib.sha256()
     h.update((base_dir / "config.json").read_bytes())
     for w in sorted(base_dir.glob("*.safetensors")):
         st = w.stat()
         h.update(f"{w.name}:{st.st_size}:{int(st.st_mtime)}".encode())
-    h.update(f"layers={layers};max_len={max_len};{ENCODING_VERSION}".encode())
+    h.update(f"layers={layers};max_len={max_len};{ENCODING_VERSION};{json.dumps(spec.to_dict())}".encode())
     for f in sorted(data_files):
         h.update(_sha256_file(f).encode())
     return h.hexdigest()[:24]
 
 
-def extract_features(trunk, pairs: list[dict], cache_file: Path, pad_id: int, batch_size: int
+def extract_features(trunk, pairs: list[dict], cache_file: Path, pad_id: int, batch_size: int, spec
                      ) -> tuple[dict, int]:
-    """Final hidden state at the last token of every chosen/rejected sequence, cached on disk.
+    """:func:`reward_features` of every chosen/rejected sequence, cached on disk.
 
     Args:
-        trunk: the (truncated) base model returning ``last_hidden_state [B, S, H]``.
-        pairs: dicts with ``uid``, ``chosen_ids``, ``rejected_ids``.
-        cache_file: safetensors file with tensors ``chosen``/``rejected`` ``[M, H]`` and metadata
+        trunk: the (truncated) base model (``AutoModel``).
+        pairs: dicts with ``uid``, ``{chosen,rejected}_ids`` and ``{chosen,rejected}_reply``.
+        cache_file: safetensors file with tensors ``chosen``/``rejected`` ``[M, D]`` and metadata
             ``uids`` (JSON list); missing uids are computed and the file is rewritten atomically
             every minute and at the end, so an interrupted run resumes where it stopped.
         pad_id: right-padding id (pooling uses the attention mask, so its value does not matter).
         batch_size: sequences per forward pass.
+        spec: the :class:`FeatureSpec`.
     Returns:
-        ``({uid: (chosen [H], rejected [H])}`` float32 tensors for every pair, number of pairs whose
+        ``({uid: (chosen [D], rejected [D])}`` float32 tensors for every pair, number of pairs whose
         features were computed now (0 when everything came from the cache)).
     """
     import torch
     from safetensors.torch import load_file, save_file
     from tqdm import tqdm
 
-    from megatron_rlhf.rewards.reward_model import pad_right
+    from megatron_rlhf.rewards.reward_model import pad_right, reward_features
 
     have: dict[str, tuple] = {}
     if cache_file.is_file():
@@ -137,7 +175,7 @@ def extract_features(trunk, pairs: list[dict], cache_file: Path, pad_id: int, ba
         t = load_file(str(cache_file))
         have = {u: (t["chosen"][i], t["rejected"][i]) for i, u in enumerate(uids)}
     todo = [p for p in pairs if p["uid"] not in have]
-    seqs = [(p["uid"], k, p[k + "_ids"]) for p in todo for k in ("chosen", "rejected")]
+    seqs = [(p["uid"], k, p[k + "_ids"], p[k + "_reply"]) for p in todo for k in ("chosen", "rejected")]
     seqs.sort(key=lambda s: len(s[2]))
     got: dict[tuple, torch.Tensor] = {}
 
@@ -162,10 +200,8 @@ def extract_features(trunk, pairs: list[dict], cache_file: Path, pad_id: int, ba
         for b in range(0, len(seqs), batch_size):
             chunk = seqs[b:b + batch_size]
             ids, mask = pad_right([s[2] for s in chunk], pad_id)
-            h = trunk(input_ids=ids, attention_mask=mask).last_hidden_state
-            last = mask.sum(-1) - 1
-            feats = h[torch.arange(len(chunk)), last].float()
-            for (uid, k, _), f in zip(chunk, feats):
+            feats = reward_features(trunk, ids, mask, torch.tensor([s[3] for s in chunk]), spec)
+            for (uid, k, _, _), f in zip(chunk, feats):
                 got[(uid, k)] = f.clone()
             bar.update(int(mask.sum()))
             if time.time() - last_flush > 60:
@@ -181,10 +217,10 @@ def fit_head(dc, dr, weight_decay: float, max_iter: int = 200):
     """Fit ``w`` minimising ``mean(softplus(-(dc - dr) @ w)) + wd/2 * |w|^2`` (BT loss + L2).
 
     Args:
-        dc, dr: ``[N, H]`` standardised features of chosen / rejected replies.
+        dc, dr: ``[N, D]`` standardised features of chosen / rejected replies.
         weight_decay: L2 strength (per pair-mean loss).
     Returns:
-        ``w [H]`` float32.
+        ``w [D]`` float32.
     Source: logistic regression view of Bradley-Terry; torch.optim.LBFGS (strong Wolfe).
     """
     import torch
@@ -209,8 +245,14 @@ def fit_head(dc, dr, weight_decay: float, max_iter: int = 200):
 def choose_weight_decay(dc, dr, groups: list[str], grid: list[float], seed: int, folds: int = 4):
     """Group-wise k-fold cross-validation of the L2 strength on training pairs only.
 
+    Args:
+        dc, dr: ``[N, D]`` standardised training features (chosen / rejected).
+        groups: ``[N]`` prompt-group keys (a group never straddles folds).
+        grid: candidate L2 strengths.
+        seed: fold-assignment seed.
+        folds: number of folds.
     Returns:
-        ``(best_wd, {wd: mean held-out-fold accuracy})``.
+        ``(best_wd, {wd: mean held-out-fold accuracy})`` (ties go to the larger, smoother wd).
     """
     import torch
 
@@ -257,56 +299,57 @@ def resolve_base(base: str, cache_dir: str) -> Path:
 
 
 def train_reward_model(*, out: str, base: str = "smollm2", data: list[str] | None = None,
-                       train_pairs: int = 1000, eval_pairs: int = 500, max_len: int = 128, layers: int = 8,
+                       train_pairs: int = DEFAULTS["train_pairs"], eval_pairs: int = DEFAULTS["eval_pairs"],
+                       max_len: int = DEFAULTS["max_len"], layers: int = DEFAULTS["layers"],
+                       feature_layers: tuple[int, ...] | None = DEFAULTS["feature_layers"],
+                       poolings: tuple[str, ...] = DEFAULTS["poolings"],
+                       length_feature: bool = DEFAULTS["length_feature"],
+                       length_interactions: bool = DEFAULTS["length_interactions"], sources: tuple[str, ...] = (),
                        seed: int = 0, cache_dir: str = "~/.cache/megatron_rlhf",
-                       feature_cache_dir: str | None = None, batch_size: int = 16,
-                       threads: int = 0, wd_grid: tuple[float, ...] = (1e-3, 1e-2, 1e-1, 1.0)) -> dict:
+                       feature_cache_dir: str | None = None, batch_size: int = 16, threads: int = 0,
+                       wd_grid: tuple[float, ...] = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0)) -> dict:
     """Train, evaluate and save a reward model (see the module docstring). Returns the report dict.
 
-    Raises:
+    ``feature_layers=None`` means the trunk's last layer only. Raises:
         ValueError: bad arguments (named), missing data or base model.
     """
     import torch
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from safetensors.torch import save_file
+    from transformers import AutoModel, AutoTokenizer
 
-    t0 = time.time()
-    if train_pairs < 1 or eval_pairs < 1 or max_len < 8 or layers < 0:
+    from megatron_rlhf.rewards.reward_model import HEAD_CONFIG, HEAD_FORMAT, HEAD_WEIGHTS, FeatureSpec
+
+    t0, c0 = time.time(), time.process_time()
+    if train_pairs < 8 or eval_pairs < 1 or max_len < 8 or layers < 0:
         raise ValueError(f"--train-pairs {train_pairs}, --eval-pairs {eval_pairs}, --max-len {max_len}, "
-                         f"--layers {layers}: need >= 1, >= 1, >= 8, >= 0")
+                         f"--layers {layers}: need >= 8, >= 1, >= 8, >= 0")
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(seed)
     data = [str(d) for d in (data or [DEFAULT_DATA])]
     base_dir = resolve_base(base, cache_dir)
     tok = AutoTokenizer.from_pretrained(base_dir)
-    if tok.pad_token_id is None or tok.pad_token_id == tok.eos_token_id:
-        # HF sequence classification pools at the last token != pad_token_id; the reward is read at
-        # the eos (end-of-turn) token, so the pad id must differ from it.
-        vocab = tok.get_vocab()
-        cand = [t for t in ("<|endoftext|>", "<|pad|>", "<pad>", tok.unk_token)
-                if t and t in vocab and vocab[t] != tok.eos_token_id]
-        if not cand:
-            raise ValueError(f"--base {base}: no pad token distinct from eos {tok.eos_token!r} in the vocabulary")
-        tok.pad_token = cand[0]
-    model = AutoModelForSequenceClassification.from_pretrained(
-        base_dir, num_labels=1, dtype=torch.float32, pad_token_id=tok.pad_token_id,
-        **({"num_hidden_layers": layers} if layers else {})).eval()
-    n_layers = model.config.num_hidden_layers
-    trunk = getattr(model, model.base_model_prefix)
+    trunk = AutoModel.from_pretrained(base_dir, dtype=torch.float32,
+                                      **({"num_hidden_layers": layers} if layers else {})).eval()
+    n_layers = trunk.config.num_hidden_layers
+    spec = FeatureSpec(tuple(feature_layers or (n_layers,)), tuple(poolings), length_feature, length_interactions)
+    if max(spec.layers) > n_layers:
+        raise ValueError(f"--feature-layers {list(spec.layers)}: the trunk keeps only --layers {n_layers}")
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     t_load = time.time() - t0
 
     from megatron_rlhf.data.preferences import find_preference_files
 
     files = [f.resolve() for d in data for f in find_preference_files(d)]
-    train, ev, counts, truncated = build_pairs(tok, data, train_pairs, eval_pairs, max_len, seed)
-    key = cache_key(base_dir, n_layers, max_len, files)
+    train, ev, counts, truncated = build_pairs(tok, data, train_pairs, eval_pairs, max_len, seed, tuple(sources))
+    key = cache_key(base_dir, n_layers, max_len, files, spec)
     fdir = Path(os.path.expanduser(feature_cache_dir or os.path.join(cache_dir, "rm_features")))
     cache_file = fdir / key / "features.safetensors"
-    print(f"[rm] base {base_dir} ({n_layers} layers), {len(train)} train / {len(ev)} eval pairs, "
-          f"max_len {max_len} ({truncated} sequences cut), feature cache {cache_file}", flush=True)
-    t1 = time.time()
-    feats, computed = extract_features(trunk, train + ev, cache_file, tok.pad_token_id, batch_size)
-    t_feat = time.time() - t1
+    print(f"[rm] base {base_dir} ({n_layers} layers), features {spec}, {len(train)} train / {len(ev)} eval "
+          f"pairs, max_len {max_len} ({truncated} sequences cut), feature cache {cache_file}", flush=True)
+    t1, c1 = time.time(), time.process_time()
+    feats, computed = extract_features(trunk, train + ev, cache_file, pad_id, batch_size, spec)
+    t_feat, c_feat = time.time() - t1, time.process_time() - c1
 
     def stack(pairs):
         return (torch.stack([feats[p["uid"]][0] for p in pairs]), torch.stack([feats[p["uid"]][1] for p in pairs]))
@@ -320,70 +363,97 @@ def train_reward_model(*, out: str, base: str = "smollm2", data: list[str] | Non
     wd, cv = choose_weight_decay(zc, zr, groups, list(wd_grid), seed)
     w = fit_head(zc, zr, wd)
     t_fit = time.time() - t2
-    # reward = w . (x - mu) / sd = (w / sd) . x + const; the constant cancels in every comparison
-    with torch.no_grad():
-        model.score.weight.copy_((w / sd).unsqueeze(0))
+
+    def reward(x):
+        return ((x - mu) / sd) @ w
+
     ec, er = stack(ev)
-    head = (w / sd)
-    correct = (ec @ head) > (er @ head)
+    rc, rr = reward(ec), reward(er)
+    correct = rc > rr
     n, acc, se = accuracy_se(correct)
     # reference point: "the longer reply wins" (in characters), a known bias of AI judges
     longer_wins = sum(p["longer_chosen"] for p in ev) / len(ev)
-    train_acc = float((((xc - xr) @ head) > 0).float().mean())
+    train_acc = float((reward(xc) > reward(xr)).float().mean())
     by_source = {}
     for s in sorted({p["source"] for p in ev}):
         m = torch.tensor([p["source"] == s for p in ev])
         ns, ps, ses = accuracy_se(correct[m])
-        by_source[s] = {"n": ns, "accuracy": ps, "se": ses}
+        by_source[s] = {"n": ns, "accuracy": ps, "se": ses,
+                        "longer_reply_wins": sum(p["longer_chosen"] for p in ev if p["source"] == s) / ns}
 
     out_dir = Path(out).expanduser()
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.config.architectures = [type(model).__name__]
-    model.save_pretrained(out_dir)
+    trunk.config.architectures = [type(trunk).__name__]
+    trunk.save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
-    check = reload_check(out_dir, ev[: min(8, len(ev))], ec @ head, er @ head)
+    save_file({"mean": mu.contiguous(), "std": sd.contiguous(), "weight": w.contiguous()}, str(out_dir / HEAD_WEIGHTS))
+    summary = {"n_eval": n, "accuracy": acc, "se": se, "seed": seed}
+    (out_dir / HEAD_CONFIG).write_text(json.dumps(
+        {"format": HEAD_FORMAT, "features": spec.to_dict(), "max_length": max_len,
+         "reward": "((features - mean) / std) @ weight", "trained_by": "tools/train_reward_model.py",
+         "held_out": summary}, indent=2))
+    check = reload_check(out_dir, ev[: min(6, len(ev))], feats, rc, rr)
     report = {
         "n_eval": n, "accuracy": acc, "se": se, "chance_z": (acc - 0.5) / math.sqrt(0.25 / n),
         "train_accuracy": train_acc, "baseline_longer_reply_wins": longer_wins, "n_train": len(train),
         "eval_by_source": by_source,
         "train_by_source": {s: sum(p["source"] == s for p in train) for s in sorted({p["source"] for p in train})},
         "weight_decay": wd, "cv_accuracy": {str(k): v for k, v in cv.items()},
-        "base": str(base_dir), "layers": n_layers, "max_len": max_len, "seed": seed,
+        "length_weight_std_units": float(w[-1]) if spec.length_feature else None,
+        "base": str(base_dir), "layers": n_layers, "features": spec.to_dict(), "feature_dim": int(w.numel()),
+        "max_len": max_len, "seed": seed, "sources": list(sources) or "all",
         "sequences_truncated": truncated, "data": data, "data_counts": counts,
-        "feature_cache": str(cache_file), "features_computed": computed, "reload_check_max_abs_diff": check,
-        "time_s": {"load": round(t_load, 1), "features": round(t_feat, 1), "fit": round(t_fit, 1),
-                   "total": round(time.time() - t0, 1)},
+        "feature_cache": str(cache_file), "features_computed": computed,
+        "reload_check_max_abs_diff": check["reward"], "reload_check_feature_max_abs_diff": check["feature"],
+        "time_s": {"load": round(t_load, 1), "features": round(t_feat, 1), "features_cpu": round(c_feat, 1),
+                   "fit": round(t_fit, 1), "total": round(time.time() - t0, 1),
+                   "total_cpu": round(time.process_time() - c0, 1), "threads": torch.get_num_threads()},
         "out": str(out_dir),
     }
     (out_dir / "rm_report.json").write_text(json.dumps(report, indent=2))
     return report
 
 
-def reload_check(out_dir: Path, pairs: list[dict], rc, rr) -> float:
-    """Max |reward from the saved folder via RewardModel - reward from cached features| on ``pairs``.
+def reload_check(out_dir: Path, pairs: list[dict], feats: dict, rc, rr) -> dict:
+    """Serving vs training on ``pairs``: reload ``out_dir`` with ``RewardModel`` and score from text.
 
     Returns:
-        The max absolute difference (reward units); raises nothing, the caller reports it.
+        ``{"feature": max |RewardModel.features - cached training features|, "reward": max |RewardModel.score
+        - training-time reward|}`` (feature units / reward units); raises nothing, the caller reports it.
     """
+    import torch
+
     from megatron_rlhf.rewards.reward_model import RewardModel
 
-    rm = RewardModel(out_dir, batch_size=8, max_length=10**9)
-    got = rm.score_token_ids([p["chosen_ids"] for p in pairs] + [p["rejected_ids"] for p in pairs])
+    rm = RewardModel(out_dir, batch_size=4)
+    prompts = [p["prompt"] for p in pairs] * 2
+    replies = [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs]
+    got_f = rm.features(prompts, replies)
+    want_f = torch.stack([feats[p["uid"]][0] for p in pairs] + [feats[p["uid"]][1] for p in pairs])
+    got = rm.score(prompts, replies)
     want = [float(x) for x in rc[: len(pairs)]] + [float(x) for x in rr[: len(pairs)]]
-    return max(abs(a - b) for a, b in zip(got, want))
+    return {"feature": float((got_f - want_f).abs().max()), "reward": max(abs(a - b) for a, b in zip(got, want))}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="output HF folder (created)")
+    ap.add_argument("--out", required=True, help="output folder (created)")
     ap.add_argument("--base", default="smollm2", help="'smollm2' (packaged SmolLM2-135M-Instruct) or an HF folder")
     ap.add_argument("--data", nargs="+", default=None,
                     help=f"preference files or folders (default {DEFAULT_DATA})")
-    ap.add_argument("--train-pairs", type=int, default=1000)
-    ap.add_argument("--eval-pairs", type=int, default=500)
-    ap.add_argument("--max-len", type=int, default=128, help="tokens per sequence (cut from the left)")
-    ap.add_argument("--layers", type=int, default=8, help="keep the first N transformer layers (0 = all)")
+    ap.add_argument("--sources", default="", help="comma list of formats to keep (hh_rlhf,dove,alpaca_eval); default all")
+    ap.add_argument("--train-pairs", type=int, default=DEFAULTS["train_pairs"])
+    ap.add_argument("--eval-pairs", type=int, default=DEFAULTS["eval_pairs"])
+    ap.add_argument("--max-len", type=int, default=DEFAULTS["max_len"], help="tokens per sequence (cut from the left)")
+    ap.add_argument("--layers", type=int, default=DEFAULTS["layers"], help="keep the first N transformer layers (0 = all)")
+    ap.add_argument("--feature-layers", default=",".join(map(str, DEFAULTS["feature_layers"])),
+                    help="comma list of hidden states read (0 = embeddings, N = after N layers; the last is "
+                         "the normed output); empty = the last layer")
+    ap.add_argument("--pooling", default=",".join(DEFAULTS["poolings"]), help="comma subset of last,reply_mean")
+    ap.add_argument("--no-length-feature", action="store_true", help="do not give the head log(1 + reply tokens)")
+    ap.add_argument("--no-length-interactions", action="store_true",
+                    help="do not give the head log(1 + reply tokens) x mean prompt state (per feature layer)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cache-dir", default="~/.cache/megatron_rlhf", help="base model + feature cache")
     ap.add_argument("--feature-cache-dir", default=None,
@@ -392,17 +462,23 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     a = ap.parse_args(argv)
     try:
-        rep = train_reward_model(out=a.out, base=a.base, data=a.data, train_pairs=a.train_pairs,
-                                 eval_pairs=a.eval_pairs, max_len=a.max_len, layers=a.layers, seed=a.seed,
-                                 cache_dir=a.cache_dir, feature_cache_dir=a.feature_cache_dir, batch_size=a.batch_size, threads=a.threads)
+        fl = tuple(int(x) for x in a.feature_layers.split(",") if x.strip()) or None
+        rep = train_reward_model(
+            out=a.out, base=a.base, data=a.data, train_pairs=a.train_pairs, eval_pairs=a.eval_pairs,
+            max_len=a.max_len, layers=a.layers, feature_layers=fl,
+            poolings=tuple(x.strip() for x in a.pooling.split(",") if x.strip()),
+            length_feature=not a.no_length_feature, length_interactions=not a.no_length_interactions, sources=tuple(x.strip() for x in a.sources.split(",") if x.strip()),
+            seed=a.seed, cache_dir=a.cache_dir, feature_cache_dir=a.feature_cache_dir, batch_size=a.batch_size,
+            threads=a.threads)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"[rm] held-out pairwise accuracy {rep['accuracy']:.3f} +- {rep['se']:.3f} (s.e.), n={rep['n_eval']} "
           f"({rep['chance_z']:.1f} s.e. above chance; 'longer reply wins' baseline "
-          f"{rep['baseline_longer_reply_wins']:.3f}); train acc {rep['train_accuracy']:.3f}; "
-          f"per source {json.dumps({k: round(v['accuracy'], 3) for k, v in rep['eval_by_source'].items()})}")
-    print(f"[rm] saved {rep['out']} (report rm_report.json); times {rep['time_s']}")
+          f"{rep['baseline_longer_reply_wins']:.3f}); train acc {rep['train_accuracy']:.3f}; per source "
+          f"{json.dumps({k: round(v['accuracy'], 3) for k, v in rep['eval_by_source'].items()})}")
+    print(f"[rm] saved {rep['out']} (report rm_report.json); times {rep['time_s']}; serving check: "
+          f"features {rep['reload_check_feature_max_abs_diff']:.2e}, rewards {rep['reload_check_max_abs_diff']:.2e}")
     return 0
 
 

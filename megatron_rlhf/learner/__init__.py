@@ -1,7 +1,9 @@
-"""The Megatron learner: :class:`MegatronLearner` (import it from ``megatron_rlhf.learner.actor``
-or from here; importing this package imports torch and megatron lazily via the actor module)."""
+"""The Megatron learner: :class:`MegatronLearner` (one rank) and :class:`LearnerGroup` (TP x PP x DP
+ranks as Ray actors behind the same verbs). Import them from ``megatron_rlhf.learner.actor`` /
+``megatron_rlhf.learner.group`` or from here; importing this package imports neither torch nor
+megatron (the classes load lazily)."""
 
-__all__ = ["MegatronLearner"]
+__all__ = ["MegatronLearner", "LearnerGroup"]
 
 
 def __getattr__(name):
@@ -9,4 +11,8 @@ def __getattr__(name):
         from megatron_rlhf.learner.actor import MegatronLearner
 
         return MegatronLearner
+    if name == "LearnerGroup":
+        from megatron_rlhf.learner.group import LearnerGroup
+
+        return LearnerGroup
     raise AttributeError(name)

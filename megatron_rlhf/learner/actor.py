@@ -35,7 +35,6 @@ al. 2025).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import random
@@ -50,11 +49,12 @@ from megatron_rlhf.convert.sharding import padded_vocab_size
 from megatron_rlhf.learner import parallel
 from megatron_rlhf.learner.batching import padding_fraction, plan_microbatches, row_lengths
 from megatron_rlhf.learner.checkpoint import load_learner_checkpoint, save_learner_checkpoint
-from megatron_rlhf.learner.logprobs import masked_sum
+from megatron_rlhf.learner.logprobs import masked_sum as _masked_sum
 from megatron_rlhf.learner.model import build_gpt_model, load_hf_config
 from megatron_rlhf.learner.schedule import make_microbatch, run_microbatches
 from megatron_rlhf.learner.weights import (buckets, finalize_hf_folder, iter_stage_hf_tensors,
-                                           load_hf_weights, prepare_hf_dir, write_hf_shards)
+                                           load_hf_weights, mark_tensor_parallel, prepare_hf_dir,
+                                           write_hf_shards)
 from megatron_rlhf.losses.dpo import dpo_loss
 from megatron_rlhf.platform import get_platform
 from megatron_rlhf.runtime import pin_to_core
@@ -63,6 +63,13 @@ from megatron_rlhf.types import LearnerBatch
 __all__ = ["MegatronLearner"]
 
 log = logging.getLogger(__name__)
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[B, S]`` token logprobs and 0/1 mask -> ``[B]`` float32 row sums, accumulated in float64
+    so that the same token values give the same sum whatever the row's padded length (the
+    association of a float32 reduction depends on it: 1 ulp is ~8e-6 at |sum| ~ 100)."""
+    return _masked_sum(values.double(), mask.to(values.device).double()).float()
 
 
 class MegatronLearner:
@@ -84,8 +91,9 @@ class MegatronLearner:
         init_method: torch.distributed rendezvous (``tcp://HOST:PORT``); required when
             ``world_size > 1`` (None: a free loopback port, world size 1 only).
     Raises:
-        ValueError: ``world_size`` differs from the configured layout, or the model cannot be
-            split (heads / query groups / FFN not divisible by TP, layers not by PP).
+        ValueError: ``world_size`` differs from the configured layout, the model cannot be
+            split (heads / query groups / FFN not divisible by TP, layers not by PP), or
+            ``learner.recompute=full`` on CPU.
     Attributes:
         weight_version: number of batches trained (restored by ``load_checkpoint``).
     """
@@ -122,7 +130,7 @@ class MegatronLearner:
         self.sequence_parallel = bool(learner_cfg.sequence_parallel and tp > 1)
         self.tconfig = transformer_config_from_hf(
             self.hf_config, dtype=self.dtype, tp=tp, pp=pp, perform_initialization=False,
-            sequence_parallel=self.sequence_parallel, variable_seq_lengths=pp > 1,
+            sequence_parallel=self.sequence_parallel, **self._pipeline_overrides(),
             **self._feature_overrides())
         self.policy = self._build()
         self.reference = self._build()
@@ -146,12 +154,23 @@ class MegatronLearner:
                 raise ValueError(f"model {what}={n} is not divisible by learner.{key}={k}; "
                                  f"choose a divisor of {n}")
 
+    def _pipeline_overrides(self) -> dict:
+        """PP > 1: ``variable_seq_lengths`` (p2p sends each micro-batch's shape first, so
+        length-grouped micro-batches can differ); megatron's config check then also asks for the
+        ``alltoall`` MoE dispatcher, which has no effect on a dense model."""
+        if self.cfg.pipeline_parallel == 1:
+            return {}
+        return {"variable_seq_lengths": True, "moe_token_dispatcher_type": "alltoall"}
+
     def _feature_overrides(self) -> dict:
         """TransformerConfig fields for GPU-only kernels: fused SwiGLU (megatron's jit
         ``bias_swiglu_impl``), TE's fused RoPE when TE imports, activation recomputation.
         Empty on CPU except recomputation. TE itself comes in through ``platform.layer_spec``."""
         out = {}
         if self.cfg.recompute == "full":
+            if self.platform.is_cpu:  # tensor_parallel.checkpoint saves/restores CUDA RNG states
+                raise ValueError("learner.recompute=full needs a GPU (megatron's activation "
+                                 "checkpointing saves CUDA RNG states); use recompute=none on CPU")
             out.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         if self.platform.is_cpu:
             return out
@@ -166,6 +185,7 @@ class MegatronLearner:
                                 pre_process=self.groups.is_first_stage,
                                 post_process=self.groups.is_last_stage,
                                 vocab_size=self.padded_vocab)
+        mark_tensor_parallel(model, self.hf_config)  # before DDP/optimizer read the attributes
         load_hf_weights(model, self.model_dir, self.hf_config, tp_rank=self.tp_rank,
                         tp=self.groups.tp, padded_vocab=self.padded_vocab)
         return model
@@ -473,7 +493,15 @@ class MegatronLearner:
         this pipeline stage (TP-gathered onto TP rank 0; ``{}`` on other TP ranks): megatron DDP's
         ``main_grad`` after the DP / sequence-parallel / tied-embedding reductions (and after
         the optimizer's global-norm clipping when ``clip_grad`` scaled them). For checking
-        parallel layouts against one process; collective over the TP group."""
+        parallel layouts against one process; collective over the TP group.
+
+        Raises:
+            RuntimeError: with the distributed optimizer (each DP rank then holds only its
+                reduce-scattered shard of the gradient buffer).
+        """
+        if self.use_distributed_optimizer:
+            raise RuntimeError("gradients_hf: not available with learner.distributed_optimizer=true "
+                               "(gradients are reduce-scattered over DP ranks)")
         return dict(self._stage_hf_tensors("policy", what="grad"))
 
     @torch.no_grad()

@@ -95,8 +95,17 @@ def _dist_opt_param_state(optimizer):
     inner = getattr(optimizer, "chained_optimizers", [optimizer])
     if not any(hasattr(o, "get_parameter_state_dp_reshardable") for o in inner):
         return None
-    return [o.get_parameter_state_dp_reshardable()
-            if hasattr(o, "get_parameter_state_dp_reshardable") else None for o in inner]
+    out = []
+    for o in inner:
+        state = o.get_parameter_state_dp_reshardable() if hasattr(o, "get_parameter_state_dp_reshardable") else None
+        for key, per_dtype in (state or {}).items():  # megatron's loader filters on a 'padding'
+            if isinstance(key, int):                    # flag its saver does not write
+                for buckets in per_dtype.values():
+                    for bucket in buckets:
+                        for entry in bucket:
+                            entry.setdefault("padding", False)
+        out.append(state)
+    return out
 
 
 def load_learner_checkpoint(learner, path: Path) -> int:

@@ -38,7 +38,7 @@ from megatron_rlhf.convert.llama import ParamRule, align_names
 from megatron_rlhf.convert.sharding import (HFCheckpointReader, fuse_hf, iter_rules, shard,
                                             split_to_hf, unshard)
 
-__all__ = ["LocalTensor", "local_tensors", "load_hf_weights", "iter_stage_hf_tensors", "buckets",
+__all__ = ["LocalTensor", "local_tensors", "load_hf_weights", "mark_tensor_parallel", "iter_stage_hf_tensors", "buckets",
            "write_hf_shards", "prepare_hf_dir", "finalize_hf_folder"]
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json",
@@ -140,6 +140,27 @@ def load_hf_weights(model, model_dir: str | Path, hf_config, *, tp_rank: int = 0
                              f"(TP rank {tp_rank} of {tp})")
         lt.tensor.copy_(part)
         n += 1
+    return n
+
+
+def mark_tensor_parallel(model, hf_config) -> int:
+    """Tag TP-split parameters with megatron's ``tensor_model_parallel`` / ``partition_dim`` /
+    ``partition_stride`` attributes (``tensor_parallel.set_tensor_model_parallel_attributes``).
+
+    Megatron sets them only while it randomly initialises weights; a model built with
+    ``perform_initialization=False`` (weights loaded afterwards) lacks them, and then the
+    optimizer's grad-norm (and so clipping) treats every TP shard on TP ranks > 0 as a duplicate
+    and drops it. Replicated tensors are left untouched. Returns the number of tensors tagged.
+    """
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    n = 0
+    for lt in local_tensors(model, hf_config):
+        dim = {"column": 0, "vocab": 0, "row": 1}.get(lt.rule.tp)
+        if dim is not None and isinstance(lt.tensor, torch.nn.Parameter) \
+                and not getattr(lt.tensor, "tensor_model_parallel", False):
+            set_tensor_model_parallel_attributes(lt.tensor, True, dim, 1)
+            n += 1
     return n
 
 

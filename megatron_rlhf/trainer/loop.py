@@ -3,9 +3,11 @@
     weight_version = batches the learner has finished; the generator starts at version 0.
     generator thread (RolloutProducer): batch k waits for version >= k - bound, is generated,
         scored and paired, then queued (maxsize 1).
-    learner loop (below): take batch k; staleness = own version - batch version; train;
-        version += 1; publish the weights (exported on the learner, handed to the generator
-        through Ray's object store between batches); checkpoint every checkpoint.interval steps.
+    learner loop (below): take batch k; staleness of every sample = own version - its version
+        (pairs older than async.max_staleness dropped and counted); train; version += 1; every
+        async.sync_interval batches publish the weights (exported on the learner through the
+        weight transport: object store, safetensors files or NCCL; pushed to the M generator
+        workers by the producer); checkpoint every checkpoint.interval steps.
 
 With ``async.sync: true`` the bound is 0, so batch k waits for the weights of step k: generate,
 train, sync strictly in turn (the on-policy A/B baseline, staleness always 0). With bound 1 the
@@ -21,17 +23,25 @@ import json
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
 
-from megatron_rlhf.config import Config, ConfigError, config_to_dict, save_config
+from megatron_rlhf.config import Config, config_to_dict, save_config
 from megatron_rlhf.trainer.checkpoint import CheckpointManager
 from megatron_rlhf.trainer.metrics import MetricsLogger, summarize
-from megatron_rlhf.trainer.rollout import ProducerError, PublishedWeights, RolloutProducer, WeightChannel
+from megatron_rlhf.generator.pool import GeneratorPool
+from megatron_rlhf.generator.weight_sync import PublishedWeights, make_transport
+from megatron_rlhf.trainer.rollout import ProducerError, RolloutProducer, WeightChannel
+from megatron_rlhf.trainer.staleness import split_by_staleness
 from megatron_rlhf.types import LearnerBatch
 
-__all__ = ["train", "resolve_model_dir", "RunResult"]
+__all__ = ["train", "resolve_model_dir", "RunResult", "LearnerDiedError"]
+
+
+class LearnerDiedError(RuntimeError):
+    """The learner actor died; the run stops (the last complete checkpoint is left intact)."""
 
 
 class RunResult(dict):
@@ -87,7 +97,9 @@ def _init_ray(cfg: Config):
     if address:
         ray.init(address=address, **kw)
     else:
-        ray.init(num_cpus=max(2, cfg.generators.num_workers + 1), **kw)
+        lc = cfg.learner  # one CPU per generator engine and per learner rank
+        ranks = lc.tensor_parallel * lc.pipeline_parallel * lc.data_parallel
+        ray.init(num_cpus=max(2, cfg.generators.num_workers + ranks), **kw)
     return True
 
 
@@ -109,18 +121,38 @@ def _actor_options(role: str, gpus: int) -> dict:
 def _build_actors(cfg: Config, model_dir: Path):
     import ray
 
-    from megatron_rlhf.generator.vllm_engine import VLLMGenerator
     from megatron_rlhf.learner.actor import MegatronLearner
 
     pin = cfg.generators.cpu_core
-    learner_cls = ray.remote(**_actor_options("learner", 1))(MegatronLearner)
-    gen_cls = ray.remote(**_actor_options("generator", cfg.generators.tensor_parallel))(VLLMGenerator)
-    learner = learner_cls.remote(model_dir=str(model_dir), learner_cfg=cfg.learner,
-                                 algorithm_cfg=cfg.algorithm, dtype=cfg.model.dtype, seed=cfg.run.seed,
-                                 total_steps=cfg.run.num_steps, cpu_core=pin + 1 if pin >= 0 else -1)
-    generator = gen_cls.remote(model_dir=str(model_dir), generator_cfg=cfg.generators,
-                               dtype=cfg.model.dtype, seed=cfg.run.seed, cpu_core=pin)
-    return learner, generator
+    lc = cfg.learner
+    kw = dict(model_dir=str(model_dir), learner_cfg=lc, algorithm_cfg=cfg.algorithm,
+              dtype=cfg.model.dtype, seed=cfg.run.seed, total_steps=cfg.run.num_steps,
+              cpu_core=pin + cfg.generators.num_workers if pin >= 0 else -1)
+    if lc.tensor_parallel * lc.pipeline_parallel * lc.data_parallel == 1:
+        learner = ray.remote(**_actor_options("learner", 1))(MegatronLearner).remote(**kw)
+    else:  # a coordinator actor (no CPU/GPU of its own) driving one actor per learner rank
+        from megatron_rlhf.learner.group import LearnerGroup
+
+        learner = ray.remote(num_cpus=0, max_restarts=0)(LearnerGroup).remote(
+            rank_actor_options=_actor_options("learner", 1), timeout_s=cfg.async_.timeout_s, **kw)
+    return learner, _build_generators(cfg, model_dir)
+
+
+def _build_generators(cfg: Config, model_dir: Path) -> list:
+    """``generators.num_workers`` VLLMGenerator actors: worker i has engine seed ``run.seed + i``
+    (distinct samples), is pinned to core ``cpu_core + i`` (CPU, unless -1) and is restarted by
+    Ray up to ``generators.max_restarts`` times when its process dies."""
+    import ray
+
+    from megatron_rlhf.generator.vllm_engine import VLLMGenerator
+
+    g = cfg.generators
+    opts = _actor_options("generator", g.tensor_parallel)
+    opts["max_restarts"] = g.max_restarts
+    gen_cls = ray.remote(**opts)(VLLMGenerator)
+    return [gen_cls.remote(model_dir=str(model_dir), generator_cfg=g, dtype=cfg.model.dtype,
+                           seed=cfg.run.seed + i, cpu_core=g.cpu_core + i if g.cpu_core >= 0 else -1)
+            for i in range(g.num_workers)]
 
 
 def _load_prompts(cfg: Config, model_dir: Path):
@@ -139,12 +171,19 @@ def _load_prompts(cfg: Config, model_dir: Path):
     return PromptSampler(prompts, seed=cfg.run.seed), counts, pad_id
 
 
+def _probe_tokens(sampler, max_model_len: int) -> list[int]:
+    """The weight-sync probe: the first prompt's tokens (fixed for the run), cut to the context."""
+    return list(sampler.prompts[0].token_ids[: max_model_len - 1])
+
+
 def train(cfg: Config, *, quiet: bool = False) -> RunResult:
     """Run (or resume) the job ``cfg`` describes; returns its summary.
 
     Raises:
-        ProducerError: generation failed (cause attached).
-        ray.exceptions.RayActorError: an actor died (the last complete checkpoint is intact).
+        ProducerError: generation failed (cause attached: e.g. ``GeneratorDiedError`` when a
+            generator worker died beyond ``generators.max_restarts``, ``WeightSyncError`` when
+            ``generators.check_weight_sync`` found a worker with other weights than the learner).
+        LearnerDiedError: the learner died (the last complete checkpoint is intact).
         TimeoutError: a remote wait exceeded ``async.timeout_s``.
     """
     import ray
@@ -153,9 +192,6 @@ def train(cfg: Config, *, quiet: bool = False) -> RunResult:
     from megatron_rlhf.rewards import MathVerifyReward
     from megatron_rlhf.rollout.pairs import select_pair
 
-    if cfg.generators.transport != "object_store":
-        raise ConfigError(f"generators.transport = {cfg.generators.transport!r}: only 'object_store' is "
-                          "built so far; use it (the NCCL transport comes with the generator pool)")
     run_dir = cfg.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
@@ -170,9 +206,12 @@ def train(cfg: Config, *, quiet: bool = False) -> RunResult:
     reward_fns = _reward_fns(cfg, reward)
     started_ray = _init_ray(cfg)
     timeout = cfg.async_.timeout_s
-    learner = generator = None
+    learner, generators, transport, channel, producer = None, [], None, None, None
+    too_long = sum(c.get("too_long", 0) for c in data_counts.values())
     try:
-        learner, generator = _build_actors(cfg, model_dir)
+        learner, generators = _build_actors(cfg, model_dir)
+        transport = make_transport(cfg.generators, run_dir)
+        probe = _probe_tokens(sampler, cfg.generators.max_model_len) if cfg.generators.check_weight_sync else None
         start_step, version, rng_state = 0, 0, None
         latest = ckpts.latest() if cfg.checkpoint.resume else None
         if latest is not None:
@@ -181,13 +220,18 @@ def train(cfg: Config, *, quiet: bool = False) -> RunResult:
             start_step, rng_state = state["step"], state["rng_state"]
             sampler.load_state_dict(state["sampler_state"])
             say(f"resuming from {path.name} (step {start_step}, weight version {version})")
-        ray.get([a.__ray_ready__.remote() for a in (learner, generator)], timeout=timeout)
+        ray.get([a.__ray_ready__.remote() for a in (learner, *generators)], timeout=timeout)
+        if hasattr(transport, "setup"):   # nccl: form the broadcast group
+            transport.setup(learner, generators, timeout)
         channel = WeightChannel(PublishedWeights(version=0))
-        if version > 0:  # the generator starts from the base weights: hand it the resumed ones
-            channel.publish(_export(learner, version, timeout))
+        if version > 0:  # the generators start from the base weights: hand them the resumed ones
+            channel.publish(transport.publish(learner, version, timeout, probe))
+        pool = GeneratorPool(generators, transport=transport, generator_cfg=cfg.generators,
+                             timeout_s=timeout, probe=probe,
+                             log=lambda m: print(m, file=sys.stderr, flush=True))
         batches: queue.Queue = queue.Queue(maxsize=1)
         producer = RolloutProducer(
-            generator=generator, sampler=sampler, reward_fns=reward_fns,
+            pool=pool, sampler=sampler, reward_fns=reward_fns,
             pair_fn=select_pair, channel=channel, out_queue=batches, algorithm_cfg=cfg.algorithm,
             generator_cfg=cfg.generators, staleness_bound=cfg.async_.staleness_bound,
             first_batch=start_step, num_batches=cfg.run.num_steps, min_version=version,
@@ -206,17 +250,23 @@ def train(cfg: Config, *, quiet: bool = False) -> RunResult:
                 if batch is None:
                     break
                 learner_idle = time.perf_counter() - t_wait
-                staleness = version - batch.weight_version
-                lb = LearnerBatch.from_pairs(list(batch.pairs), pad_id)
+                pairs, stale = split_by_staleness(batch.pairs, version, cfg.async_.max_staleness)
+                staleness = stale["staleness/max"]
+                if not pairs:
+                    raise RuntimeError(f"step {done + 1}: every pair is older than async.max_staleness="
+                                       f"{cfg.async_.max_staleness} ({stale}); the weight handshake is broken")
+                lb = LearnerBatch.from_pairs(pairs, pad_id)
                 t0 = time.perf_counter()
-                out = ray.get(learner.train_step.remote(lb), timeout=timeout)
+                out = _learner_call(learner.train_step.remote(lb), f"train_step of step {done + 1}",
+                                    timeout, ckpts)
                 train_s = time.perf_counter() - t0
                 version += 1
                 done, last_batch = done + 1, batch
-                if done < cfg.run.num_steps and not stop.requested:
-                    channel.publish(_export(learner, version, timeout))
-                row = {"step": done, "weight_version": version, "staleness/max": staleness,
-                       "staleness/mean": staleness, "loss/total": out.get("loss/total"),
+                if (done < cfg.run.num_steps and not stop.requested
+                        and version % cfg.async_.sync_interval == 0):
+                    channel.publish(transport.publish(learner, version, timeout, probe))
+                row = {"step": done, "weight_version": version, "loss/total": out.get("loss/total"),
+                       **stale, "prompts/too_long_filtered": too_long,
                        **batch.stats, **{k: v for k, v in out.items() if k != "time/train_s"},
                        "time/train_s": train_s, "time/learner_idle_s": learner_idle,
                        "time/step_s": time.perf_counter() - t_wait}
@@ -242,15 +292,21 @@ def train(cfg: Config, *, quiet: bool = False) -> RunResult:
             ray.get(learner.export_hf.remote(str(run_dir / "hf_final"), str(model_dir)), timeout=timeout)
         result = RunResult(summarize(metrics.rows, wall))
         result.update(run_dir=str(run_dir), stopped_early=stopped_early, resumed_from_step=start_step,
-                      data=data_counts)
+                      data=data_counts, prompts_too_long=too_long, generator_restarts=pool.restarts)
         (run_dir / "summary.json").write_text(json.dumps(result, indent=1, default=str))
         return result
     finally:
+        if producer is not None:   # an error in the learner loop: stop the generation thread too
+            producer.stop_event.set()
+        if channel is not None:
+            channel.close()
         if reward is not None:
             reward.close()
-        for actor in (learner, generator):
+        for actor in (learner, *generators):
             if actor is not None:
                 ray.kill(actor)
+        if transport is not None:
+            transport.close()
         if started_ray:
             ray.shutdown()
 
@@ -272,14 +328,23 @@ def _reward_fns(cfg: Config, math_reward) -> dict:
     return fns
 
 
-def _export(learner, version: int, timeout: float) -> PublishedWeights:
-    """Export the learner's weights into the object store (the learner is busy for export_s)."""
-    import ray
+def _learner_call(ref, what: str, timeout: float, ckpts: CheckpointManager):
+    """``ray.get`` of a learner call; a dead learner stops the run with a clear error.
 
-    t0 = time.perf_counter()
-    ref = learner.export_weights.remote()
-    ray.wait([ref], timeout=timeout, fetch_local=False)
-    return PublishedWeights(version=version, buckets_ref=ref, export_s=time.perf_counter() - t0)
+    Raises:
+        LearnerDiedError: the learner actor died (killed, OOM); names the last complete checkpoint.
+        ray.exceptions.GetTimeoutError: no answer within ``async.timeout_s``.
+    """
+    import ray
+    from ray.exceptions import RayActorError
+
+    try:
+        return ray.get(ref, timeout=timeout)
+    except RayActorError as e:
+        latest = ckpts.latest()
+        where = (f"the last complete checkpoint {latest[0]} is intact: rerun the same command to resume "
+                 "from it" if latest else "no checkpoint was written yet")
+        raise LearnerDiedError(f"the learner died during {what} ({type(e).__name__}); {where}") from e
 
 
 def _take(batches: queue.Queue, timeout: float, stop) -> object | None:

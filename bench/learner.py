@@ -1,0 +1,231 @@
+"""Learner throughput benchmark: Online DPO train steps of MegatronLearner, tokens/s and MFU.
+
+No Ray: one process, or one per GPU with torchrun (ranks rendezvous through torchrun's env://).
+
+    # CPU, the tiny random Llama (hidden 128, 2 layers), one process
+    OMP_NUM_THREADS=2 python bench/learner.py --preset tiny --pairs 8 --seq 256 --steps 5
+    # one GPU, random-weight Llama-3.2-1B shape in bf16
+    python bench/learner.py --preset llama-1b --pairs 8 --seq 1024 --mbs 4 --steps 10
+    # 8 GPUs, TP=2 x DP=4
+    torchrun --nproc_per_node=8 bench/learner.py --preset llama-3b --tp 2 --dp 4 --pairs 32 --seq 2048
+    # any HF Llama folder
+    python bench/learner.py --model-dir /path/to/hf --pairs 8 --seq 1024
+
+Each step trains on ``--pairs`` synthetic preference pairs (2 sequences each) of ``--seq`` tokens
+(``--variable``: completion lengths drawn uniformly from [seq/4, seq], to see length grouping at
+work): a reference forward, a policy forward + backward, one Adam step.
+
+Model FLOPs (what MFU counts; recomputation and padding are not useful work), per the PaLM
+convention (Chowdhery et al. 2022, appendix B; the same matmul count as Narayanan et al. 2021,
+sec. 5.1): a forward pass over a token in a sequence of length T costs
+
+    F(T) = 2 * N + 4 * L * H * Q * T
+
+with N = L * (h*Q*(H + 2G) + H*Q*h + 3*h*f) + h*V the matmul parameters (QKV with G KV groups,
+output projection, SwiGLU gate/up/down, LM head; the embedding lookup is free), L layers, H query
+heads of size Q, hidden h, FFN f, vocab V; 4*L*H*Q*T is QK^T plus AV (full, not halved for the
+causal mask). A DPO step counts, for every real token of every row, 3*F(T) for the policy
+(forward + backward = 2x forward) plus F(T) for the reference forward, with T the row's real
+length. MFU = model FLOPs per second / (peak FLOPs per device * devices). Peak: ``--peak-tflops``,
+else H100/H200 bf16 dense 989 TFLOPs, A100 312, or on CPU cores * GHz * 32 (fp32 AVX2: two
+8-wide FMA units, 2 FLOPs per FMA; the frequency from /proc/cpuinfo).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PRESETS = {  # HF LlamaConfig fields; random weights
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512, tie_word_embeddings=False),
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                     num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                     tie_word_embeddings=True),   # Llama-3.2-1B shape
+    "llama-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                     num_attention_heads=24, num_key_value_heads=8, vocab_size=128256,
+                     tie_word_embeddings=True),   # Llama-3.2-3B shape
+}
+
+
+def write_random_llama(out: Path, preset: str, dtype: str) -> Path:
+    """An HF folder (config.json + safetensors shards of <= 2 GB) with N(0, 0.02) weights and
+    unit norms for a preset shape; the learner needs no tokenizer. Rank 0 writes, others wait.
+    Returns ``out``."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
+                      **PRESETS[preset])
+    cfg.dtype = dtype
+    out.mkdir(parents=True, exist_ok=True)
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in LlamaForCausalLM(cfg).state_dict().items()}
+    if cfg.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    g = torch.Generator().manual_seed(0)
+    dt = getattr(torch, dtype)
+    shard, size, files, weight_map = {}, 0, [], {}
+
+    def flush():
+        nonlocal shard, size
+        if shard:
+            name = f"model-{len(files) + 1:05d}.safetensors"
+            save_file(shard, str(out / name), metadata={"format": "pt"})
+            files.append(name)
+            weight_map.update({k: name for k in shard})
+            shard, size = {}, 0
+
+    for k, shape in shapes.items():
+        t = torch.ones(shape) if k.endswith("norm.weight") else torch.randn(shape, generator=g) * 0.02
+        shard[k] = t.to(dt)
+        size += t.numel() * t.element_size()
+        if size > 2 * 2**30:
+            flush()
+    flush()
+    index = {"metadata": {}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    cfg.save_pretrained(out)
+    return out
+
+
+def model_flops_per_token(hf, seq_len: int) -> float:
+    """Forward FLOPs of one token in a sequence of ``seq_len`` tokens (see module doc)."""
+    h, L, f, V = hf.hidden_size, hf.num_hidden_layers, hf.intermediate_size, hf.vocab_size
+    H = hf.num_attention_heads
+    G = getattr(hf, "num_key_value_heads", None) or H
+    Q = getattr(hf, "head_dim", None) or h // H
+    n = L * (h * Q * (H + 2 * G) + H * Q * h + 3 * h * f) + h * V
+    return 2.0 * n + 4.0 * L * H * Q * seq_len
+
+
+def peak_flops(device: str, override_tflops: float | None) -> tuple[float | None, str]:
+    """Peak FLOPs/s of one device and how it was obtained."""
+    if override_tflops:
+        return override_tflops * 1e12, "--peak-tflops"
+    if device == "cuda":
+        import torch
+
+        name = torch.cuda.get_device_name()
+        for key, tf in (("H200", 989.0), ("H100", 989.0), ("A100", 312.0)):
+            if key in name:
+                return tf * 1e12, f"{name} bf16 dense {tf:.0f} TFLOPs"
+        return None, f"{name}: unknown peak (pass --peak-tflops)"
+    try:
+        mhz = max(float(line.split(":")[1]) for line in open("/proc/cpuinfo") if line.startswith("cpu MHz"))
+    except (OSError, ValueError):
+        return None, "CPU frequency unknown (pass --peak-tflops)"
+    import torch
+
+    threads = torch.get_num_threads()
+    return threads * mhz * 1e6 * 32, f"CPU {threads} threads x {mhz / 1000:.2f} GHz x 32 FLOPs/cycle (AVX2 fp32)"
+
+
+def make_batch(pairs: int, seq: int, vocab: int, variable: bool, seed: int):
+    """Synthetic DPO batch: prompts of seq/4 tokens shared per pair, completions to ``seq``
+    (``variable``: uniform lengths in [seq/4, seq])."""
+    import torch
+
+    from megatron_rlhf.types import LearnerBatch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (2 * pairs, seq), generator=g)
+    mask = torch.zeros(2 * pairs, seq)
+    prompt = max(1, seq // 4)
+    for r in range(2 * pairs):
+        ids[r | 1, :prompt] = ids[r & ~1, :prompt]
+        end = int(torch.randint(prompt + 1, seq + 1, (1,), generator=g)) if variable else seq
+        mask[r, prompt:end] = 1.0
+    return LearnerBatch(input_ids=ids, loss_mask=mask, weight_version=0)
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--preset", choices=sorted(PRESETS))
+    src.add_argument("--model-dir", help="HF Llama folder")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--dp", type=int, default=1)
+    p.add_argument("--pairs", type=int, default=8, help="preference pairs per step")
+    p.add_argument("--seq", type=int, default=256, help="tokens per sequence")
+    p.add_argument("--mbs", type=int, default=2, help="learner.micro_batch_size (sequences)")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--variable", action="store_true", help="random completion lengths")
+    p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (GPU default)")
+    p.add_argument("--distributed-optimizer", action="store_true")
+    p.add_argument("--recompute", choices=["none", "full"], default="none")
+    p.add_argument("--peak-tflops", type=float, default=None)
+    p.add_argument("--workdir", default=None, help="where preset weights are written (default: a temp dir)")
+    a = p.parse_args(argv)
+
+    import torch
+
+    from megatron_rlhf.config import AlgorithmConfig, LearnerConfig, OptimizerConfig
+    from megatron_rlhf.learner.actor import MegatronLearner
+
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = a.dtype or ("bfloat16" if device == "cuda" else "float32")
+    if a.preset:
+        root = Path(a.workdir or os.environ.get("TMPDIR", tempfile.gettempdir())) / f"bench_{a.preset}_{dtype}"
+        if rank == 0 and not (root / "config.json").is_file():
+            write_random_llama(root, a.preset, dtype)
+        model_dir = root
+    else:
+        model_dir = Path(a.model_dir)
+    if world > 1:  # wait for rank 0's weights without torch.distributed (not initialised yet)
+        deadline = time.time() + 1800
+        while not (model_dir / "config.json").is_file() and time.time() < deadline:
+            time.sleep(1)
+    cfg = LearnerConfig(tensor_parallel=a.tp, pipeline_parallel=a.pp, data_parallel=a.dp,
+                        micro_batch_size=a.mbs, distributed_optimizer=a.distributed_optimizer,
+                        recompute=a.recompute, optimizer=OptimizerConfig(lr=1e-6))
+    t0 = time.perf_counter()
+    learner = MegatronLearner(model_dir=str(model_dir), learner_cfg=cfg, algorithm_cfg=AlgorithmConfig(),
+                              dtype=dtype, total_steps=a.steps + a.warmup, rank=rank, world_size=world,
+                              init_method="env://" if world > 1 else None)
+    build_s = time.perf_counter() - t0
+    hf = learner.hf_config
+    times, tokens, flops, pad, pad_unsorted = [], 0, 0.0, [], []
+    for step in range(a.warmup + a.steps):
+        batch = make_batch(a.pairs, a.seq, hf.vocab_size, a.variable, seed=step)
+        learner.platform.synchronize()
+        t = time.perf_counter()
+        m = learner.train_step(batch)
+        learner.platform.synchronize()
+        if step >= a.warmup:
+            times.append(time.perf_counter() - t)
+            lengths = [int(x) for x in (batch.loss_mask.cumsum(1).argmax(1) + 1).tolist()]
+            tokens += sum(lengths)
+            flops += sum(n * 4 * model_flops_per_token(hf, n) for n in lengths)
+            pad.append(m["batch/padding_fraction"])
+            pad_unsorted.append(m["batch/padding_fraction_unsorted"])
+    peak, peak_src = peak_flops(device, a.peak_tflops)
+    secs = sum(times)
+    res = {"model": a.preset or str(model_dir), "device": device, "dtype": dtype,
+           "tp": a.tp, "pp": a.pp, "dp": a.dp, "pairs": a.pairs, "seq": a.seq, "mbs": a.mbs,
+           "variable": a.variable, "steps": a.steps, "build_s": round(build_s, 2),
+           "step_s": round(secs / len(times), 4),
+           "tokens_per_s": round(tokens / secs, 1),   # real tokens of the batch per wall second
+           "model_tflops_per_s": round(flops / secs / 1e12, 4),
+           "mfu": None if peak is None else round(flops / secs / (peak * world), 4),
+           "peak": peak_src, "padding_fraction": round(sum(pad) / len(pad), 4),
+           "padding_fraction_unsorted": round(sum(pad_unsorted) / len(pad_unsorted), 4),
+           "torch_threads": torch.get_num_threads()}
+    learner.close()
+    if rank == 0:
+        print(json.dumps(res))
+    return res
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a plain checkout works too
+    sys.exit(0 if main() else 1)

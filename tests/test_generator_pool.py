@@ -1,0 +1,297 @@
+"""The generator pool: M vLLM workers, weight-sync transports and checks, staleness, restarts.
+
+Unit tests (no Ray) pin the pure pieces: prompt balancing, per-sample staleness, the probe
+comparison, config validation, the NCCL transport's CPU error, epoch reshuffling. Integration
+tests run real ``train()`` on a tiny random Llama (real vLLM workers + real Megatron learner as
+Ray actors, one Ray cluster for the module, no core pinning: 2 workers + learner share the
+machine) with the ``tests.plugins:char_parity`` reward (about half the completions score 1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ----------------------------------------------------------------------------------- units
+@pytest.mark.timeout(30)
+def test_balance_spreads_expected_tokens_evenly():
+    from megatron_rlhf.generator.pool import balance
+
+    costs = [100, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10]   # one long prompt + ten short ones
+    bins = balance(costs, 2)
+    assert sorted(i for b in bins for i in b) == list(range(len(costs)))
+    loads = [sum(costs[i] for i in b) for b in bins]
+    assert max(loads) == 100 and min(loads) == 100           # the long one alone vs the ten short
+    even = balance([5.0] * 8, 3)
+    assert sorted(len(b) for b in even) == [2, 3, 3]
+    assert balance([1.0], 3) == [[0], [], []]
+    with pytest.raises(ValueError, match="bin"):
+        balance([1.0], 0)
+
+
+def _pair(v_chosen: int, v_rejected: int):
+    from megatron_rlhf.types import Completion, PreferencePair, Prompt, Rollout
+
+    pr = Prompt(index=0, task="t", token_ids=(1, 2))
+
+    def ro(v):
+        return Rollout(prompt=pr, completion=Completion(token_ids=(3,), logprobs=(-1.0,), finish_reason="stop",
+                                                        text="x", weight_version=v), reward=0.0)
+
+    return PreferencePair(chosen=ro(v_chosen), rejected=ro(v_rejected))
+
+
+@pytest.mark.timeout(30)
+def test_staleness_is_measured_per_sample_and_too_old_pairs_are_dropped():
+    from megatron_rlhf.trainer.staleness import split_by_staleness
+
+    pairs = [_pair(5, 5), _pair(4, 5), _pair(2, 5)]
+    kept, m = split_by_staleness(pairs, learner_version=5, max_staleness=2)
+    assert kept == pairs[:2]
+    assert m["staleness/hist_0"] == 4 and m["staleness/hist_1"] == 1 and m["staleness/hist_2"] == 0
+    assert m["staleness/hist_over"] == 1 and m["staleness/max"] == 3
+    assert m["staleness/dropped_pairs"] == 1 and m["staleness/dropped_samples"] == 2
+    assert m["staleness/mean"] == pytest.approx(4 / 6)
+    with pytest.raises(ValueError, match="out of step"):
+        split_by_staleness([_pair(6, 5)], learner_version=5, max_staleness=2)
+
+
+@pytest.mark.timeout(30)
+def test_probe_comparison_fails_loudly_beyond_tolerance():
+    from megatron_rlhf.generator.weight_sync import WeightSyncError, compare_probe
+
+    ref = [0.0, -1.0, -2.0, -3.0]
+    assert compare_probe([0.0, -1.0, -2.0005, -3.0], ref, 1e-3, worker=0, version=1) == pytest.approx(5e-4)
+    with pytest.raises(WeightSyncError, match="worker 1 .* version 7"):
+        compare_probe([0.0, -1.0, -2.1, -3.0], [ref], 1e-3, worker=1, version=7)
+    with pytest.raises(WeightSyncError):
+        compare_probe([0.0, float("nan"), -2.0, -3.0], ref, 1e-3, worker=0, version=1)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("overrides, key", [
+    (["async.sync_interval=3", "async.max_staleness=2"], "async.max_staleness"),
+    (["async.sync_interval=0"], "async.sync_interval"),
+    (["async.sync=true", "async.sync_interval=2", "async.max_staleness=2"], "async.sync_interval"),
+    (["generators.transport=carrier_pigeon"], "generators.transport"),
+    (["generators.max_restarts=-1"], "generators.max_restarts"),
+    (["generators.check_weight_sync_tol=0"], "generators.check_weight_sync_tol"),
+])
+def test_pool_config_errors_name_the_key(overrides, key):
+    from megatron_rlhf.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(REPO / "configs" / "ci_tiny.yaml", overrides)
+
+
+@pytest.mark.timeout(30)
+def test_pool_config_keys_load():
+    from megatron_rlhf.config import load_config
+
+    cfg = load_config(REPO / "configs" / "ci_tiny.yaml", [
+        "generators.num_workers=2", "generators.transport=filesystem", "generators.inflight_updates=true",
+        "generators.check_weight_sync=true", "async.sync_interval=3", "async.max_staleness=3"])
+    g = cfg.generators
+    assert (g.num_workers, g.transport, g.inflight_updates, g.check_weight_sync) == (2, "filesystem", True, True)
+    assert cfg.async_.sync_interval == 3 and cfg.async_.staleness_bound == 3
+
+
+@pytest.mark.timeout(30)
+def test_nccl_transport_on_cpu_raises_a_clear_error():
+    import torch
+
+    from megatron_rlhf.config import load_config
+    from megatron_rlhf.generator.weight_sync import make_transport
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    cfg = load_config(REPO / "configs" / "ci_tiny.yaml", ["generators.transport=nccl"])
+    with pytest.raises(RuntimeError, match="needs CUDA GPUs.*object_store"):
+        make_transport(cfg.generators, "/tmp")
+
+
+@pytest.mark.timeout(30)
+def test_three_prompts_ten_steps_reshuffle_every_epoch():
+    from megatron_rlhf.data import PromptSampler
+    from megatron_rlhf.types import Prompt
+
+    prompts = [Prompt(index=i, task="t", token_ids=(i + 1,)) for i in range(3)]
+    s = PromptSampler(prompts, seed=0)
+    draws = [[p.index for p in s.next(2)] for _ in range(10)]     # 10 steps x 2 prompts = 20 draws
+    flat = [i for d in draws for i in d]
+    epochs = [flat[j:j + 3] for j in range(0, 18, 3)]
+    assert all(sorted(e) == [0, 1, 2] for e in epochs)            # every epoch visits each prompt once
+    assert len({tuple(e) for e in epochs}) > 1                    # and is reshuffled
+    assert s.state_dict()["epoch"] == 6
+
+
+# ----------------------------------------------------------------------------------- integration
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+
+    from megatron_rlhf.runtime import process_env
+
+    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": process_env()},
+             logging_level="WARNING")
+    yield
+    ray.shutdown()
+
+
+def _cfg(model_dir, out_dir, name, *extra):
+    from megatron_rlhf.config import load_config
+
+    return load_config(REPO / "configs" / "ci_tiny.yaml", [
+        f"model.source={model_dir}", f"run.output_dir={out_dir}", f"run.name={name}",
+        "tasks.0.reward=tests.plugins:char_parity", "logging.progress=false", "generators.cpu_core=-1",
+        "generators.prompts_per_request=2", "checkpoint.interval=0", "checkpoint.export_hf=false",
+        "async.timeout_s=300", *extra])
+
+
+def _rows(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_two_workers_share_a_step_and_both_get_every_push(ray_cluster, tiny_llama_dir, tmp_path):
+    """M=2, 4 async steps, object store transport, weight-sync check on after every push."""
+    from megatron_rlhf.trainer.loop import train
+
+    res = train(_cfg(tiny_llama_dir, tmp_path, "m2", "run.num_steps=4", "generators.num_workers=2",
+                     "generators.check_weight_sync=true"), quiet=True)
+    rows = _rows(res["run_dir"])
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["staleness/max"] for r in rows] == [0, 1, 1, 1]
+    for i in (0, 1):
+        assert sum(r[f"generator/{i}/prompts"] for r in rows) > 0          # both workers generated
+        assert all(r[f"generator/{i}/tokens_per_s"] > 0 for r in rows)
+        assert [r[f"generator/{i}/weight_version"] for r in rows] == [0, 0, 1, 2]   # both advance
+    assert all(r["staleness/hist_0"] + r["staleness/hist_1"] == 2 * r["pairs/count"] for r in rows)
+    checked = [r["sync/check_max_abs_diff"] for r in rows if "sync/check_max_abs_diff" in r]
+    assert len(checked) == 2 and max(checked) < 1e-3                     # passed after each push
+    assert all(r["sync/bytes"] > 0 and r["sync/GBps"] > 0 for r in rows[2:])
+    assert rows[-1]["generator/restarts"] == 0
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_weight_sync_check_fails_when_a_push_is_skipped(ray_cluster, tiny_llama_dir, tmp_path, monkeypatch):
+    """The same check catches a worker that never received version 1 (its push is skipped)."""
+    import ray
+
+    from megatron_rlhf.generator.pool import GeneratorPool
+    from megatron_rlhf.generator.weight_sync import WeightSyncError
+    from megatron_rlhf.trainer.loop import train
+    from megatron_rlhf.trainer.rollout import ProducerError
+
+    def skipped_push(self, w, weights):   # reports success without touching the worker
+        return ray.put({"bytes": 0, "seconds": 0.0, "tensors": 0})
+
+    monkeypatch.setattr(GeneratorPool, "_push_one", skipped_push)
+    with pytest.raises(ProducerError) as info:
+        train(_cfg(tiny_llama_dir, tmp_path, "skip", "run.num_steps=3", "generators.check_weight_sync=true",
+                   "learner.optimizer.lr=1e-3"), quiet=True)
+    assert isinstance(info.value.__cause__, WeightSyncError)
+    assert "worker 0 after the push of weight version 1" in str(info.value.__cause__)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(420)
+def test_killed_worker_is_restarted_and_run_completes(ray_cluster, tiny_llama_dir, tmp_path, monkeypatch, capfd):
+    """Worker 1 is SIGKILLed while it generates batch 2 (during the learner's step 2 of 5): Ray
+    restarts it, it gets weight version 1, its prompts are redone, all 5 steps finish."""
+    import ray
+
+    from megatron_rlhf.generator.pool import GeneratorPool
+    from megatron_rlhf.trainer.loop import train
+
+    orig, killed = GeneratorPool._submit, []
+
+    def submit_then_kill(self, w, prompts, idx, n):
+        if self.batch_index == 2 and w.index == 1 and not killed:
+            pid = ray.get(w.handle.pid.remote(), timeout=60)
+            ref = orig(self, w, prompts, idx, n)
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+            return ref
+        return orig(self, w, prompts, idx, n)
+
+    monkeypatch.setattr(GeneratorPool, "_submit", submit_then_kill)
+    res = train(_cfg(tiny_llama_dir, tmp_path, "kill", "run.num_steps=5", "generators.num_workers=2"), quiet=True)
+    rows = _rows(res["run_dir"])
+    assert killed and [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert [r["generator/restarts"] for r in rows] == [0, 0, 1, 1, 1] and res["generator_restarts"] == 1
+    assert rows[2]["generator/1/restarts"] == 1 and rows[2]["generator/1/weight_version"] == 1
+    assert rows[2]["generator/1/prompts"] > 0                      # its re-queued prompts were redone
+    assert [r["generator/1/weight_version"] for r in rows] == [r["generator/0/weight_version"] for r in rows]
+    err = capfd.readouterr().err
+    assert "generator worker 1 died during batch 2" in err and "restarted by Ray" in err
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_three_prompt_dataset_runs_ten_steps_and_counts_the_long_prompt(ray_cluster, tiny_llama_dir, tmp_path):
+    rows_in = [{"input": f"What is {a} plus {b}?", "target": a + b} for a, b in ((1, 2), (3, 4), (5, 6))]
+    rows_in.insert(1, {"input": " ".join(["lengthy"] * 600) + " what is 1 plus 1?", "target": 2})
+    data = tmp_path / "three.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows_in))
+    from megatron_rlhf.trainer.loop import train
+
+    res = train(_cfg(tiny_llama_dir, tmp_path, "three", "run.num_steps=10", f"tasks.0.data.path={data}",
+                     "tasks.0.data.filter={}", "generators.inflight_updates=true"), quiet=True)
+    rows = _rows(res["run_dir"])
+    assert [r["step"] for r in rows] == list(range(1, 11))
+    for r in rows:   # inflight updates: a batch may span versions; staleness counts from the oldest
+        assert r["generator/version_min"] <= r["generator/version_max"] <= r["weight_version"] - 1
+        assert r["staleness/max"] <= min(1, r["weight_version"] - 1 - r["generator/version_min"])
+    assert res["data"]["math"]["too_long"] == 1 and res["data"]["math"]["kept"] == 3
+    assert res["prompts_too_long"] == 1 and all(r["prompts/too_long_filtered"] == 1 for r in rows)
+    assert rows[-1]["data/epoch"] >= 6                              # >= 20 draws from 3 prompts
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_sync_interval_3_pushes_every_third_version_and_staleness_reaches_3(ray_cluster, tiny_llama_dir, tmp_path):
+    """Semi-online s=3 over the filesystem transport (safetensors shards), checked after each push."""
+    from megatron_rlhf.trainer.loop import train
+
+    res = train(_cfg(tiny_llama_dir, tmp_path, "s3", "run.num_steps=7", "async.sync_interval=3",
+                     "async.max_staleness=3", "generators.transport=filesystem",
+                     "generators.check_weight_sync=true"), quiet=True)
+    rows = _rows(res["run_dir"])
+    assert [r["generator/weight_version"] for r in rows] == [0, 0, 0, 0, 3, 3, 3]
+    assert [r["staleness/max"] for r in rows] == [0, 1, 2, 3, 1, 2, 3]
+    assert all(r["staleness/dropped_pairs"] == 0 for r in rows)
+    assert rows[4]["sync/bytes"] > 0 and rows[4]["sync/check_max_abs_diff"] < 1e-3
+    assert not (Path(res["run_dir"]) / "weight_sync").exists()     # shards removed at the end
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_dead_learner_stops_the_run_naming_the_intact_checkpoint(ray_cluster, tmp_path):
+    """The loop's learner wait maps a dead learner actor to LearnerDiedError naming the last
+    complete checkpoint (a stand-in actor that exits mid-call plays the learner)."""
+    import ray
+
+    from megatron_rlhf.trainer.checkpoint import CheckpointManager
+    from megatron_rlhf.trainer.loop import LearnerDiedError, _learner_call
+
+    @ray.remote(num_cpus=0, max_restarts=0)
+    class Dies:
+        def train_step(self):
+            os._exit(1)
+
+    ckpts = CheckpointManager(tmp_path / "checkpoints")
+    ckpts.save(2, {"step": 2}, lambda tmp: (tmp / "learner").mkdir())
+    with pytest.raises(LearnerDiedError, match=r"step 3 .*checkpoint .*step_2 is intact"):
+        _learner_call(Dies.remote().train_step.remote(), "train_step of step 3", 60, ckpts)
+    assert (tmp_path / "checkpoints" / "step_2" / "COMPLETE").is_file()
