@@ -367,6 +367,9 @@ class Config:
         names = [t.name for t in self.tasks]
         _check(len(set(names)) == len(names), "tasks[].name", names, "unique task names")
         lp = self.learner
+        _check(self.algorithm.pairs_per_step >= lp.data_parallel, "algorithm.pairs_per_step",
+               self.algorithm.pairs_per_step,
+               f">= learner.data_parallel ({lp.data_parallel}): every data-parallel rank needs a pair")
         check_layout(self.placement, learner_world_size=lp.tensor_parallel * lp.pipeline_parallel * lp.data_parallel,
                      learner_tensor_parallel=lp.tensor_parallel, num_engines=self.generators.num_workers,
                      engine_tensor_parallel=self.generators.tensor_parallel)

@@ -74,3 +74,27 @@ def test_train_cli_reports_config_errors_before_any_work(tmp_path, capsys):
     cfg = Path(__file__).resolve().parents[1] / "configs" / "cpu_demo.yaml"
     assert train.main(["--config", str(cfg), "algorithm.beta=0"]) == 2
     assert "algorithm.beta" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(180)
+def test_run_can_start_from_a_megatron_checkpoint(tiny_llama_dir, tmp_path):
+    """model.source = an hf_to_megatron checkpoint: exported once (exactly) to the HF folder the
+    learner and the generators start from, cached for the next run."""
+    import torch
+    from safetensors.torch import load_file
+
+    from megatron_rlhf.config import ModelConfig
+    from megatron_rlhf.convert.pipeline import hf_to_megatron
+    from megatron_rlhf.trainer.loop import resolve_model_dir
+
+    ckpt = tmp_path / "ckpt"
+    hf_to_megatron(tiny_llama_dir, ckpt, tp=2, pp=1, progress=False)
+    cfg = ModelConfig(source=str(ckpt), cache_dir=str(tmp_path / "cache"))
+    out = resolve_model_dir(cfg)
+    assert out != ckpt and (out / "config.json").is_file()
+    got = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+    want = load_file(next(Path(tiny_llama_dir).glob("*.safetensors")))
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert resolve_model_dir(cfg) == out                                   # cached
+    assert resolve_model_dir(ModelConfig(source=str(tiny_llama_dir))) == Path(tiny_llama_dir).resolve()

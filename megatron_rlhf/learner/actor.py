@@ -554,7 +554,11 @@ class MegatronLearner:
         ``path/policy`` and ``path/reference``: every rank writes its own shards) and the
         optimizer, LR scheduler, RNG states and ``weight_version`` (``torch.save``: rank 0 to
         ``path/learner_state.pt``, rank r > 0 to ``path/learner_state.rank<r>.pt``). ``path`` is
-        created. Collective over all ranks."""
+        created. Collective over all ranks.
+
+        Raises:
+            NotImplementedError: with ``learner.distributed_optimizer=true`` (not supported yet).
+        """
         save_learner_checkpoint(self, Path(path))
 
     def load_checkpoint(self, path: str) -> int:

@@ -8,8 +8,8 @@ Layout of a learner checkpoint folder::
     path/learner_state.pt   torch.save (rank 0): optimizer state dict, LR-scheduler state, RNG
                         states, weight_version, layout (tp, pp, dp, model_type, dtype)
     path/learner_state.rank<r>.pt   the same for rank r > 0 of a multi-process learner (its
-                        optimizer shard; the distributed optimizer adds its DP-sharded
-                        parameter state under ``optimizer_param_state``)
+                        optimizer shard). Not supported with the distributed optimizer yet
+                        (raises NotImplementedError).
 
 Every rank of a learner group calls save/load together: ``dist_checkpointing`` is collective
 (each rank writes/reads its own shards).
@@ -47,6 +47,17 @@ def _rank(learner) -> int:
     return int(getattr(groups, "rank", 0))
 
 
+def _refuse_distributed_optimizer(learner) -> None:
+    """The DistributedOptimizer's state_dict() omits its DP-sharded Adam state, and restoring it
+    through megatron's ``get/load_parameter_state_dp_reshardable`` did not reproduce the next
+    update in a DP=2 CPU check (2026-11-30); refuse rather than resume with wrong moments."""
+    if getattr(learner, "use_distributed_optimizer", False):
+        raise NotImplementedError(
+            "learner checkpoints with learner.distributed_optimizer=true are not supported yet "
+            "(the sharded Adam state is not restored exactly); set learner.distributed_optimizer="
+            "false to checkpoint")
+
+
 def _save_model(model, folder: Path) -> None:
     from megatron.core import dist_checkpointing
 
@@ -70,12 +81,12 @@ def _load_model(model, folder: Path) -> None:
 def save_learner_checkpoint(learner, path: Path) -> None:
     """Write ``learner``'s models, optimizer, scheduler, RNG and version under ``path`` (see
     module doc). ``path`` may exist; it should be empty (the caller makes the save atomic)."""
+    _refuse_distributed_optimizer(learner)
     path.mkdir(parents=True, exist_ok=True)
     _save_model(learner.policy, path / "policy")
     _save_model(learner.reference, path / "reference")
     state = {"weight_version": learner.weight_version,
              "optimizer": learner.optimizer.state_dict(),
-             "optimizer_param_state": _dist_opt_param_state(learner.optimizer),
              "scheduler": learner.scheduler.state_dict(),
              "rng": learner._rng_state(),
              "layout": {"tp": learner.groups.tp, "pp": learner.groups.pp, "dp": learner.groups.dp,
@@ -89,25 +100,6 @@ def save_learner_checkpoint(learner, path: Path) -> None:
         dist.barrier()  # every rank's files exist before any rank returns
 
 
-def _dist_opt_param_state(optimizer):
-    """DistributedOptimizer: this DP rank's fp32 master weights and Adam moments (megatron's
-    ``get_parameter_state_dp_reshardable``; ``state_dict()`` leaves them out). None otherwise."""
-    inner = getattr(optimizer, "chained_optimizers", [optimizer])
-    if not any(hasattr(o, "get_parameter_state_dp_reshardable") for o in inner):
-        return None
-    out = []
-    for o in inner:
-        state = o.get_parameter_state_dp_reshardable() if hasattr(o, "get_parameter_state_dp_reshardable") else None
-        for key, per_dtype in (state or {}).items():  # megatron's loader filters on a 'padding'
-            if isinstance(key, int):                    # flag its saver does not write
-                for buckets in per_dtype.values():
-                    for bucket in buckets:
-                        for entry in bucket:
-                            entry.setdefault("padding", False)
-        out.append(state)
-    return out
-
-
 def load_learner_checkpoint(learner, path: Path) -> int:
     """Restore what :func:`save_learner_checkpoint` wrote into ``learner``; returns the weight
     version.
@@ -117,6 +109,7 @@ def load_learner_checkpoint(learner, path: Path) -> int:
         ValueError: the checkpoint's layout (TP/PP/DP, model type) differs from the learner's
             (resharding the optimizer is not supported yet; models reshard via dist_checkpointing).
     """
+    _refuse_distributed_optimizer(learner)
     sfile = state_file(path, _rank(learner))
     if not sfile.is_file():
         raise FileNotFoundError(f"{path}: no {sfile.name}; not a learner checkpoint (or one "
@@ -130,11 +123,6 @@ def load_learner_checkpoint(learner, path: Path) -> int:
     _load_model(learner.policy, path / "policy")
     _load_model(learner.reference, path / "reference")
     learner.optimizer.load_state_dict(state["optimizer"])
-    if state.get("optimizer_param_state") is not None:
-        inner = getattr(learner.optimizer, "chained_optimizers", [learner.optimizer])
-        for o, ps in zip(inner, state["optimizer_param_state"]):
-            if ps is not None:
-                o.load_parameter_state_from_dp_reshardable(ps)
     learner.scheduler.load_state_dict(state["scheduler"])
     learner._set_rng_state(state["rng"])
     return int(state["weight_version"])

@@ -50,12 +50,31 @@ class RunResult(dict):
 
 
 def resolve_model_dir(model_cfg) -> Path:
-    """The HF folder of the base model: converted (and cached) SmolLM2, or ``model.source``."""
+    """The HF folder of the base model.
+
+    ``model.source`` is ``smollm2`` (converted from the registry package's GGUF and cached), an HF
+    folder, or a Megatron checkpoint (``tools/convert/hf_to_megatron.py`` output or a trainer
+    ``checkpoints/step_N``): the latter is exported once (exactly, tensor by tensor) to an HF folder
+    cached under ``model.cache_dir``, which both the learner and the vLLM generators start from.
+    """
     if model_cfg.source == "smollm2":
         from megatron_rlhf.convert.gguf import ensure_smollm2_hf
 
         return Path(ensure_smollm2_hf(os.path.expanduser(model_cfg.cache_dir)))
-    return Path(os.path.expanduser(model_cfg.source)).resolve()
+    src = Path(os.path.expanduser(model_cfg.source)).resolve()
+    if (src / "config.json").is_file() and any(src.glob("*.safetensors")):
+        return src
+    import hashlib
+
+    from megatron_rlhf.convert.pipeline import megatron_to_hf
+
+    key = hashlib.sha256(str(src).encode()).hexdigest()[:16]
+    out = Path(os.path.expanduser(model_cfg.cache_dir)) / "from_megatron" / f"{src.name}-{key}"
+    if not (out / "config.json").is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        print(f"[megatron-rlhf] exporting Megatron checkpoint {src} -> {out}", flush=True)
+        megatron_to_hf(src, out, progress=False)
+    return out
 
 
 class _StopFlag:
