@@ -44,3 +44,31 @@ def tiny_llama_tied_dir(tmp_path_factory) -> Path:
     from megatron_rlhf.testing.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny_llama_tied"), "llama", tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """One local Ray cluster per test module (loopback only, 4 logical CPUs on 2 cores: actors
+    of these tests mostly wait on each other)."""
+    import ray
+
+    from megatron_rlhf.runtime import process_env
+
+    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": process_env()},
+             logging_level="WARNING")
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def groups():
+    """Single-process torch.distributed (gloo) + megatron parallel state, released afterwards."""
+    from megatron_rlhf.learner import parallel
+    from megatron_rlhf.platform import get_platform
+
+    platform = get_platform()
+    platform.install(function_mode=False)
+    g = parallel.acquire(backend=platform.dist_backend)
+    platform.seed(0)
+    yield g
+    parallel.release()

@@ -17,18 +17,6 @@ pytestmark = [pytest.mark.integration]
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-
-    from megatron_rlhf.runtime import process_env
-
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": process_env()},
-             logging_level="WARNING")
-    yield
-    ray.shutdown()
-
-
 def _cfg(model_dir, out_dir, name, *extra):
     from megatron_rlhf.config import load_config
 

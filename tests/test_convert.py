@@ -15,18 +15,6 @@ from megatron_rlhf.learner.model import (build_gpt_model, full_mcore_state, load
 from megatron_rlhf.platform import get_platform
 
 
-@pytest.fixture
-def groups():
-    from megatron_rlhf.learner import parallel
-
-    platform = get_platform()
-    platform.install(function_mode=False)
-    g = parallel.acquire(backend=platform.dist_backend)
-    platform.seed(0)
-    yield g
-    parallel.release()
-
-
 def _megatron_model(model_dir, groups):
     cfg = load_hf_config(model_dir)
     tcfg = transformer_config_from_hf(cfg, dtype="float32", perform_initialization=False)

@@ -146,19 +146,6 @@ def test_reshard_tp2_tp1_pp2_round_trips_are_exact(arch, ckpts):
 
 
 # ------------------------------------------------------------------------------ logits
-@pytest.fixture
-def groups():
-    from megatron_rlhf.learner import parallel
-    from megatron_rlhf.platform import get_platform
-
-    platform = get_platform()
-    platform.install(function_mode=False)
-    g = parallel.acquire(backend=platform.dist_backend)
-    platform.seed(0)
-    yield g
-    parallel.release()
-
-
 @pytest.mark.timeout(240)
 def test_megatron_logits_equal_transformers_at_tp1_for_every_arch(models, ckpts, groups):
     """TP=1 (the learner's build path): build_gpt_model + load of the resharded TP1 checkpoint."""

@@ -134,18 +134,6 @@ def test_three_prompts_ten_steps_reshuffle_every_epoch():
 
 
 # ----------------------------------------------------------------------------------- integration
-@pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-
-    from megatron_rlhf.runtime import process_env
-
-    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": process_env()},
-             logging_level="WARNING")
-    yield
-    ray.shutdown()
-
-
 def _cfg(model_dir, out_dir, name, *extra):
     from megatron_rlhf.config import load_config
 
