@@ -61,7 +61,7 @@ def test_sync_run_staleness_always_0(ray_cluster, tiny_llama_dir, tmp_path):
     assert [r["generator/weight_version"] for r in rows] == [0, 1, 2]   # on-policy: fresh weights each batch
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1500)
 def test_stopped_run_resumes_at_next_step(ray_cluster, tiny_llama_dir, tmp_path):
     from megatron_rlhf.trainer.loop import train
 
@@ -77,6 +77,15 @@ def test_stopped_run_resumes_at_next_step(ray_cluster, tiny_llama_dir, tmp_path)
     assert rows[-1]["weight_version"] == 3
     # the generator got the resumed weights before generating step 3's batch: on-policy again
     assert rows[-1]["generator/weight_version"] == 2 and rows[-1]["staleness/max"] == 0
+    # the same command again: a finished run is a no-op that reports the earlier summary
+    again = train(_cfg(tiny_llama_dir, tmp_path, "resume", "run.num_steps=3"), quiet=True)
+    assert again["already_complete"] and again["last_step"] == 3
+    assert len(_rows(second["run_dir"])) == 3
+    # continuing a finished run: one more step, and its HF export replaces the old one
+    old_export = (Path(second["run_dir"]) / "hf_final" / "model.safetensors").stat().st_mtime_ns
+    more = train(_cfg(tiny_llama_dir, tmp_path, "resume", "run.num_steps=4"), quiet=True)
+    assert more["first_step"] == 4 and more["last_step"] == 4
+    assert (Path(more["run_dir"]) / "hf_final" / "model.safetensors").stat().st_mtime_ns != old_export
 
 
 @pytest.mark.timeout(600)

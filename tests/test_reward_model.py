@@ -167,7 +167,8 @@ def _train_tool():
 @pytest.mark.timeout(300)
 def test_pooled_head_serving_features_and_rewards_equal_training_time_ones(tiny_llama_dir, tmp_path):
     """Tiny random Llama (2 layers), 40 train / 16 held-out pairs, features of layers 1 and 2 (last
-    token, reply mean, length x prompt mean) + length, 48 tokens (so some prompts are cut): the saved folder, reloaded by RewardModel and fed the pairs' *text*,
+    token, reply mean), reply embedding mean, length and length x prompt embedding mean, 48 tokens (so some
+    sequences are cut): the saved folder, reloaded by RewardModel and fed the pairs' *text*,
     reproduces the tool's cached training features (<= 1e-4) and rewards (<= 1e-3), batched or not."""
     from safetensors import safe_open
     from safetensors.torch import load_file
@@ -180,10 +181,10 @@ def test_pooled_head_serving_features_and_rewards_equal_training_time_ones(tiny_
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     rep = tool.train_reward_model(out=str(tmp_path / "rm"), base=str(tiny_llama_dir), data=[str(data)],
                                   train_pairs=40, eval_pairs=16, max_len=48, layers=0, feature_layers=(1, 2),
-                                  seed=0, feature_cache_dir=str(tmp_path / "feat"), wd_grid=(0.1, 1.0))
-    assert rep["features"] == {"layers": [1, 2], "poolings": ["last", "reply_mean"], "length_feature": True,
-                               "length_interactions": True}
-    assert rep["feature_dim"] == FeatureSpec((1, 2), length_interactions=True).dim(128) == 2 * 3 * 128 + 1
+                                  poolings=("last", "reply_mean"), seed=0, feature_cache_dir=str(tmp_path / "feat"), wd_grid=(0.1, 1.0))
+    assert rep["features"] == {"layers": [1, 2], "poolings": ["last", "reply_mean"], "reply_embedding_mean": True,
+                               "length_feature": True, "length_x_prompt_embedding": True}
+    assert rep["feature_dim"] == FeatureSpec((1, 2), ("last", "reply_mean")).dim(128) == (2 * 2 + 2) * 128 + 1
     assert rep["reload_check_feature_max_abs_diff"] < 1e-4 and rep["reload_check_max_abs_diff"] < 1e-3
 
     # independent check: cached training rows (keyed by file digest:row) vs serving features from text
@@ -206,6 +207,11 @@ def test_pooled_head_serving_features_and_rewards_equal_training_time_ones(tiny_
 
     reply_len = [len(encode_reward_parts(rm4.tokenizer, p, rows[i]["r_chosen"])[1]) for p, i in zip(prompts, idx)]
     assert torch.allclose(got_c[:, -1], torch.log1p(torch.tensor(reply_len, dtype=torch.float32)))
+    # layout: 2 layers x 2 poolings x 128, reply embedding mean [512:640], log-len x prompt embedding [640:768]
+    emb = rm4.trunk.get_input_embeddings().weight
+    p_ids, r_ids = encode_reward_parts(rm4.tokenizer, prompts[0], rows[idx[0]]["r_chosen"])
+    assert torch.allclose(got_c[0, 512:640], emb[r_ids].mean(0), atol=1e-5)
+    assert torch.allclose(got_c[0, 640:768], math.log1p(len(r_ids)) * emb[p_ids].mean(0), atol=1e-5)
     s1 = rm1.score(prompts, [rows[i]["r_chosen"] for i in idx])
     s4 = rm4.score(prompts, [rows[i]["r_chosen"] for i in idx])
     assert max(abs(a - b) for a, b in zip(s1, s4)) < 1e-4

@@ -6,21 +6,22 @@
    ``LlamaForSequenceClassification`` = the Llama trunk + a bias-free ``score`` linear layer
    ``[hidden] -> [1]``), e.g. a published reward model. The reward is the head applied to the
    trunk's final (normed) hidden state at the last real token.
-2. **Pooled-feature head** (what ``tools/train_reward_model.py`` writes by default): an HF base
-   trunk (``AutoModel``, e.g. ``LlamaModel`` cut to its first layers) plus ``reward_head.json``
-   (a :class:`FeatureSpec` and the training ``max_length``) and ``reward_head.safetensors``
+2. **Pooled-feature head** (what ``tools/train_reward_model.py`` writes): an HF base trunk
+   (``AutoModel``, e.g. ``LlamaModel`` cut to its first layers) plus ``reward_head.json`` (a
+   :class:`FeatureSpec` and the training ``max_length``) and ``reward_head.safetensors``
    (``mean [D]``, ``std [D]``, ``weight [D]`` float32). The reward is
-   ``((f - mean) / std) @ weight`` with ``f = reward_features(...)  [D]``: for each listed hidden
-   state, the state at the last token and/or the mean over the reply's tokens, optionally followed
-   by ``log(1 + reply tokens)``. The training tool computes its features with the same
+   ``((f - mean) / std) @ weight`` with ``f = reward_features(...)  [D]``: trunk states at the
+   end-of-turn token (and/or means over the reply) of chosen layers, the mean input embedding of
+   the whole reply, ``log(1 + reply tokens)`` and its product with the prompt's mean input
+   embedding (see :class:`FeatureSpec`). The training tool computes its features with the same
    :func:`reward_features`, so training and serving cannot drift apart.
 
 Both formats read the sequence
 
     chat_template(prompt, add_generation_prompt=True) + completion.strip() + <eos>
 
-(:func:`encode_for_reward`), cut from the left to ``max_length`` tokens, i.e. the
-Bradley-Terry reward of Ouyang et al. 2022 (eq. 1) read at/around the end-of-turn token.
+(:func:`encode_for_reward`); the transformer reads its last ``max_length`` tokens. The scalar is a
+Bradley-Terry reward (Ouyang et al. 2022, eq. 1): only differences between replies are meaningful.
 :class:`RewardModel` is a plain class; the trainer wraps it as a Ray actor
 (``ray.remote(num_cpus=1)(RewardModel)``).
 
@@ -76,105 +77,119 @@ def bradley_terry_loss(r_chosen, r_rejected):
 
 @dataclass(frozen=True)
 class FeatureSpec:
-    """Which trunk features a pooled-feature reward head reads.
+    """Which features a pooled-feature reward head reads (the head is linear in them).
 
     Attributes:
-        layers: hidden-state indices, as in HF ``output_hidden_states``: ``0`` = token embeddings,
-            ``l`` = the residual stream after ``l`` decoder layers, and the trunk's depth = its final
-            normed output (``last_hidden_state``). Sorted, unique, each in ``[0, depth]``.
-        poolings: subset of ``("last", "reply_mean")``: the state at the last real token (the
-            end-of-turn token), and the mean over the reply's tokens that survive truncation
-            (the eos included).
-        length_feature: append ``log(1 + reply tokens)`` (untruncated reply incl. eos), a known
-            signal of AI and human preference labels (longer answers win most AlpacaEval pairs)
-            that the reward may use; report it.
-        length_interactions: for each layer, also append ``log(1 + reply tokens)`` times the mean
-            state over the prompt tokens that survive truncation (zeros when none do), so the
-            prompt can decide whether a longer reply is better (in HH-harmless the shorter reply
-            wins most pairs, in AlpacaEval the longer one).
+        layers: trunk hidden states read on the sequence cut to ``max_length`` tokens, as indices of
+            HF ``output_hidden_states``: ``0`` = token embeddings, ``l`` = the residual stream after
+            ``l`` decoder layers, and the trunk's depth = its final normed output
+            (``last_hidden_state``). Sorted, unique, each in ``[0, depth]``; may be empty when an
+            embedding feature is on (then no transformer layer runs).
+        poolings: subset of ``("last", "reply_mean")`` applied to each layer: the state at the
+            last real token (the end-of-turn token), and the mean over the reply's tokens that
+            survive truncation (the eos included).
+        reply_embedding_mean: mean input-embedding vector of the whole (untruncated) reply, a
+            bag-of-tokens view of the reply that truncation cannot cut.
+        length_feature: ``log(1 + reply tokens)`` (untruncated, eos included). Reply length is a
+            real signal of these labels (longer answers win most AlpacaEval/DOVE pairs, shorter ones
+            most HH-harmless pairs); reports state the "longer reply wins" baseline next to it.
+        length_x_prompt_embedding: ``log(1 + reply tokens)`` times the mean input embedding of the
+            whole prompt, so the prompt decides whether a longer reply is better.
     """
 
     layers: tuple[int, ...]
-    poolings: tuple[str, ...] = ("last", "reply_mean")
+    poolings: tuple[str, ...] = ("last",)
+    reply_embedding_mean: bool = True
     length_feature: bool = True
-    length_interactions: bool = False
+    length_x_prompt_embedding: bool = True
 
     def __post_init__(self):
-        if not self.layers or list(self.layers) != sorted(set(self.layers)) or min(self.layers) < 0:
-            raise ValueError(f"feature layers {self.layers}: need a sorted, unique, non-empty list of "
-                             "hidden-state indices >= 0")
-        if not self.poolings or any(p not in POOLINGS for p in self.poolings) or len(set(self.poolings)) != len(self.poolings):
+        if list(self.layers) != sorted(set(self.layers)) or (self.layers and min(self.layers) < 0):
+            raise ValueError(f"feature layers {self.layers}: need a sorted, unique list of hidden-state "
+                             "indices >= 0")
+        if self.layers and (not self.poolings or any(p not in POOLINGS for p in self.poolings)
+                            or len(set(self.poolings)) != len(self.poolings)):
             raise ValueError(f"poolings {self.poolings}: need a non-empty subset of {POOLINGS}")
+        if not (self.layers or self.reply_embedding_mean or self.length_feature or self.length_x_prompt_embedding):
+            raise ValueError("FeatureSpec: no feature selected (give layers or an embedding/length feature)")
 
     def dim(self, hidden_size: int) -> int:
-        """Feature width ``D = len(layers) * (len(poolings) + length_interactions) * hidden_size + length_feature``."""
-        per_layer = len(self.poolings) + int(self.length_interactions)
-        return len(self.layers) * per_layer * hidden_size + int(self.length_feature)
-
-    @property
-    def needs_reply(self) -> bool:
-        """Whether features depend on where the reply starts (reply lengths must be given)."""
-        return self.length_feature or self.length_interactions or "reply_mean" in self.poolings
+        """Feature width ``D = (len(layers) * len(poolings) + reply_embedding_mean +
+        length_x_prompt_embedding) * hidden_size + length_feature``."""
+        blocks = len(self.layers) * len(self.poolings) + self.reply_embedding_mean + self.length_x_prompt_embedding
+        return blocks * hidden_size + int(self.length_feature)
 
     def to_dict(self) -> dict:
         """JSON-able form (inverse of :meth:`from_dict`)."""
-        return {"layers": list(self.layers), "poolings": list(self.poolings), "length_feature": self.length_feature,
-                "length_interactions": self.length_interactions}
+        return {"layers": list(self.layers), "poolings": list(self.poolings),
+                "reply_embedding_mean": self.reply_embedding_mean, "length_feature": self.length_feature,
+                "length_x_prompt_embedding": self.length_x_prompt_embedding}
 
     @classmethod
     def from_dict(cls, d: dict) -> FeatureSpec:
         """Build from :meth:`to_dict` output. Raises ValueError/KeyError on a malformed dict."""
-        return cls(tuple(int(x) for x in d["layers"]), tuple(d["poolings"]), bool(d["length_feature"]),
-                   bool(d.get("length_interactions", False)))
+        return cls(tuple(int(x) for x in d["layers"]), tuple(d["poolings"]), bool(d["reply_embedding_mean"]),
+                   bool(d["length_feature"]), bool(d["length_x_prompt_embedding"]))
 
 
-def reward_features(trunk, input_ids, attention_mask, reply_tokens, spec: FeatureSpec):
-    """Pooled trunk features of a right-padded batch, the input of a pooled-feature reward head.
+def reward_features(trunk, sequences: Sequence[Sequence[int]], reply_tokens: Sequence[int], spec: FeatureSpec,
+                    max_length: int, pad_id: int):
+    """Features of a batch of sequences, the input of a pooled-feature reward head.
 
     Args:
         trunk: an HF base model (``AutoModel``, e.g. ``LlamaModel``) of depth ``>= max(spec.layers)``
             accepting ``output_hidden_states=True``.
-        input_ids: ``[B, S]`` int64, right-padded.
-        attention_mask: ``[B, S]`` 1 on real tokens (a prefix of each row), 0 on padding.
-        reply_tokens: ``[B]`` int64, reply length in tokens (completion + eos) *before* truncation;
-            the reply occupies the last ``min(reply_tokens, n_b)`` real tokens of row ``b``.
-        spec: which layers/poolings (see :class:`FeatureSpec`).
+        sequences: ``B`` untruncated token-id lists ``prompt + reply`` (see :func:`encode_reward_parts`).
+        reply_tokens: ``[B]`` reply lengths in tokens (completion + eos), each in ``[1, len(seq)]``.
+        spec: which features (see :class:`FeatureSpec`).
+        max_length: the trunk reads each sequence's last ``max_length`` tokens (the reply's end is
+            kept); the embedding and length features use the whole sequence.
+        pad_id: right-padding id (masked out; its value does not matter).
     Returns:
-        ``[B, D]`` float32 (``D = spec.dim(hidden)``), ordered layer-major (poolings, then the
-        length interaction), then the length feature.
+        ``[B, D]`` float32 (``D = spec.dim(hidden)``), in this order: per layer its poolings, the
+        reply embedding mean, ``log(1 + reply tokens)`` times the prompt embedding mean, the length.
     Raises:
-        ValueError: a layer index exceeds the trunk depth or a reply length is < 1.
-    Source: last-token pooling = HF ``*ForSequenceClassification``; mean pooling over the response
-    tokens and multi-layer probing, e.g. Zou et al. 2023 (representation engineering).
+        ValueError: a layer index exceeds the trunk depth, or a reply length is out of range.
+    Source: last-token pooling = HF ``*ForSequenceClassification``; linear probes on frozen
+    representations, e.g. Alain & Bengio 2016; length as a preference signal: Singhal et al. 2023
+    ("A Long Way to Go: Investigating Length Correlations in RLHF").
     """
     import torch
 
     depth = trunk.config.num_hidden_layers
-    if max(spec.layers) > depth:
+    if spec.layers and max(spec.layers) > depth:
         raise ValueError(f"feature layers {spec.layers}: the trunk has only {depth} layers")
-    reply_tokens = reply_tokens.to(input_ids.device).long()
-    if (reply_tokens < 1).any():
-        raise ValueError("reply_tokens: every reply has >= 1 token (its eos)")
-    mask = attention_mask.long()
-    out = trunk(input_ids=input_ids, attention_mask=mask, output_hidden_states=True)
-    hs = out.hidden_states
-    n = mask.sum(-1)  # [B]
-    rows = torch.arange(input_ids.shape[0], device=input_ids.device)
-    pos = torch.arange(input_ids.shape[1], device=input_ids.device)
-    start = (n - reply_tokens).clamp_min(0)
-    reply = ((pos[None, :] >= start[:, None]) & (pos[None, :] < n[:, None])).to(hs[0].dtype)  # [B, S]
-    prompt = (pos[None, :] < start[:, None]).to(hs[0].dtype)  # [B, S] surviving prompt tokens
-    log_len = torch.log1p(reply_tokens.to(hs[0].dtype))[:, None]  # [B, 1]
+    if len(sequences) != len(reply_tokens) or any(not 1 <= r <= len(s) for s, r in zip(sequences, reply_tokens)):
+        raise ValueError("reply_tokens: one per sequence, each between 1 (the eos) and the sequence length")
+    emb = trunk.get_input_embeddings()
+    dev = emb.weight.device
     feats = []
-    for layer in spec.layers:
-        h = out.last_hidden_state if layer == depth else hs[layer]
-        for p in spec.poolings:
-            if p == "last":
-                feats.append(h[rows, n - 1])
-            else:
-                feats.append((h * reply[..., None]).sum(1) / reply.sum(1, keepdim=True))
-        if spec.length_interactions:
-            feats.append(log_len * (h * prompt[..., None]).sum(1) / prompt.sum(1, keepdim=True).clamp_min(1))
+    if spec.layers:
+        cut = [list(s)[-max_length:] for s in sequences]
+        ids, mask = pad_right(cut, pad_id)
+        ids, mask = ids.to(dev), mask.to(dev)
+        out = trunk(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        n = mask.sum(-1)  # [B]
+        rows = torch.arange(ids.shape[0], device=dev)
+        pos = torch.arange(ids.shape[1], device=dev)
+        start = (n - torch.tensor(list(reply_tokens), device=dev)).clamp_min(0)
+        reply = ((pos[None, :] >= start[:, None]) & (pos[None, :] < n[:, None])).to(out.last_hidden_state.dtype)
+        for layer in spec.layers:
+            h = out.last_hidden_state if layer == depth else out.hidden_states[layer]
+            for p in spec.poolings:
+                if p == "last":
+                    feats.append(h[rows, n - 1].float())
+                else:
+                    feats.append(((h * reply[..., None]).sum(1) / reply.sum(1, keepdim=True)).float())
+    log_len = torch.log1p(torch.tensor([float(r) for r in reply_tokens], device=dev))[:, None]  # [B, 1]
+    if spec.reply_embedding_mean:
+        feats.append(torch.stack([emb(torch.tensor(list(s)[len(s) - r:], device=dev)).float().mean(0)
+                                  for s, r in zip(sequences, reply_tokens)]))
+    if spec.length_x_prompt_embedding:
+        h = emb.weight.shape[1]
+        pm = [emb(torch.tensor(list(s)[:len(s) - r], device=dev)).float().mean(0) if len(s) > r
+              else torch.zeros(h, device=dev) for s, r in zip(sequences, reply_tokens)]
+        feats.append(log_len * torch.stack(pm))
     if spec.length_feature:
         feats.append(log_len)
     return torch.cat(feats, -1).float()
@@ -305,24 +320,20 @@ class RewardModel:
 
         Args:
             sequences: token id lists, each ending with the reply's eos.
-            reply_lengths: per sequence, how many trailing tokens are the reply (completion + eos),
-                counted before truncation. Required by pooled heads that use the reply
-                (``reply_mean`` pooling or the length feature); ignored by sequence-classification
-                models.
+            reply_lengths: per sequence, how many trailing tokens are the reply (completion + eos).
+                Required by pooled-feature heads; ignored by sequence-classification models.
         Returns:
-            ``len(sequences)`` floats in input order. Sequences are sorted by length,
-            right-padded, run in batches of ``batch_size`` and cut from the left to ``max_length``.
+            ``len(sequences)`` floats in input order. Sequences are sorted by length, right-padded,
+            run in batches of ``batch_size``; the trunk reads each one's last ``max_length`` tokens
+            (cut ones are counted in ``num_truncated``).
         Raises:
-            ValueError: an empty sequence, or ``reply_lengths`` missing/mismatched when needed.
+            ValueError: an empty sequence, or ``reply_lengths`` missing/mismatched for a pooled head.
         """
-        import torch
-
-        spec = self.head_spec
-        needs_reply = spec is not None and spec.needs_reply
-        if needs_reply and (reply_lengths is None or len(reply_lengths) != len(sequences)):
-            raise ValueError("score_token_ids: this reward head pools over the reply; pass reply_lengths "
+        if self.head_spec is not None and (reply_lengths is None or len(reply_lengths) != len(sequences)):
+            raise ValueError("score_token_ids: this pooled reward head reads the reply; pass reply_lengths "
                              "(one per sequence: completion tokens + 1 for the eos), or use score()")
-        r = self._batched(sequences, reply_lengths, self.rewards)
+        fn = self._pooled_rewards if self.head_spec is not None else self._seqcls_rewards
+        r = self._batched(sequences, reply_lengths, fn)
         self.num_scored += len(sequences)
         return [float(x) for x in r]
 
@@ -332,7 +343,7 @@ class RewardModel:
         Args:
             prompts, completions: as in :meth:`score`.
         Returns:
-            ``[N, D]`` float32 tensor (:func:`reward_features`, after truncation to ``max_length``).
+            ``[N, D]`` float32 tensor (:func:`reward_features`).
         Raises:
             ValueError: the folder is a sequence-classification model (no pooled head), or
                 lengths differ.
@@ -343,59 +354,59 @@ class RewardModel:
             raise ValueError(f"features: {len(prompts)} prompts but {len(completions)} completions")
         parts = [encode_reward_parts(self.tokenizer, p, c) for p, c in zip(prompts, completions)]
         return self._batched([p + r for p, r in parts], [len(r) for _, r in parts],
-                             lambda ids, mask, reps: reward_features(self.trunk, ids, mask, reps, self.head_spec))
+                             lambda seqs, reps: reward_features(self.trunk, seqs, reps, self.head_spec,
+                                                                self.max_length, self.pad_id))
+
+    def _pooled_rewards(self, seqs, reps):
+        """``[B]`` rewards of untruncated sequences under the pooled-feature head."""
+        f = reward_features(self.trunk, seqs, reps, self.head_spec, self.max_length, self.pad_id)
+        return f @ self._head_w + self._head_b
+
+    def _seqcls_rewards(self, seqs, reps):
+        """``[B]`` rewards of the sequence-classification model on the sequences' last ``max_length`` tokens."""
+        ids, mask = pad_right([list(s)[-self.max_length:] for s in seqs], self.pad_id)
+        return self.rewards(ids.to(self.device), mask.to(self.device))
 
     def _batched(self, sequences, reply_lengths, fn):
-        """Cut to ``max_length`` from the left, sort by length, right-pad, run ``fn(ids, mask, reply
-        [B])`` per batch of ``batch_size`` without gradients; returns the row outputs stacked
-        ``[N, ...]`` in input order (CPU)."""
+        """Sort by length, run ``fn(seqs, reply_lengths)`` per batch of ``batch_size`` without gradients;
+        returns the row outputs stacked ``[N, ...]`` in input order (CPU). Counts truncations."""
         import torch
 
-        seqs = []
-        for s in sequences:
-            s = list(s)
-            if len(s) > self.max_length:
-                s = s[-self.max_length:]
-                self.num_truncated += 1
-            if not s:
-                raise ValueError("score_token_ids: empty sequence")
-            seqs.append(s)
+        seqs = [list(s) for s in sequences]
+        if any(not s for s in seqs):
+            raise ValueError("score_token_ids: empty sequence")
         if not seqs:
             return torch.zeros(0)
+        self.num_truncated += sum(len(s) > self.max_length for s in seqs)
         reps = list(reply_lengths) if reply_lengths is not None else [1] * len(seqs)
         out: list = [None] * len(seqs)
-        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+        order = sorted(range(len(seqs)), key=lambda i: min(len(seqs[i]), self.max_length))
         with torch.no_grad():
             for b in range(0, len(order), self.batch_size):
                 idx = order[b:b + self.batch_size]
-                ids, mask = pad_right([seqs[i] for i in idx], self.pad_id)
-                r = fn(ids.to(self.device), mask.to(self.device),
-                       torch.tensor([reps[i] for i in idx], dtype=torch.long))
+                r = fn([seqs[i] for i in idx], [reps[i] for i in idx])
                 for j, i in enumerate(idx):
                     out[i] = r[j].float().cpu()
         return torch.stack(out)
 
-    def rewards(self, input_ids, attention_mask, reply_tokens=None):
-        """Rewards of a right-padded batch.
+    def rewards(self, input_ids, attention_mask):
+        """Rewards of a right-padded batch (sequence-classification format only; pooled heads score
+        through :meth:`score` / :meth:`score_token_ids`, which need the untruncated reply).
 
         Args:
             input_ids: ``[B, S]`` int64, right-padded.
             attention_mask: ``[B, S]`` 1 on real tokens (a prefix of each row), 0 on padding.
-            reply_tokens: ``[B]`` int64 untruncated reply lengths (pooled heads only, see
-                :func:`reward_features`).
         Returns:
-            ``[B]`` float32. Sequence-classification format: ``score(h[b, last_b])`` with ``h`` the
-            trunk's final (normed) hidden states ``[B, S, H]`` and ``last_b = attention_mask[b].sum() - 1``
-            (equals the HF ``AutoModelForSequenceClassification`` logits when the pad id never occurs
-            in the rows). Pooled format: ``reward_features(...) @ (weight / std) - (mean / std) @ weight``.
+            ``[B]`` float32: ``score(h[b, last_b])`` with ``h`` the trunk's final (normed) hidden
+            states ``[B, S, H]`` and ``last_b = attention_mask[b].sum() - 1``. Equals the HF
+            ``AutoModelForSequenceClassification`` logits when the pad id never occurs in the rows.
+        Raises:
+            ValueError: called on a pooled-feature head.
         """
         import torch
 
         if self.head_spec is not None:
-            if reply_tokens is None:
-                raise ValueError("rewards: a pooled reward head needs reply_tokens [B]")
-            f = reward_features(self.trunk, input_ids, attention_mask, reply_tokens, self.head_spec)
-            return f @ self._head_w + self._head_b
+            raise ValueError("rewards: a pooled-feature head scores token lists; use score_token_ids(seqs, reply_lengths)")
         h = self.trunk(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         last = attention_mask.long().sum(-1) - 1
         pooled = h[torch.arange(h.shape[0], device=h.device), last]

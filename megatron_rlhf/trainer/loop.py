@@ -220,6 +220,11 @@ def train(cfg: Config, *, quiet: bool = False) -> RunResult:
     sampler, data_counts, pad_id = _load_prompts(cfg, model_dir)
     say(f"model {model_dir}; prompts per task: {json.dumps(data_counts)}")
     ckpts = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep_last)
+    done_before = _completed_run(cfg, ckpts, run_dir)
+    if done_before is not None:
+        say(f"run already complete at step {cfg.run.num_steps}: nothing to train (raise run.num_steps "
+            "to continue it, or pick another run.name for a new run)")
+        return done_before
     needs_math = any(t.reward == "math_verify" for t in cfg.tasks)
     reward = MathVerifyReward(num_workers=1) if needs_math else None
     reward_fns = _reward_fns(cfg, reward)
@@ -307,8 +312,9 @@ def train(cfg: Config, *, quiet: bool = False) -> RunResult:
         _drain(batches)
         thread.join(timeout=5)
         metrics.close()
-        if not stopped_early and cfg.checkpoint.export_hf:
-            ray.get(learner.export_hf.remote(str(run_dir / "hf_final"), str(model_dir)), timeout=timeout)
+        if not stopped_early and cfg.checkpoint.export_hf and (done > start_step or not (
+                run_dir / "hf_final" / "config.json").is_file()):
+            _export_final(learner, run_dir, model_dir, timeout)
         result = RunResult(summarize(metrics.rows, wall))
         result.update(run_dir=str(run_dir), stopped_early=stopped_early, resumed_from_step=start_step,
                       data=data_counts, prompts_too_long=too_long, generator_restarts=pool.restarts)
@@ -328,6 +334,35 @@ def train(cfg: Config, *, quiet: bool = False) -> RunResult:
             transport.close()
         if started_ray:
             ray.shutdown()
+
+
+def _export_final(learner, run_dir: Path, model_dir: Path, timeout: float) -> None:
+    """Write ``<run>/hf_final`` (replacing the export of an earlier, shorter run of this folder:
+    written to a temporary sibling first, so a crash never leaves no export)."""
+    import shutil
+
+    import ray
+
+    final, tmp = run_dir / "hf_final", run_dir / f".hf_final.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    ray.get(learner.export_hf.remote(str(tmp), str(model_dir)), timeout=timeout)
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+
+
+def _completed_run(cfg: Config, ckpts: CheckpointManager, run_dir: Path) -> RunResult | None:
+    """The saved summary when the run folder already holds a finished run of ``run.num_steps``
+    steps (final checkpoint, HF export if asked for, summary), so a re-run is a cheap no-op."""
+    latest = ckpts.latest() if cfg.checkpoint.resume else None
+    summary = run_dir / "summary.json"
+    if latest is None or latest[1]["step"] < cfg.run.num_steps or not summary.is_file():
+        return None
+    if cfg.checkpoint.export_hf and not (run_dir / "hf_final" / "config.json").is_file():
+        return None
+    result = RunResult(json.loads(summary.read_text()))
+    result["already_complete"] = True
+    return result
 
 
 def _reward_fns(cfg: Config, math_reward) -> dict:
