@@ -68,7 +68,8 @@ def format_summary(res: dict) -> str:
         + (" STOPPED EARLY (checkpoint written; start again to resume)" if res.get("stopped_early") else ""),
         f"mean reward: first steps {f(res['reward_first'])} -> last steps {f(res['reward_last'])}",
         f"pairs formed {res['pairs_formed']} from {res['prompts_drawn']} prompts; "
-        f"{res['prompts_skipped']} prompts skipped (no correct/incorrect pair)",
+        f"{res['prompts_skipped']} prompts skipped (no correct/incorrect pair)"
+        + (f", {res['pairs_surplus']} surplus pairs dropped (pairs_per_step is fixed)" if res.get("pairs_surplus") else ""),
         f"mean seconds per step: gen {f(res['gen_s_mean'], 1)}, train {f(res['train_s_mean'], 1)}, "
         f"sync {f(res['sync_s_mean'], 2)}",
         f"async speed-up: {f(res['async_speedup'], 2)}x (gen+train+sync {f(res['serial_s'], 0)} s "

@@ -156,7 +156,14 @@ def main(argv: list[str] | None = None) -> int:
               f"(and raise generators.num_workers to fill them) or --nodes {p.num_nodes}", file=sys.stderr)
         return 2
     if p.gpus_per_node > 0:
-        fits, table = memory_check(cfg)
+        try:
+            fits, table = memory_check(cfg)
+        except ValueError as e:   # e.g. model.source=smollm2 or a folder without config.json
+            print(f"memory estimate: {e} (model.source must be an HF folder with config.json; "
+                  "or pass --ignore-memory)", file=sys.stderr)
+            if not args.ignore_memory:
+                return 2
+            fits, table = True, ""
         print(table, file=sys.stderr)
         if not fits and not args.ignore_memory:
             print("memory estimate exceeds placement.gpu_memory_gib: change the layout or pass --ignore-memory",

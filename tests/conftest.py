@@ -14,8 +14,13 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 
 
 def pytest_configure(config):
-    tmp = Path(os.environ.get("MRLHF_TEST_TMP", "/tmp/mrlhf_tests"))
-    tmp.mkdir(parents=True, exist_ok=True)
+    if os.environ.get("MRLHF_TEST_TMP"):
+        tmp = Path(os.environ["MRLHF_TEST_TMP"])
+        tmp.mkdir(parents=True, exist_ok=True)
+    else:  # one folder per pytest process: concurrent runs on one machine never share vLLM sockets
+        import tempfile
+
+        tmp = Path(tempfile.mkdtemp(prefix="mrlhf_tests_"))
     apply_process_env(str(tmp))
 
 

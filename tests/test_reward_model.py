@@ -230,9 +230,11 @@ def test_reward_model_trained_on_real_alpacaeval_preferences_beats_chance_by_thr
     seen in training); SmolLM2-135M-Instruct, first 2 layers frozen, 64 tokens, cold feature cache.
 
     Bar: held-out pairwise accuracy > 0.5 + 3 * sqrt(0.25 / n) (= 0.5866 for n = 300), i.e. more than
-    three standard errors above chance. Part of what is learned is reply length (longer GPT-4-preferred
-    answers; the 'longer reply wins' baseline is in the report); the head also reads the trunk's
-    features. A second identical run must reuse the feature cache and give the same model.
+    three standard errors above chance. Measured: 0.703 on n = 303 (7.1 s.e.; ~70 s on a busy 2-core
+    machine). Much of what this slice teaches is reply length: GPT-4 preferred the longer answer in
+    0.686 of these held-out pairs (the report's 'longer reply wins' baseline); the full demo model's
+    report shows the learned head beating that baseline on all sources (0.622 vs 0.580, n = 500).
+    A second identical run must reuse the feature cache and give the same model.
     """
     if not PREFERENCES.is_dir():
         pytest.skip(f"{PREFERENCES} (the shared preference data) is not available on this machine")

@@ -217,7 +217,10 @@ def train(cfg: Config, *, quiet: bool = False) -> RunResult:
     say = (lambda *a: None) if quiet else (lambda *a: print("[megatron-rlhf]", *a, flush=True))
     say(f"run folder {run_dir}")
     model_dir = resolve_model_dir(cfg.model)
-    sampler, data_counts, pad_id = _load_prompts(cfg, model_dir)
+    try:
+        sampler, data_counts, pad_id = _load_prompts(cfg, model_dir)
+    except (ValueError, FileNotFoundError) as e:   # names tasks[].data.*: a config problem
+        raise ConfigError(str(e)) from e
     say(f"model {model_dir}; prompts per task: {json.dumps(data_counts)}")
     ckpts = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep_last)
     done_before = _completed_run(cfg, ckpts, run_dir)
@@ -378,7 +381,7 @@ def _reward_fns(cfg: Config, math_reward) -> dict:
             try:
                 fns[task.name] = getattr(importlib.import_module(mod), fn)
             except (ImportError, AttributeError) as e:
-                raise ValueError(f"tasks[{task.name}].reward = {task.reward!r} cannot be imported: {e}") from e
+                raise ConfigError(f"tasks[{task.name}].reward = {task.reward!r} cannot be imported: {e}") from e
     return fns
 
 
