@@ -65,15 +65,8 @@ def rloo_loss(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tens
     pg = aggregate(-adv[:, None] * logprobs, mask, loss_agg, n_seq, n_tok)
     loss = pg
     metrics = {"loss/policy": pg.detach(), "adv/mean": adv.mean(), "adv/std": adv.std(unbiased=False)}
-    if ref_logprobs is not None:
-        metrics["kl/ref_k3"] = masked_mean(k3_kl(logprobs, ref_logprobs, mask), mask)
-        metrics["kl/ref_k1"] = masked_mean(logprobs - ref_logprobs, mask)
-    if entropy is not None:
-        metrics["entropy/mean"] = masked_mean(entropy, mask)
-        if entropy_coef > 0:
-            ent = aggregate(entropy, mask, loss_agg, n_seq, n_tok)
-            loss = loss - entropy_coef * ent
-            metrics["loss/entropy_bonus"] = (-entropy_coef * ent).detach()
+    loss = _ref_and_entropy_terms(loss, metrics, logprobs, mask, ref_logprobs, entropy, entropy_coef,
+                                  loss_agg, n_seq, n_tok)
     metrics["loss/total"] = loss.detach()
     return loss, metrics
 
@@ -172,6 +165,20 @@ def _sequence_clipped(logprobs, old_logprobs, adv, mask, clip_eps, clip_eps_high
     pg = per_seq.sum() / n_seq
     loss = pg
     metrics["loss/policy"] = pg.detach()
+    loss = _ref_and_entropy_terms(loss, metrics, logprobs, mask, ref_logprobs, entropy, entropy_coef,
+                                  loss_agg, n_seq, n_tok)
+    r = ratio.detach()
+    lr = seq_log_ratio.detach()
+    metrics.update({"pg/clip_frac": (clipped.detach() > unclipped.detach()).float().mean(),
+                    "pg/ratio_mean": r.mean(), "pg/ratio_min": r.min(), "pg/ratio_max": r.max(),
+                    "pg/approx_kl_old": ((r - 1.0) - lr).mean(), "loss/total": loss.detach()})
+    return loss, metrics
+
+
+def _ref_and_entropy_terms(loss, metrics, logprobs, mask, ref_logprobs, entropy, entropy_coef,
+                           loss_agg, n_seq, n_tok):
+    """Shared tail of the RLOO losses: KL-to-reference metrics (k3 and k1) and the optional
+    entropy bonus (subtracted from ``loss``). Updates ``metrics`` in place; returns the loss."""
     if ref_logprobs is not None:
         metrics["kl/ref_k3"] = masked_mean(k3_kl(logprobs, ref_logprobs, mask), mask)
         metrics["kl/ref_k1"] = masked_mean(logprobs - ref_logprobs, mask)
@@ -181,9 +188,4 @@ def _sequence_clipped(logprobs, old_logprobs, adv, mask, clip_eps, clip_eps_high
             ent = aggregate(entropy, mask, loss_agg, n_seq, n_tok)
             loss = loss - entropy_coef * ent
             metrics["loss/entropy_bonus"] = (-entropy_coef * ent).detach()
-    r = ratio.detach()
-    lr = seq_log_ratio.detach()
-    metrics.update({"pg/clip_frac": (clipped.detach() > unclipped.detach()).float().mean(),
-                    "pg/ratio_mean": r.mean(), "pg/ratio_min": r.min(), "pg/ratio_max": r.max(),
-                    "pg/approx_kl_old": ((r - 1.0) - lr).mean(), "loss/total": loss.detach()})
-    return loss, metrics
+    return loss
