@@ -32,7 +32,8 @@ import yaml
 from megatron_rlhf.placement import PlacementConfig, check_layout
 
 __all__ = [
-    "ConfigError", "RunConfig", "ModelConfig", "DataConfig", "TaskConfig", "GeneratorConfig",
+    "ConfigError", "RunConfig", "ModelConfig", "DataConfig", "TaskConfig", "RewardModelSpec",
+    "MATH_INSTRUCTION", "GeneratorConfig",
     "OptimizerConfig", "LearnerConfig", "AlgorithmConfig", "AsyncConfig", "CheckpointConfig",
     "LoggingConfig", "Config", "load_config", "config_to_dict", "save_config",
 ]
@@ -94,14 +95,18 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class DataConfig:
-    """Where a task's prompts come from."""
+    """Where a task's prompts come from (the loader follows the task's reward kind, see
+    ``megatron_rlhf.data.load_prompts_for_task``)."""
 
     path: str = ""
     """A JSONL file (relative paths resolve against the repo root, then the working directory)."""
     prompt_field: str = "input"
-    """Field holding the problem text. For SVAMP use ``Body+Question`` (fields joined by a space)."""
+    """Field holding the problem text. For SVAMP use ``Body+Question`` (fields joined by a space).
+    Reward-model (chat) tasks detect MT-Bench ``turns`` and ``instruction`` records themselves and
+    read this field only for other files."""
     answer_field: str = "target"
-    """Field holding the gold answer (for GSM8K, the text after '####' is used)."""
+    """Field holding the gold answer (for GSM8K, the text after '####' is used). Unused by
+    reward-model tasks (their prompts have no gold answer)."""
     filter: dict[str, list[Any]] = field(default_factory=dict)
     """Keep only rows whose field value is in the list, e.g. ``{type: [singleop, addsub]}``."""
     limit: int = 0
@@ -112,26 +117,72 @@ class DataConfig:
         _check(self.limit >= 0, "tasks[].data.limit", self.limit, "an integer >= 0")
 
 
+MATH_INSTRUCTION = ("Solve the problem. Think step by step, then give the final answer as a "
+                    "number on the last line after '####'.")
+"""Default ``tasks[].instruction`` of math_verify and plug-in tasks (reward-model tasks: none)."""
+
+
+@dataclass(kw_only=True)
+class RewardModelSpec:
+    """A reward model scoring a task's completions (YAML ``reward: {reward_model: ...}``).
+
+    Loading the config never touches the folder: it is resolved (and the demo one trained on
+    first use) when the run starts, by ``megatron_rlhf.rewards.resolve_reward_model``, whose error
+    names ``tasks[NAME].reward.reward_model``.
+    """
+
+    reward_model: str
+    """``smollm2-demo`` (SmolLM2-135M-Instruct cut to 2 layers + a linear head, trained on
+    ``../shared/data/preferences`` on first use and cached under ``<model.cache_dir>/reward_models``)
+    or the path of a reward-model folder (HF sequence classification with ``num_labels: 1``, or one
+    written by ``tools/train_reward_model.py``)."""
+    batch_size: int = 8
+    """Sequences per reward-model forward pass."""
+
+    def __post_init__(self):
+        _check(isinstance(self.reward_model, str) and bool(self.reward_model.strip()),
+               "tasks[].reward.reward_model", self.reward_model, "a reward-model folder or 'smollm2-demo'")
+        _check(self.batch_size >= 1, "tasks[].reward.batch_size", self.batch_size, "an integer >= 1")
+
+
 @dataclass(kw_only=True)
 class TaskConfig:
     """One task of the batch mix: its data, its reward and its share of every batch."""
 
     name: str = "math"
     data: DataConfig = field(default_factory=lambda: DataConfig(path="data/math_word_problems/mawps.jsonl"))
-    reward: str = "math_verify"
-    """Reward by name: ``math_verify`` (binary, rule-checked answer), or a plug-in given by dotted
-    path ``package.module:function`` taking ``(completions: list[str], answers: list[str])`` and
-    returning ``list[float]`` (binary 0/1 rewards pair correct vs incorrect; others best vs worst)."""
+    reward: str | RewardModelSpec = "math_verify"
+    """``math_verify`` (binary, rule-checked answer); a plug-in given by dotted path
+    ``package.module:function`` taking ``(completions: list[str], answers: list[str])`` and
+    returning ``list[float]`` (binary 0/1 rewards pair correct vs incorrect; others best vs worst);
+    or a mapping ``{reward_model: PATH_OR_NAME, batch_size: 8}`` (:class:`RewardModelSpec`: a
+    Bradley-Terry reward model scores (prompt, completion); the prompts load as chat prompts with
+    no gold answer). See :attr:`kind`."""
     weight: float = 1.0
     """Share of trained pairs per batch."""
-    instruction: str = ("Solve the problem. Think step by step, then give the final answer as a "
-                        "number on the last line after '####'.")
-    """Appended to every prompt (after a blank line) before the chat template is applied."""
+    instruction: str | None = None
+    """Appended to every prompt (after a blank line) before the chat template is applied. Unset:
+    :data:`MATH_INSTRUCTION` for math_verify and plug-in tasks, none (``""``) for reward-model
+    tasks; an explicit value (``""`` included) is kept."""
 
     def __post_init__(self):
-        _check(self.reward in ("math_verify",) or _is_dotted_fn(self.reward), f"tasks[{self.name}].reward",
-               self.reward, "'math_verify' or a plug-in 'package.module:function'")
+        key = f"tasks[{self.name}].reward"
+        if isinstance(self.reward, dict):  # built in Python rather than loaded from YAML
+            self.reward = _build(RewardModelSpec, self.reward, key)
+        if not isinstance(self.reward, RewardModelSpec):
+            _check(isinstance(self.reward, str) and (self.reward == "math_verify" or _is_dotted_fn(self.reward)),
+                   key, self.reward, "'math_verify', a plug-in 'package.module:function', or a mapping "
+                   "{reward_model: PATH_OR_NAME}")
         _check(self.weight > 0, f"tasks[{self.name}].weight", self.weight, "a number > 0")
+        if self.instruction is None:
+            self.instruction = "" if self.kind == "reward_model" else MATH_INSTRUCTION
+
+    @property
+    def kind(self) -> str:
+        """``"math_verify"``, ``"plugin"`` (a ``module:function`` string) or ``"reward_model"``."""
+        if isinstance(self.reward, RewardModelSpec):
+            return "reward_model"
+        return "math_verify" if self.reward == "math_verify" else "plugin"
 
 
 @dataclass(kw_only=True)
@@ -256,29 +307,124 @@ class LearnerConfig:
         _check(self.ref_sync_interval >= 0, "learner.ref_sync_interval", self.ref_sync_interval, ">= 0")
 
 
+LOSS_NAMES = ("online_dpo", "group_dpo", "grpo", "ppo", "rloo", "proximal_rloo", "best_of_k_sft")
+"""Valid ``algorithm.loss`` values (the keys of ``megatron_rlhf.losses.LOSSES``; a test keeps them equal)."""
+
+POLICY_GRADIENT_LOSSES = ("grpo", "ppo", "rloo", "proximal_rloo")
+"""Losses whose learner logprobs are those of the sampling distribution (logits / temperature)."""
+
+
 @dataclass(kw_only=True)
 class AlgorithmConfig:
-    """The RL objective."""
+    """The RL objective and its knobs (Noukhovitch et al. 2024: K, T, N; Lanchantin et al. 2025)."""
 
     loss: str = "online_dpo"
-    """``online_dpo`` (Guo et al. 2024; Noukhovitch et al. 2024)."""
+    """``online_dpo`` (Guo et al. 2024; Noukhovitch et al. 2024), ``group_dpo`` (Lanchantin et al.
+    2025 eq. 4), ``grpo`` (Shao et al. 2024), ``ppo`` (Schulman et al. 2017, with a critic),
+    ``rloo``, ``proximal_rloo`` (Ahmadian et al. 2024; Noukhovitch et al. 2024 App. B) or
+    ``best_of_k_sft`` (SFT on the best of K)."""
     beta: float = 0.1
-    """DPO temperature (strength of the implicit KL to the reference)."""
+    """DPO temperature (online_dpo, group_dpo): strength of the implicit KL to the reference."""
     samples_per_prompt: int = 8
     """K: completions sampled per prompt."""
-    pairs_per_step: int = 4
-    """Preference pairs per learner batch (fixed, so loss scale and shapes stay constant)."""
+    prompts_per_step: int | None = None
+    """Trained prompts per learner batch (fixed, so loss scale and shapes stay constant): each
+    gives one pair (online_dpo), its whole group of K (group_dpo and the policy-gradient losses)
+    or its best completion (best_of_k_sft). Prompts that cannot train (no pair; all K rewards
+    equal) are skipped and counted. Default 4."""
+    pairs_per_step: int | None = None
+    """Older name of ``prompts_per_step`` (accepted; both set must agree)."""
     max_prompts_per_step: int = 512
-    """Give up a batch (error) if this many prompts yield fewer than ``pairs_per_step`` pairs."""
+    """Give up a batch (error) if this many prompts yield fewer than ``prompts_per_step`` trainable ones."""
+    updates_per_batch: int = 1
+    """T: optimizer steps on each batch (Noukhovitch et al. 2024, for generation-bound runs); the
+    weight version still counts batches, pi_old stays the recompute before the first update."""
+    nll_coef: float = 0.0
+    """online_dpo: weight of the length-normalised NLL on the chosen (Lanchantin et al. 2025 sec. 4.2)."""
+    group_dpo_alpha: float = 0.0
+    """group_dpo: weight of the added GRPO loss (``GroupDPO + alpha * GRPO``)."""
+    group_dpo_threshold: float = 1.0
+    """group_dpo: a completion is correct when its loss reward is >= this (math-verify gives 1.0;
+    for scalar rewards the producer marks above-group-mean completions 1.0, the others 0.0)."""
+    clip_eps: float = 0.2
+    """PPO-style ratio clip (grpo, ppo, proximal_rloo)."""
+    clip_eps_high: float | None = None
+    """Upper clip epsilon (None: ``clip_eps``; DAPO's clip-higher)."""
+    kl_beta: float = 0.0
+    """KL to the reference: grpo adds ``kl_beta * k3`` to the loss; ppo/rloo/proximal_rloo put
+    ``-kl_beta * (log pi_old - log pi_ref)`` into the reward (Ouyang et al. 2022 eq. 2)."""
+    tis_cap: float | None = 2.0
+    """Truncated importance sampling cap of ``pi_old / pi_generator`` per token (policy-gradient
+    losses); None disables."""
+    loss_agg: str | None = None
+    """``sequence_sum`` (no length normalisation), ``sequence_token_mean`` or ``token_mean``;
+    None: the loss's default (grpo/rloo: sequence_sum, ppo/best_of_k_sft: token_mean)."""
+    grpo_normalize_std: bool = True
+    """grpo: divide group-centred rewards by the group std (false: Dr. GRPO)."""
+    proximal_rloo_level: str = "sequence"
+    """proximal_rloo: ratio per ``sequence`` or per ``token``."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient (policy-gradient losses); 0 disables."""
+    value_coef: float = 0.5
+    """ppo: weight of the critic's value loss in the logged total."""
+    value_clip_eps: float | None = 0.2
+    """ppo: value clipping range in reward units (None disables)."""
+    critic_lr: float | None = None
+    """ppo: critic learning rate (None: ``learner.optimizer.lr``)."""
+    gamma: float = 1.0
+    """ppo: GAE discount."""
+    gae_lambda: float = 0.95
+    """ppo: GAE lambda."""
+    whiten_advantages: bool = True
+    """ppo: whiten GAE advantages over the batch."""
+    normalize_rewards: bool = True
+    """ppo/rloo/proximal_rloo: normalise each task's rewards by its running mean/std before the
+    advantages (tasks with different reward scales share one batch)."""
+    skip_uniform_groups: bool = True
+    """Skip prompts whose K rewards are all equal (no learning signal for group-relative losses)."""
 
     def __post_init__(self):
-        _check(self.loss in ("online_dpo",), "algorithm.loss", self.loss, "one of: online_dpo")
+        _check(self.loss in LOSS_NAMES, "algorithm.loss", self.loss, "one of: " + ", ".join(LOSS_NAMES))
+        if self.prompts_per_step is not None and self.pairs_per_step is not None:
+            _check(self.prompts_per_step == self.pairs_per_step, "algorithm.pairs_per_step",
+                   self.pairs_per_step, f"equal to algorithm.prompts_per_step ({self.prompts_per_step}) "
+                   "or unset (it is the older name of prompts_per_step)")
+        n = self.prompts_per_step if self.prompts_per_step is not None else self.pairs_per_step
+        self.prompts_per_step = self.pairs_per_step = 4 if n is None else n
         _check(self.beta > 0, "algorithm.beta", self.beta, "a number > 0")
         _check(self.samples_per_prompt >= 2, "algorithm.samples_per_prompt",
-               self.samples_per_prompt, "an integer >= 2 (a pair needs two completions)")
-        _check(self.pairs_per_step >= 1, "algorithm.pairs_per_step", self.pairs_per_step, ">= 1")
+               self.samples_per_prompt, "an integer >= 2 (a pair or a group baseline needs two completions)")
+        _check(self.prompts_per_step >= 1, "algorithm.prompts_per_step", self.prompts_per_step, ">= 1")
         _check(self.max_prompts_per_step >= 1, "algorithm.max_prompts_per_step",
                self.max_prompts_per_step, ">= 1")
+        _check(self.updates_per_batch >= 1, "algorithm.updates_per_batch", self.updates_per_batch, "an integer >= 1")
+        for key in ("nll_coef", "group_dpo_alpha", "kl_beta", "entropy_coef", "value_coef"):
+            _check(getattr(self, key) >= 0, f"algorithm.{key}", getattr(self, key), "a number >= 0")
+        _check(self.clip_eps > 0, "algorithm.clip_eps", self.clip_eps, "a number > 0")
+        _check(self.clip_eps_high is None or self.clip_eps_high > 0, "algorithm.clip_eps_high",
+               self.clip_eps_high, "a number > 0 or null")
+        _check(self.tis_cap is None or self.tis_cap >= 1, "algorithm.tis_cap", self.tis_cap,
+               "a number >= 1 or null (off)")
+        _check(self.loss_agg in (None, "sequence_sum", "sequence_token_mean", "token_mean"),
+               "algorithm.loss_agg", self.loss_agg, "sequence_sum, sequence_token_mean, token_mean or null")
+        _check(self.proximal_rloo_level in ("sequence", "token"), "algorithm.proximal_rloo_level",
+               self.proximal_rloo_level, "sequence or token")
+        _check(self.value_clip_eps is None or self.value_clip_eps > 0, "algorithm.value_clip_eps",
+               self.value_clip_eps, "a number > 0 or null")
+        _check(self.critic_lr is None or self.critic_lr > 0, "algorithm.critic_lr", self.critic_lr, "> 0 or null")
+        _check(0 < self.gamma <= 1, "algorithm.gamma", self.gamma, "in (0, 1]")
+        _check(0 <= self.gae_lambda <= 1, "algorithm.gae_lambda", self.gae_lambda, "in [0, 1]")
+
+    @property
+    def unit(self) -> str:
+        """What one trained prompt contributes: ``pair`` (online_dpo), ``best`` (best_of_k_sft) or
+        ``group`` (every other loss: all K completions)."""
+        return {"online_dpo": "pair", "best_of_k_sft": "best"}.get(self.loss, "group")
+
+    @property
+    def is_policy_gradient(self) -> bool:
+        """grpo, ppo, rloo, proximal_rloo: ratios against pi_old, sampling temperature applies."""
+        return self.loss in POLICY_GRADIENT_LOSSES
 
 
 @dataclass(kw_only=True)
@@ -367,8 +513,8 @@ class Config:
         names = [t.name for t in self.tasks]
         _check(len(set(names)) == len(names), "tasks[].name", names, "unique task names")
         lp = self.learner
-        _check(self.algorithm.pairs_per_step >= lp.data_parallel, "algorithm.pairs_per_step",
-               self.algorithm.pairs_per_step,
+        _check(self.algorithm.prompts_per_step >= lp.data_parallel, "algorithm.prompts_per_step",
+               self.algorithm.prompts_per_step,
                f">= learner.data_parallel ({lp.data_parallel}): every data-parallel rank needs a pair")
         check_layout(self.placement, learner_world_size=lp.tensor_parallel * lp.pipeline_parallel * lp.data_parallel,
                      learner_tensor_parallel=lp.tensor_parallel, num_engines=self.generators.num_workers,
@@ -426,8 +572,13 @@ def _apply_override(tree: dict, item: str) -> None:
             if not p.isdigit() or int(p) >= len(node):
                 raise ConfigError(f"override {item!r}: '{'.'.join(parts[:i + 1])}' needs a list index < {len(node)}")
             node = node[int(p)]
+        elif isinstance(node, dict):
+            child = node.get(p)
+            if not isinstance(child, (dict, list)):   # a scalar (or nothing) becomes a mapping
+                child = node[p] = {}
+            node = child
         else:
-            node = node.setdefault(p, {})
+            raise ConfigError(f"override {item!r}: '{'.'.join(parts[:i])}' is not a section")
     last = parts[-1]
     if isinstance(node, list):
         if not last.isdigit() or int(last) >= len(node):
@@ -452,12 +603,45 @@ def _build(cls: type, data: Any, key: str) -> Any:
             allowed = ", ".join(_YAML_NAMES.get(n, n) for n in fields)
             raise ConfigError(f"unknown config key '{key}.{raw_name}' (allowed: {allowed})".replace("'.", "'"))
         kwargs[name] = _coerce(hints[name], value, f"{key}.{raw_name}".lstrip("."))
+    required = [f.name for f in fields.values()
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    for name in required:
+        if name not in kwargs:
+            raise ConfigError(f"config key '{key}.{_YAML_NAMES.get(name, name)}' is required".replace("'.", "'")
+                              + f" (section '{key or '<root>'}' has keys: "
+                              + ", ".join(_YAML_NAMES.get(n, n) for n in fields) + ")")
     try:
         return cls(**kwargs)
     except ConfigError:
         raise
     except TypeError as e:
         raise ConfigError(f"config section '{key or '<root>'}': {e}") from e
+
+
+def _shape_matches(tp: Any, value: Any) -> bool:
+    """Whether ``value`` (parsed YAML) has the shape of union member ``tp`` (checked before coercing)."""
+    if dataclasses.is_dataclass(tp) or typing.get_origin(tp) is dict:
+        return isinstance(value, dict)
+    if typing.get_origin(tp) is list:
+        return isinstance(value, list)
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is str:
+        return isinstance(value, str)
+    return tp is Any
+
+
+def _describe(tp: Any) -> str:
+    """How a union member is written in YAML, for error messages."""
+    if dataclasses.is_dataclass(tp):
+        names = [_YAML_NAMES.get(f.name, f.name) for f in dataclasses.fields(tp)]
+        return "a mapping {" + ", ".join(names) + "}"
+    return {str: "a string", int: "an integer", float: "a number", bool: "true/false"}.get(
+        tp, getattr(tp, "__name__", str(tp)))
 
 
 def _coerce(tp: Any, value: Any, key: str) -> Any:
@@ -469,7 +653,13 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        return _coerce(inner[0], value, key)
+        if len(inner) == 1:
+            return _coerce(inner[0], value, key)
+        for a in inner:  # the member whose shape the value has: a mapping builds the dataclass
+            if _shape_matches(a, value):
+                return _coerce(a, value, key)
+        forms = " or ".join(_describe(a) for a in inner)
+        raise ConfigError(f"config key '{key}' = {value!r} must be {forms}")
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(f"config key '{key}' must be a list, got {value!r}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Prompt", "Completion", "Rollout", "PreferencePair", "LearnerBatch"]
+__all__ = ["Prompt", "Completion", "Rollout", "PreferencePair", "RolloutGroup", "LearnerBatch"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,58 @@ class PreferencePair:
 
 
 @dataclass(frozen=True)
+class RolloutGroup:
+    """The K scored rollouts of one prompt: the unit a batch is made of.
+
+    Attributes:
+        prompt: the prompt.
+        rollouts: its K rollouts, in generation order.
+        pair: ``(chosen, rejected)`` indices into ``rollouts`` (pair losses), or None.
+        loss_rewards: ``[K]`` the rewards the loss sees (per-task normalised for the
+            policy-gradient losses, 0/1 correctness for group_dpo); None: the rollouts' rewards.
+    """
+
+    prompt: Prompt
+    rollouts: tuple[Rollout, ...]
+    pair: tuple[int, int] | None = None
+    loss_rewards: tuple[float, ...] | None = None
+
+    @property
+    def rewards(self) -> tuple[float, ...]:
+        """``[K]`` rewards the loss uses."""
+        return self.loss_rewards if self.loss_rewards is not None else tuple(r.reward for r in self.rollouts)
+
+    @property
+    def weight_version(self) -> int:
+        """Oldest weight version among the rollouts (the group's staleness is measured from it)."""
+        return min(r.completion.weight_version for r in self.rollouts)
+
+    def best_index(self) -> int:
+        """Index of the highest loss reward (first on ties; best-of-K SFT)."""
+        rw = self.rewards
+        return max(range(len(rw)), key=lambda i: (rw[i], -i))
+
+
+def _stack(rollouts: list[Rollout], pad_id: int, pad_to_multiple: int):
+    """``input_ids [B, S]`` int64, ``loss_mask [B, S]`` and ``sampling_logprobs [B, S]`` float32
+    of prompt+completion rows, right-padded (``S`` rounded up to ``pad_to_multiple``)."""
+    import torch
+
+    seqs = [list(r.prompt.token_ids) + list(r.completion.token_ids) for r in rollouts]
+    s = max(len(x) for x in seqs)
+    s = -(-s // pad_to_multiple) * pad_to_multiple
+    ids = torch.full((len(seqs), s), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), s), dtype=torch.float32)
+    slp = torch.zeros((len(seqs), s), dtype=torch.float32)
+    for i, (r, x) in enumerate(zip(rollouts, seqs)):
+        lp, lc = len(r.prompt.token_ids), len(r.completion.token_ids)
+        ids[i, : len(x)] = torch.tensor(x, dtype=torch.long)
+        mask[i, lp: lp + lc] = 1.0
+        slp[i, lp: lp + lc] = torch.tensor(r.completion.logprobs[:lc], dtype=torch.float32)
+    return ids, mask, slp
+
+
+@dataclass(frozen=True)
 class LearnerBatch:
     """Padded token tensors the learner trains on, built from preference pairs.
 
@@ -81,7 +133,12 @@ class LearnerBatch:
         weight_version: oldest weight version that generated any sequence in the batch.
         sampling_logprobs: ``[2P, S]`` float32 generator logprobs aligned like ``loss_mask``
             (0 where the mask is 0).
-        meta: free-form per-batch info (task names per pair, ...).
+        meta: free-form per-batch info (``tasks``: task name per unit, ...).
+        rewards: ``[B]`` float32 reward of each row as the loss sees it (None for plain pairs).
+        group_ids: ``[B]`` int64 unit (prompt) index of each row; rows of a unit are contiguous
+            and must stay in one micro-batch for pair and group_dpo losses.
+        unit: ``pair`` (rows 2i/2i+1 chosen/rejected), ``group`` (all K rows of each prompt) or
+            ``best`` (one row per prompt).
     """
 
     input_ids: Any
@@ -89,6 +146,56 @@ class LearnerBatch:
     weight_version: int
     sampling_logprobs: Any = None
     meta: dict = field(default_factory=dict)
+    rewards: Any = None
+    group_ids: Any = None
+    unit: str = "pair"
+
+    @property
+    def num_units(self) -> int:
+        """Trained prompts in the batch (pairs, groups or best rows)."""
+        if self.group_ids is None:
+            return self.num_pairs
+        return int(self.group_ids.max()) + 1 if len(self.group_ids) else 0
+
+    @staticmethod
+    def from_groups(groups: list[RolloutGroup], unit: str, pad_id: int,
+                    pad_to_multiple: int = 8) -> "LearnerBatch":
+        """Rows of ``groups`` as the loss needs them (see ``unit``); ``rewards`` and ``group_ids``
+        filled, ``meta['tasks']`` per group.
+
+        Raises:
+            ValueError: ``groups`` empty, unknown ``unit``, or ``unit='pair'`` on a group without
+                a pair.
+        """
+        import torch
+
+        if not groups:
+            raise ValueError("LearnerBatch.from_groups: no groups given")
+        if unit not in ("pair", "group", "best"):
+            raise ValueError(f"LearnerBatch.from_groups: unit={unit!r}; expected pair, group or best")
+        rows: list[Rollout] = []
+        rewards: list[float] = []
+        gids: list[int] = []
+        for g, grp in enumerate(groups):
+            rw = grp.rewards
+            if unit == "pair":
+                if grp.pair is None:
+                    raise ValueError(f"LearnerBatch.from_groups: group {g} (task {grp.prompt.task}) has no pair")
+                idx = list(grp.pair)
+            elif unit == "best":
+                idx = [grp.best_index()]
+            else:
+                idx = list(range(len(grp.rollouts)))
+            rows.extend(grp.rollouts[i] for i in idx)
+            rewards.extend(float(rw[i]) for i in idx)
+            gids.extend([g] * len(idx))
+        ids, mask, slp = _stack(rows, pad_id, pad_to_multiple)
+        return LearnerBatch(
+            input_ids=ids, loss_mask=mask, sampling_logprobs=slp,
+            weight_version=min(r.completion.weight_version for r in rows),
+            meta={"tasks": [grp.prompt.task for grp in groups]},
+            rewards=torch.tensor(rewards, dtype=torch.float32),
+            group_ids=torch.tensor(gids, dtype=torch.long), unit=unit)
 
     @property
     def num_pairs(self) -> int:
@@ -107,17 +214,7 @@ class LearnerBatch:
         if not pairs:
             raise ValueError("LearnerBatch.from_pairs: no pairs given")
         rollouts = [r for p in pairs for r in (p.chosen, p.rejected)]
-        seqs = [list(r.prompt.token_ids) + list(r.completion.token_ids) for r in rollouts]
-        s = max(len(x) for x in seqs)
-        s = -(-s // pad_to_multiple) * pad_to_multiple
-        ids = torch.full((len(seqs), s), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(seqs), s), dtype=torch.float32)
-        slp = torch.zeros((len(seqs), s), dtype=torch.float32)
-        for i, (r, x) in enumerate(zip(rollouts, seqs)):
-            lp, lc = len(r.prompt.token_ids), len(r.completion.token_ids)
-            ids[i, : len(x)] = torch.tensor(x, dtype=torch.long)
-            mask[i, lp: lp + lc] = 1.0
-            slp[i, lp: lp + lc] = torch.tensor(r.completion.logprobs[:lc], dtype=torch.float32)
+        ids, mask, slp = _stack(rollouts, pad_id, pad_to_multiple)
         return LearnerBatch(
             input_ids=ids, loss_mask=mask, sampling_logprobs=slp,
             weight_version=min(r.completion.weight_version for r in rollouts),

@@ -1,7 +1,10 @@
-"""Prompt datasets (registered by name) and the seeded prompt sampler."""
+"""Prompt datasets (registered by name), the per-task loader dispatch, and the seeded samplers."""
 
+from megatron_rlhf.data.mix import MultiTaskSampler, allocate_draws, estimate_yield, task_quotas
 from megatron_rlhf.data.prompts import (DATASETS, DatasetSpec, PromptSampler, dataset_config,
-                                        load_task_prompts, register_dataset, resolve_data_path)
+                                        load_prompts_for_task, load_task_prompts, register_dataset,
+                                        resolve_data_path)
 
-__all__ = ["DATASETS", "DatasetSpec", "PromptSampler", "dataset_config", "load_task_prompts",
-           "register_dataset", "resolve_data_path"]
+__all__ = ["DATASETS", "DatasetSpec", "PromptSampler", "MultiTaskSampler", "allocate_draws", "estimate_yield",
+           "task_quotas", "dataset_config", "load_task_prompts", "load_prompts_for_task", "register_dataset",
+           "resolve_data_path"]

@@ -32,7 +32,7 @@ from megatron_rlhf.data.jsonrecords import resolve_data_path as _resolve
 from megatron_rlhf.types import Prompt
 
 __all__ = ["DatasetSpec", "DATASETS", "register_dataset", "dataset_config", "resolve_data_path",
-           "load_task_prompts", "PromptSampler"]
+           "load_task_prompts", "load_prompts_for_task", "PromptSampler"]
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -203,6 +203,35 @@ def load_task_prompts(task_cfg: TaskConfig, tokenizer, max_prompt_tokens: int) -
                          f"answer_field={data.answer_field!r}, filter={data.filter!r} and "
                          f"max_prompt_tokens={max_prompt_tokens}")
     return prompts, counts
+
+
+def load_prompts_for_task(task_cfg: TaskConfig, tokenizer, max_prompt_tokens: int) -> tuple[list[Prompt], dict]:
+    """A task's prompts, loaded by the loader its reward kind needs (``TaskConfig.kind``).
+
+    * ``reward_model`` tasks: chat prompts with no gold answer (``answer=""``), read by
+      ``megatron_rlhf.data.chat.load_chat_task_prompts`` (MT-Bench ``turns``, ``instruction``
+      records or ``data.prompt_field``); ``task_cfg.instruction`` defaults to none for them.
+    * ``math_verify`` and ``plugin`` tasks: :func:`load_task_prompts` (problem + gold answer).
+
+    Args:
+        task_cfg: the task.
+        tokenizer: the policy's Hugging Face tokenizer (with a chat template).
+        max_prompt_tokens: longest prompt kept, in tokens (``max_model_len - max_new_tokens``).
+    Returns:
+        ``(prompts, counts)`` with counts ``{'rows', 'malformed', 'filtered', 'too_long', 'kept'}``
+        (both loaders use the same keys).
+    Raises:
+        ValueError: as the chosen loader (missing file, no chat template, no prompt left; the
+            message names ``tasks[...].data.path``).
+    """
+    if task_cfg.kind == "reward_model":
+        from megatron_rlhf.data.chat import load_chat_task_prompts
+
+        if max_prompt_tokens < 1:
+            raise ValueError(f"load_prompts_for_task(max_prompt_tokens={max_prompt_tokens}): must be >= 1 "
+                             "(generators.max_model_len - generators.max_new_tokens)")
+        return load_chat_task_prompts(task_cfg, tokenizer, max_prompt_tokens)
+    return load_task_prompts(task_cfg, tokenizer, max_prompt_tokens)
 
 
 def _read_rows(path: Path):

@@ -1,4 +1,6 @@
-"""The Megatron learner: policy + frozen reference GPTModel, megatron DDP and optimizer, Online DPO.
+"""The Megatron learner: policy + frozen reference GPTModel, megatron DDP and optimizer, and every
+loss of :mod:`megatron_rlhf.losses` (``algorithm.loss``; a PPO critic in
+:mod:`megatron_rlhf.learner.critic`).
 
 One instance per learner process (rank). With ``learner.tensor_parallel * pipeline_parallel *
 data_parallel == 1`` it is a complete learner by itself (the trainer may run it as one Ray actor);
@@ -19,18 +21,43 @@ Parallel layout (megatron-core 0.16.1; process groups passed explicitly through 
   are reduced over the embedding group by megatron's ``finalize_model_grads``.
 * DP: megatron DDP (fp32 grad buffers, averaged in the collective) and ``get_megatron_optimizer``
   (``learner.distributed_optimizer`` shards the fp32 master weights and Adam state over DP);
-  pairs are dealt to DP ranks by length (:mod:`megatron_rlhf.learner.batching`).
+  units (pairs, groups or rows) are dealt to DP ranks by length (:mod:`megatron_rlhf.learner.batching`).
 * GPU only (never imported on CPU): the platform's Transformer Engine spec, fused SwiGLU, TE
   fused RoPE, grad-reduce overlap (DP > 1), bf16 params with fp32 master weights.
 
-Per batch (``train_step``), Online DPO (Guo et al. 2024; Noukhovitch et al. 2024, sec. 2): rows
-sorted by length into micro-batches of ``learner.micro_batch_size`` sequences (a pair's chosen and
-rejected rows stay together), reference sequence logprobs (forward only), then the policy's
-forward/backward with loss ``sum_{pairs i in micro-batch} dpo_loss_i * DP / P`` (megatron divides
-by the number of micro-batches and DDP averages over DP, so the gradient equals that of the mean
-DPO loss over all P pairs, exactly as on one process); one optimizer step; ``weight_version += 1``;
-every ``learner.ref_sync_interval`` batches the reference is reset to the policy (Lanchantin et
-al. 2025).
+Per batch (``train_step``; per-loss glue in :mod:`megatron_rlhf.learner.objectives`):
+
+1. Check ``batch.unit`` against ``algorithm.loss`` (``pair`` for online_dpo, ``group`` for
+   group_dpo / grpo / ppo / rloo / proximal_rloo, ``best`` for best_of_k_sft).
+2. Micro-batches of ``learner.micro_batch_size`` rows, sorted by length; a pair (online_dpo) or
+   a prompt group (group_dpo) stays in one micro-batch, other losses' rows are independent (their
+   advantages are computed over the whole batch first); units are dealt over DP ranks.
+3. Reference token logprobs, forward only (every loss: DPO log-ratios, the GRPO KL term, the KL
+   in the PPO / RLOO reward, and the ``kl/ref_*`` metrics).
+4. pi_old token logprobs: a forward-only recompute by the policy before the first update when
+   ``updates_per_batch`` T > 1 or when the KL enters the reward (ppo / rloo / proximal_rloo with
+   ``kl_beta > 0``); otherwise, with T = 1, the detached logprobs of the update's own forward (the
+   same weights on the same tokens: the ratio is exactly 1 and the clip inactive).
+5. Temperature: policy-gradient losses (grpo, ppo, rloo, proximal_rloo) use logprobs of
+   ``softmax(logits / temperature)`` for the current policy, pi_old and the reference: the
+   distribution the generators sampled from (as verl and OpenRLHF do); DPO and SFT losses use 1.
+6. The batch transform on the last pipeline stage, over the whole batch (all DP ranks' rows):
+   GRPO / RLOO / PPO advantages (PPO with the critic's old values), GroupDPO pair count.
+7. T optimizer steps on the batch, each a forward/backward over all micro-batches with loss
+   ``sum_k loss_k * DP * n_mb`` where ``loss_k`` uses the whole batch's denominators (sequences,
+   tokens, pairs over all DP ranks): megatron divides each micro-batch loss by ``n_mb`` and DDP
+   averages over DP, so the gradient equals that of the whole-batch loss on one process. The
+   LR scheduler steps once per optimizer step (schedule length ``total_steps * T``); PPO's
+   critic also takes T steps. ``entropy_coef > 0`` adds the policy's per-token entropy
+   (vocab-parallel, with grad).
+8. ``weight_version += 1``; every ``learner.ref_sync_interval`` batches the reference is reset to
+   the policy (Lanchantin et al. 2025).
+9. Metrics: the loss function called once more on the gathered whole batch (detached), so they
+   do not depend on micro-batching or DP (see :meth:`MegatronLearner.train_step`).
+
+Online DPO: Guo et al. 2024; Noukhovitch et al. 2024, sec. 2. GroupDPO: Lanchantin et al. 2025,
+eq. 4. GRPO: Shao et al. 2024, eq. 3. PPO: Schulman et al. 2017, Ouyang et al. 2022. RLOO and
+proximal RLOO: Ahmadian et al. 2024; Noukhovitch et al. 2024, App. B.
 """
 
 from __future__ import annotations
@@ -39,6 +66,7 @@ import logging
 import os
 import random
 import time
+from dataclasses import fields, replace
 from pathlib import Path
 
 import torch
@@ -51,11 +79,13 @@ from megatron_rlhf.learner.batching import padding_fraction, plan_microbatches, 
 from megatron_rlhf.learner.checkpoint import load_learner_checkpoint, save_learner_checkpoint
 from megatron_rlhf.learner.logprobs import masked_sum as _masked_sum
 from megatron_rlhf.learner.model import build_gpt_model, load_hf_config
-from megatron_rlhf.learner.schedule import make_microbatch, run_microbatches
+from megatron_rlhf.learner.objectives import (BatchTensors, LossSpec, SliceInputs, assemble,
+                                              check_batch, loss_on_slice, microbatch_inputs,
+                                              prepare_batch, whole_batch_metrics)
+from megatron_rlhf.learner.schedule import cut_rows, make_microbatch, run_microbatches
 from megatron_rlhf.learner.weights import (buckets, finalize_hf_folder, iter_stage_hf_tensors,
                                            load_hf_weights, mark_tensor_parallel, prepare_hf_dir,
                                            write_hf_shards)
-from megatron_rlhf.losses.dpo import dpo_loss
 from megatron_rlhf.platform import get_platform
 from megatron_rlhf.runtime import pin_to_core
 from megatron_rlhf.types import LearnerBatch
@@ -63,6 +93,12 @@ from megatron_rlhf.types import LearnerBatch
 __all__ = ["MegatronLearner"]
 
 log = logging.getLogger(__name__)
+
+
+def _on_device(x: SliceInputs, device) -> SliceInputs:
+    """A copy of ``x`` with its tensors on ``device``."""
+    return replace(x, **{f.name: getattr(x, f.name).to(device) for f in fields(x)
+                         if torch.is_tensor(getattr(x, f.name))})
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -73,35 +109,44 @@ def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 class MegatronLearner:
-    """Policy and reference megatron GPTModels plus optimizer state, trained with Online DPO.
+    """Policy and reference megatron GPTModels plus optimizer state, trained with ``algorithm.loss``.
 
     Args:
         model_dir: HF model folder (config, safetensors, tokenizer) the policy and the reference
             start from (each rank reads only its own shards).
         learner_cfg: ``LearnerConfig`` (parallel sizes, ``micro_batch_size``, ``optimizer``,
             ``ref_sync_interval``, ``distributed_optimizer``, ``sequence_parallel``, ``recompute``).
-        algorithm_cfg: ``AlgorithmConfig`` (``beta``).
+        algorithm_cfg: ``AlgorithmConfig`` (``loss`` and its knobs, ``updates_per_batch``).
         dtype: parameter dtype (``float32`` on CPU; ``bfloat16`` on GPU trains with fp32 master
             weights).
         seed: seeds torch and megatron's RNG tracker.
-        total_steps: optimizer steps of the run (LR decay length).
+        total_steps: learner batches of the run; the LR schedule spans ``total_steps *
+            algorithm.updates_per_batch`` optimizer steps (stored as ``self.total_steps``).
         cpu_core: pin this process to that core (-1: no pinning).
         rank, world_size: this process in the learner group; ``world_size`` defaults to
             ``tensor_parallel * pipeline_parallel * data_parallel``.
         init_method: torch.distributed rendezvous (``tcp://HOST:PORT``); required when
             ``world_size > 1`` (None: a free loopback port, world size 1 only).
+        temperature: the generators' sampling temperature (``generators.temperature``); the
+            policy-gradient losses train on logprobs of ``logits / temperature``.
     Raises:
         ValueError: ``world_size`` differs from the configured layout, the model cannot be
             split (heads / query groups / FFN not divisible by TP, layers not by PP), or
-            ``learner.recompute=full`` on CPU.
+            ``learner.recompute=full`` on CPU, or ``temperature <= 0``.
+        NotImplementedError: ``algorithm.loss=ppo`` without :mod:`megatron_rlhf.learner.critic`.
     Attributes:
         weight_version: number of batches trained (restored by ``load_checkpoint``).
+        critic: the PPO critic (``algorithm.loss=ppo``), else None.
     """
 
     def __init__(self, *, model_dir: str, learner_cfg: LearnerConfig, algorithm_cfg: AlgorithmConfig,
                  dtype: str = "float32", seed: int = 0, total_steps: int = 1, cpu_core: int = -1,
-                 rank: int = 0, world_size: int | None = None, init_method: str | None = None):
+                 rank: int = 0, world_size: int | None = None, init_method: str | None = None,
+                 temperature: float = 1.0):
         t0 = time.perf_counter()
+        if not temperature > 0:
+            raise ValueError(f"MegatronLearner: temperature={temperature} (generators.temperature) "
+                             "must be > 0")
         tp, pp, dp = learner_cfg.tensor_parallel, learner_cfg.pipeline_parallel, learner_cfg.data_parallel
         world_size = tp * pp * dp if world_size is None else int(world_size)
         if world_size != tp * pp * dp:
@@ -110,8 +155,10 @@ class MegatronLearner:
         pin_to_core(cpu_core)
         self.model_dir = str(model_dir)
         self.cfg, self.algo = learner_cfg, algorithm_cfg
+        self.spec = LossSpec.of(algorithm_cfg)
+        self.temperature = float(temperature)
         self.dtype = torch_dtype(dtype)
-        self.total_steps = int(total_steps)
+        self.total_steps = int(total_steps) * algorithm_cfg.updates_per_batch  # optimizer steps
         self.platform = get_platform()
         # the global CUDA->CPU function mode is only needed by pipeline schedules (PP > 1)
         self.platform.install(function_mode=pp > 1)
@@ -136,6 +183,7 @@ class MegatronLearner:
         self.reference = self._build()
         self.reference.requires_grad_(False).eval()
         self.ddp, self.optimizer, self.scheduler = self._build_optimizer()
+        self.critic = self._build_critic() if algorithm_cfg.loss == "ppo" else None
         self.weight_version = 0
         log.info("MegatronLearner rank %d/%d (tp %d, pp %d, dp %d) ready in %.1f s (%s, %d local params)",
                  self.groups.rank, world_size, self.tp_rank, self.pp_rank, self.dp_rank,
@@ -221,6 +269,25 @@ class MegatronLearner:
         scheduler = OptimizerParamScheduler(optimizer, **self._lr_schedule_args())
         return ddp, optimizer, scheduler
 
+    def _build_critic(self):
+        """The PPO critic (:class:`megatron_rlhf.learner.critic.Critic`), built from this learner's
+        layout, config and ``total_steps`` (optimizer steps)."""
+        try:
+            from megatron_rlhf.learner.critic import Critic
+        except ModuleNotFoundError as e:
+            if e.name != "megatron_rlhf.learner.critic":
+                raise
+            raise NotImplementedError("algorithm.loss=ppo needs the critic "
+                                      "(megatron_rlhf/learner/critic.py), which this install lacks") from e
+        return Critic(self)
+
+    @property
+    def _loss_temperature(self) -> float:
+        """Temperature of the learner's logprobs in training: the generators' sampling temperature
+        for policy-gradient losses (ratios and TIS against the distribution vLLM sampled from),
+        1 for the DPO and SFT losses (their likelihoods are of the model itself)."""
+        return self.temperature if self.spec.temperature_applies else 1.0
+
     def _lr_schedule_args(self) -> dict:
         """LR of optimizer step k (1-based): warmup ``lr * k / W`` for k <= W, then
         constant / linear / cosine from ``lr`` towards ``min_lr``, reaching ``min_lr`` one step
@@ -251,10 +318,13 @@ class MegatronLearner:
                 "is_last_stage": g.is_last_stage, "vocab_size": self.vocab_size,
                 "padded_vocab": self.padded_vocab, "sequence_parallel": self.sequence_parallel}
 
-    def _plans(self, lengths: list[int], pairs: bool):
+    def _plans(self, lengths: list[int], units: list[int] | None = None):
+        """Every DP rank's micro-batches; ``units``: sizes of consecutive units kept together
+        (None: rows are independent)."""
         pad = self.groups.tp if self.sequence_parallel else 1
         return [plan_microbatches(lengths, rows_per_microbatch=self.cfg.micro_batch_size,
-                                  dp_rank=d, dp_size=self.groups.dp, pairs=pairs, pad_multiple=pad)
+                                  dp_rank=d, dp_size=self.groups.dp, pairs=False, pad_multiple=pad,
+                                  units=units)
                 for d in range(self.groups.dp)]
 
     def _gather_dp(self, obj) -> list:
@@ -267,15 +337,17 @@ class MegatronLearner:
         dist.all_gather_object(out, obj, group=self.groups.pg_collection.dp)
         return out
 
-    def _run(self, model, mbs, on_logprobs, *, forward_only: bool) -> None:
+    def _run(self, model, mbs, on_logprobs, *, forward_only: bool, temperature: float = 1.0,
+             with_entropy: bool = False) -> None:
         run_microbatches(model, mbs, on_logprobs, forward_only=forward_only, pp=self.groups.pp,
                          pg_collection=self.groups.pg_collection, vocab_size=self.vocab_size,
                          padded_vocab=self.padded_vocab, tp_rank=self.tp_rank, tp=self.groups.tp,
-                         no_sync=self.ddp.no_sync if self.overlap_grad_reduce and not forward_only else None)
+                         no_sync=self.ddp.no_sync if self.overlap_grad_reduce and not forward_only else None,
+                         temperature=temperature, with_entropy=with_entropy)
 
-    def _forward_token_logprobs(self, model, mbs) -> list:
-        """Forward-only pass over ``mbs``; on the last stage ``[b_k, s_k]`` CPU token logprobs per
-        micro-batch, elsewhere ``[]``."""
+    def _forward_token_logprobs(self, model, mbs, temperature: float = 1.0) -> list:
+        """Forward-only pass over ``mbs``; on the last stage ``[b_k, s_k]`` CPU token logprobs (of
+        ``softmax(logits / temperature)``) per micro-batch, elsewhere ``[]``."""
         out = [None] * len(mbs)
 
         def keep(k, mb, tok):
@@ -285,18 +357,21 @@ class MegatronLearner:
             was_training = model.training
             model.eval()
             try:
-                self._run(model, mbs, keep, forward_only=True)
+                self._run(model, mbs, keep, forward_only=True, temperature=temperature)
             finally:
                 model.train(was_training)
         return out if self.groups.is_last_stage else []
 
     # ----------------------------------------------------------------------------- logprobs
-    def token_logprobs(self, input_ids, which: str = "policy") -> torch.Tensor | None:
+    def token_logprobs(self, input_ids, which: str = "policy", temperature: float = 1.0
+                       ) -> torch.Tensor | None:
         """Teacher-forced token logprobs (rows dealt over DP, micro-batches of ``micro_batch_size``).
 
         Args:
             input_ids: ``[B, S]`` int64 (right-padded) tensor or nested list.
             which: ``policy`` or ``reference``.
+            temperature: logprobs of ``softmax(logits / temperature)`` (the distribution a
+                generator samples from at that temperature; > 0).
         Returns:
             on last-stage ranks ``[B, S]`` float32 CPU tensor: column t = log p(x_t | x_<t)
             (nats), column 0 = 0; None on other pipeline stages.
@@ -304,9 +379,9 @@ class MegatronLearner:
         model = self._model(which)
         ids = torch.as_tensor(input_ids, dtype=torch.long)
         b, s = ids.shape
-        plan = self._plans(row_lengths(None, s, b), pairs=False)[self.dp_rank]
+        plan = self._plans(row_lengths(None, s, b))[self.dp_rank]
         mbs = [make_microbatch(ids, mb.rows, mb.seq_len, self.platform.device) for mb in plan]
-        toks = self._forward_token_logprobs(model, mbs)
+        toks = self._forward_token_logprobs(model, mbs, temperature=temperature)
         if not self.groups.is_last_stage:
             return None
         out = torch.zeros(b, s)
@@ -315,13 +390,15 @@ class MegatronLearner:
                 out[list(rows)] = t
         return out
 
-    def sequence_logprobs(self, input_ids, loss_mask, which: str = "policy") -> torch.Tensor | None:
+    def sequence_logprobs(self, input_ids, loss_mask, which: str = "policy",
+                          temperature: float = 1.0) -> torch.Tensor | None:
         """Sum of token logprobs over positions with ``loss_mask`` = 1, each row cut to its real
         length (:mod:`~megatron_rlhf.learner.batching`).
 
         Args:
             input_ids, loss_mask: ``[B, S]`` (mask as in ``LearnerBatch``: 1 on completion tokens).
             which: ``policy`` or ``reference``.
+            temperature: as in :meth:`token_logprobs`.
         Returns:
             ``[B]`` float32 (nats) on last-stage ranks; None on other pipeline stages.
         """
@@ -329,10 +406,10 @@ class MegatronLearner:
         ids = torch.as_tensor(input_ids, dtype=torch.long)
         mask = torch.as_tensor(loss_mask, dtype=torch.float32)
         b, s = ids.shape
-        plan = self._plans(row_lengths(mask, s, b), pairs=False)[self.dp_rank]
+        plan = self._plans(row_lengths(mask, s, b))[self.dp_rank]
         mbs = [make_microbatch(ids, mb.rows, mb.seq_len, self.platform.device, loss_mask=mask)
                for mb in plan]
-        toks = self._forward_token_logprobs(model, mbs)
+        toks = self._forward_token_logprobs(model, mbs, temperature=temperature)
         if not self.groups.is_last_stage:
             return None
         out = torch.zeros(b)
@@ -343,111 +420,192 @@ class MegatronLearner:
 
     # ----------------------------------------------------------------------------- training
     def train_step(self, batch: LearnerBatch) -> dict[str, float]:
-        """One Online DPO optimizer step on ``batch.num_pairs`` pairs (see module doc).
+        """Train on one learner batch with ``algorithm.loss``: ``updates_per_batch`` (T) optimizer
+        steps, then ``weight_version += 1`` (see the module doc for the order of passes).
 
         Args:
-            batch: ``input_ids``/``loss_mask``/``sampling_logprobs`` ``[2P, S]``; rows 2i / 2i+1 are
-                pair i's chosen / rejected sequences.
+            batch: ``input_ids``/``loss_mask``/``sampling_logprobs`` ``[B, S]``. Its ``unit`` must be
+                ``algorithm.loss``'s (``LearnerBatch.from_pairs`` batches, without ``group_ids``,
+                are ``pair`` batches: rows 2i / 2i+1 are pair i's chosen / rejected). Group and
+                best batches carry ``rewards [B]`` and ``group_ids [B]`` (a group's rows adjacent).
         Returns:
-            float metrics. Every rank: ``grad/norm`` (global, before clipping), ``lr``,
-            ``train/update_ok``, ``train/num_pairs``, ``train/tokens``, ``train/microbatches``,
-            ``batch/padding_fraction`` (padded slots / all slots the micro-batches ran),
-            ``batch/padding_fraction_unsorted`` (the same for the ``[2P, S]`` batch as given),
-            ``ref/synced`` (1.0 when the reference was reset to the policy after this step),
-            ``time/train_s``. Last-stage ranks add ``loss/total``, ``dpo/margin``,
-            ``dpo/accuracy``, ``dpo/chosen_reward``, ``dpo/rejected_reward``,
-            ``logprobs/policy_chosen_mean``, ``logprobs/vllm_gap_abs_mean`` and
-            ``logprobs/vllm_gap_abs_max`` (|learner - generator| token logprob over completion
-            tokens, before the update; NaN without ``sampling_logprobs``), all over all P pairs.
+            float metrics. Every rank: ``grad/norm`` (global, before clipping, of the last update),
+            ``lr`` (of the last update), ``train/update_ok`` (all T updates applied),
+            ``train/updates`` (T), ``train/num_units`` (prompts), ``train/num_sequences`` (B),
+            ``train/num_pairs`` (pair batches), ``train/tokens`` (completion tokens),
+            ``train/microbatches`` (per update, all DP ranks), ``batch/padding_fraction``
+            (padded slots / all slots the micro-batches ran), ``batch/padding_fraction_unsorted``
+            (the same for the ``[B, S]`` batch as given), ``ref/synced`` (1.0 when the reference
+            was reset to the policy after this batch), ``time/train_s``, ``time/ref_s`` (reference
+            pass), ``time/old_s`` (pi_old recompute, when it runs). Last-stage ranks add, over the
+            whole batch (independent of micro-batching and DP): the loss function's own metrics
+            (``loss/*``, ``dpo/*``, ``pg/*``, ``adv/*``, ``tis/*``, ``entropy/mean``, ...; for T > 1
+            those of the LAST update's forward, plus ``loss/total_first_update``), the batch
+            transform's (``reward/*``, ``ppo/*``), and, from the FIRST update's forward (the
+            weights before this batch): ``kl/ref_k3`` and ``kl/ref_k1`` (approximate KL of the
+            policy to the reference over completion tokens, k3 and k1 estimators of Schulman
+            2020), ``logprobs/vllm_gap_abs_mean`` and ``logprobs/vllm_gap_abs_max``
+            (|learner - generator| token logprob at the loss's temperature, so for DPO / SFT
+            losses it includes the effect of a sampling temperature != 1); and
+            ``rollout/entropy_mc`` (mean of -sampling logprob over completion tokens: a
+            Monte-Carlo estimate of the rollouts' token entropy). The last three skip tokens with
+            a non-finite generator logprob and are NaN without ``sampling_logprobs``. ppo adds
+            the critic's ``value/*``, ``critic/grad_norm``, ``critic/lr`` and ``loss/value``
+            (``value_coef * value/loss``, also added to ``loss/total``).
         Raises:
-            ValueError: odd number of rows, mismatched shapes, or fewer pairs than DP ranks.
+            ValueError: the batch's unit differs from ``algorithm.loss``'s, mismatched shapes,
+                an odd pair batch, missing rewards / group_ids, non-adjacent group rows, or fewer
+                units than DP ranks.
         """
-        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-
         t0 = time.perf_counter()
-        ids = torch.as_tensor(batch.input_ids, dtype=torch.long)
-        mask = torch.as_tensor(batch.loss_mask, dtype=torch.float32)
-        if ids.dim() != 2 or ids.shape[0] % 2 or ids.shape[0] == 0 or mask.shape != ids.shape:
-            raise ValueError(f"train_step: input_ids {tuple(ids.shape)} must be [2P, S] with P >= 1 "
-                             f"and loss_mask the same shape (got {tuple(mask.shape)})")
-        num_pairs, (b, s) = ids.shape[0] // 2, ids.shape
-        if num_pairs < self.groups.dp:
-            raise ValueError(f"train_step: {num_pairs} pairs cannot be split over learner.data_parallel="
-                             f"{self.groups.dp} ranks; set algorithm.pairs_per_step >= {self.groups.dp}")
-        slp = None if batch.sampling_logprobs is None else torch.as_tensor(batch.sampling_logprobs,
-                                                                            dtype=torch.float32)
-        lengths = row_lengths(mask, s, b)
-        plans = self._plans(lengths, pairs=True)
-        extra = {} if slp is None else {"slp": slp}
-        mbs = [make_microbatch(ids, mb.rows, mb.seq_len, self.platform.device, loss_mask=mask, **extra)
+        x = check_batch(batch, self.algo, data_parallel=self.groups.dp)
+        b, s = x.ids.shape
+        lengths = row_lengths(x.mask, s, b)
+        plans = self._plans(lengths, units=x.units)
+        extra = {} if x.slp is None else {"slp": x.slp}
+        mbs = [make_microbatch(x.ids, mb.rows, mb.seq_len, self.platform.device, loss_mask=x.mask, **extra)
                for mb in plans[self.dp_rank]]
-        for mb, tok in zip(mbs, self._forward_token_logprobs(self.reference, mbs)):
-            mb.extra["ref_seq"] = masked_sum(tok, mb.loss_mask)                    # [b_k]
-        records: list[dict] = []
-        scale = self.groups.dp / num_pairs * len(mbs)  # megatron divides each loss by len(mbs)
-
-        def dpo_microbatch(k, mb, tok):
-            seq = masked_sum(tok, mb.loss_mask.to(tok.device))                      # [b_k]
-            ref = mb.extra["ref_seq"].to(seq.device)
-            loss, _ = dpo_loss(seq[0::2], seq[1::2], ref[0::2], ref[1::2], self.algo.beta)
-            records.append({"rows": mb.rows, "pol": seq.detach().cpu(), "ref": ref.detach().cpu(),
-                            **self._gap_stats(tok.detach().cpu(), mb)})
-            return loss * (seq.shape[0] // 2) * scale
-
-        self.policy.train()
-        self.ddp.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        self._run(self.ddp, mbs, dpo_microbatch, forward_only=False)
-        finalize_model_grads([self.ddp], pg_collection=self.groups.pg_collection)
-        self.scheduler.step(1)  # LR of this step (see _lr_schedule_args)
-        with self.platform.optimizer_context():
-            ok, grad_norm, _ = self.optimizer.step()
-        if grad_norm is None:
-            grad_norm = self.optimizer.get_grad_norm()
+        times: dict[str, float] = {}
+        full, prep, inputs, old_values = self._before_updates(x, mbs, times)
+        oks, first, records, critic_metrics = [], None, None, {}
+        for update in range(self.algo.updates_per_batch):
+            ok, grad_norm, records = self._update(mbs, inputs, prep)
+            oks.append(ok)
+            first = records if update == 0 else first
+            if self.critic is not None:
+                critic_metrics = self._critic_step(x, mbs, old_values, prep)
         self.weight_version += 1
         r = self.cfg.ref_sync_interval
         synced = bool(r) and self.weight_version % r == 0
         if synced:
             self.sync_reference()
-        metrics = {"grad/norm": float(grad_norm), "lr": self._lr(), "train/update_ok": float(bool(ok)),
-                   "train/num_pairs": float(num_pairs), "train/tokens": float(mask.sum()),
+        metrics = {"grad/norm": float(grad_norm), "lr": self._lr(), "train/update_ok": float(all(oks)),
+                   "train/updates": float(self.algo.updates_per_batch),
+                   "train/num_units": float(x.num_units), "train/num_sequences": float(b),
+                   "train/tokens": float(x.mask.sum()),
                    "train/microbatches": float(sum(len(p) for p in plans)),
                    "batch/padding_fraction": padding_fraction(lengths, plans),
                    "batch/padding_fraction_unsorted": 1.0 - sum(lengths) / float(b * s),
-                   "ref/synced": float(synced)}
+                   "ref/synced": float(synced), **times}
+        if x.unit == "pair":
+            metrics["train/num_pairs"] = float(b // 2)
         if self.groups.is_last_stage:
-            metrics.update(self._dpo_metrics(self._gather_dp(records), b))
+            metrics.update(self._batch_metrics(x, prep, full, first, records))
+        if critic_metrics:
+            metrics.update(critic_metrics)
+            if "value/loss" in critic_metrics:
+                metrics["loss/value"] = self.algo.value_coef * float(critic_metrics["value/loss"])
+                if "loss/total" in metrics:
+                    metrics["loss/total"] += metrics["loss/value"]
         metrics["time/train_s"] = time.perf_counter() - t0
         return metrics
 
-    @staticmethod
-    def _gap_stats(tok: torch.Tensor, mb) -> dict:
-        """Sum / max / count of |learner - generator| token logprob over this micro-batch's
-        completion tokens (empty when the batch has no ``sampling_logprobs``)."""
-        slp = mb.extra.get("slp")
-        sel = mb.loss_mask > 0
-        if slp is None or not bool(sel.any()):
-            return {}
-        gap = (tok - slp).abs()[sel]
-        return {"gap_sum": float(gap.sum()), "gap_max": float(gap.max()), "gap_n": int(sel.sum())}
+    def _before_updates(self, x: BatchTensors, mbs, times: dict):
+        """Forward-only passes and the batch transform (module doc, steps 3-6): reference (and
+        pi_old, critic) token values per micro-batch, gathered over DP into ``[B, S]`` tensors on
+        the last stage, :func:`prepare_batch`, and each micro-batch's loss inputs.
 
-    def _dpo_metrics(self, parts: list[list[dict]], num_rows: int) -> dict[str, float]:
-        """DPO metrics over all pairs from every DP rank's per-micro-batch records."""
-        pol, ref = torch.zeros(num_rows), torch.zeros(num_rows)
-        gap_sum, gap_max, gap_n = 0.0, float("nan"), 0
-        for part in parts:
-            for rec in part:
-                idx = list(rec["rows"])
-                pol[idx], ref[idx] = rec["pol"], rec["ref"]
-                if "gap_n" in rec:
-                    gap_sum += rec["gap_sum"]
-                    gap_n += rec["gap_n"]
-                    gap_max = rec["gap_max"] if gap_max != gap_max else max(gap_max, rec["gap_max"])
-        loss, m = dpo_loss(pol[0::2], pol[1::2], ref[0::2], ref[1::2], self.algo.beta)
-        return {"loss/total": float(loss), **{k: float(v) for k, v in m.items()},
-                "logprobs/policy_chosen_mean": float(pol[0::2].mean()),
-                "logprobs/vllm_gap_abs_mean": gap_sum / gap_n if gap_n else float("nan"),
-                "logprobs/vllm_gap_abs_max": gap_max}
+        Returns:
+            ``(full, prep, inputs, old_values)``: ``full`` the ``[B, S]`` tensors (``ref``, ``old``,
+            ``values``), ``prep`` the :class:`~megatron_rlhf.learner.objectives.Prepared`,
+            ``inputs`` one CPU ``SliceInputs`` per micro-batch (``full``, ``prep`` None and
+            ``inputs`` empty on other pipeline stages), ``old_values`` the critic's per-micro-batch
+            values (ppo) or None.
+        """
+        b, s = x.ids.shape
+        temp = self._loss_temperature
+        t1 = time.perf_counter()
+        ref = self._forward_token_logprobs(self.reference, mbs, temperature=temp)
+        times["time/ref_s"] = time.perf_counter() - t1
+        old = None
+        if self.spec.recompute_old:
+            t1 = time.perf_counter()
+            old = self._forward_token_logprobs(self.policy, mbs, temperature=temp)
+            times["time/old_s"] = time.perf_counter() - t1
+        old_values = self.critic.values(mbs) if self.critic is not None else None
+        if not self.groups.is_last_stage:
+            return None, None, [], old_values
+        full = {"ref": self._full(mbs, ref, b, s)}
+        if old is not None:
+            full["old"] = self._full(mbs, old, b, s)
+        if old_values is not None:
+            full["values"] = self._full(mbs, old_values, b, s)
+        prep = prepare_batch(self.algo, mask=x.mask, rewards=x.rewards, group_ids=x.group_ids,
+                             ref_logprobs=full["ref"], old_logprobs=full.get("old"),
+                             old_values=full.get("values"))
+        inputs = [microbatch_inputs(mb.rows, mb.input_ids.shape[1], mb.loss_mask, x, prep, ref[k],
+                                    None if old is None else old[k], mb.extra.get("slp"))
+                  for k, mb in enumerate(mbs)]
+        return full, prep, inputs, old_values
+
+    def _update(self, mbs, inputs: list[SliceInputs], prep) -> tuple[bool, float, list]:
+        """One optimizer step on the batch: forward/backward of every micro-batch with loss
+        ``loss_k * DP * len(mbs)`` (module doc, step 7), grad finalisation, LR step, Adam step.
+
+        Returns:
+            ``(update applied, global grad norm before clipping, records)``; ``records`` (last stage
+            only) holds ``(rows, token logprobs, entropy or None)`` CPU copies per micro-batch.
+        """
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+        spec, records = self.spec, []
+        scale = self.groups.dp * len(mbs)  # megatron divides by len(mbs), DDP averages over DP
+
+        def loss_fn(k, mb, tok, ent=None):
+            sl = _on_device(inputs[k], tok.device)
+            sl.logprobs, sl.entropy = tok, ent
+            if spec.uses_old and sl.old_logprobs is None:  # T = 1: pi_old is this very forward
+                sl.old_logprobs = tok.detach()
+            loss, _ = loss_on_slice(self.algo, sl, prep.totals)
+            records.append((mb.rows, tok.detach().float().cpu(),
+                            None if ent is None else ent.detach().float().cpu()))
+            return loss * scale
+
+        self.policy.train()
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self._run(self.ddp, mbs, loss_fn, forward_only=False, temperature=self._loss_temperature,
+                  with_entropy=spec.uses_entropy)
+        finalize_model_grads([self.ddp], pg_collection=self.groups.pg_collection)
+        self.scheduler.step(1)  # LR of this optimizer step (see _lr_schedule_args)
+        with self.platform.optimizer_context():
+            ok, grad_norm, _ = self.optimizer.step()
+        if grad_norm is None:
+            grad_norm = self.optimizer.get_grad_norm()
+        return bool(ok), float(grad_norm), records
+
+    def _full(self, mbs, toks, b: int, s: int) -> torch.Tensor:
+        """``[B, S]`` CPU tensor from this DP group's per-micro-batch ``[b_k, s_k]`` tensors ``toks``
+        (rows of ``mbs``; collective over DP; columns beyond ``S`` are padding and dropped)."""
+        return assemble(self._gather_dp([(mb.rows, t) for mb, t in zip(mbs, toks)]), b, s)
+
+    def _batch_metrics(self, x: BatchTensors, prep, full: dict, first: list, last: list) -> dict[str, float]:
+        """Whole-batch metrics (:func:`~megatron_rlhf.learner.objectives.whole_batch_metrics`) from
+        every DP rank's records of the first and last update (collective over DP)."""
+        b, s = x.ids.shape
+
+        def tensor(parts, i):
+            return assemble([[(rec[0], rec[i]) for rec in part] for part in parts], b, s)
+
+        first_parts = self._gather_dp(first)
+        last_parts = first_parts if last is first else self._gather_dp(last)
+        return whole_batch_metrics(
+            self.algo, x, prep, ref_logprobs=full["ref"], first_logprobs=tensor(first_parts, 1),
+            last_logprobs=None if last is first else tensor(last_parts, 1),
+            old_logprobs=full.get("old"),
+            entropy=tensor(last_parts, 2) if self.spec.uses_entropy else None)
+
+    def _critic_step(self, x: BatchTensors, mbs, old_values, prep) -> dict[str, float]:
+        """One optimizer step of the PPO critic on the batch (collective). Old values and value
+        targets are per micro-batch ``[b_k, s_k]``; on other pipeline stages (which compute no
+        loss) zeros of that shape stand in for them."""
+        if self.groups.is_last_stage:
+            returns = [cut_rows(prep.returns, mb.rows, mb.input_ids.shape[1], 0.0) for mb in mbs]
+        else:
+            old_values = returns = [torch.zeros(tuple(mb.input_ids.shape)) for mb in mbs]
+        return self.critic.train_step(mbs, old_values, returns, global_num_sequences=float(x.ids.shape[0]),
+                                      global_num_tokens=float(x.mask.sum()),
+                                      loss_agg=self.algo.loss_agg or "token_mean")
 
     def _lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
@@ -581,6 +739,9 @@ class MegatronLearner:
         if self._closed:
             return
         self._closed = True
+        critic, self.critic = getattr(self, "critic", None), None
+        if critic is not None and hasattr(critic, "close"):
+            critic.close()
         self.policy = self.reference = self.ddp = self.optimizer = self.scheduler = None
         parallel.release()
 

@@ -7,10 +7,13 @@ ranks, and grouped into micro-batches that are each cut to their own longest row
 * the real length of a row is ``last position with loss_mask = 1`` + 1: for a causal LM the
   logprob of token t depends only on tokens <= t, so dropping the columns after the last
   completion token changes no masked logprob (exact, not an approximation);
-* DPO pairs (rows 2i and 2i+1) stay in one micro-batch (the loss of a pair needs both rows);
-* units (pairs or rows) are sorted longest first and dealt round-robin over DP ranks, so ranks
-  get equal counts (+-1) and similar token loads; each rank cuts its units into micro-batches of
-  ``rows_per_microbatch`` rows;
+* a *unit* is a run of consecutive rows that must stay in one micro-batch because its loss needs
+  all of them: a DPO pair (rows 2i and 2i+1), a GroupDPO prompt group (all rows with one
+  ``group_id``, :func:`unit_sizes`), or a single row for losses whose rows are independent once
+  the batch's advantages are computed (GRPO, PPO, RLOO, best-of-K SFT);
+* units are sorted longest first and dealt round-robin over DP ranks, so ranks get equal unit
+  counts (+-1) and similar token loads; each rank packs its units greedily, in that order, into
+  micro-batches of at most ``rows_per_microbatch`` rows (a unit larger than that runs alone);
 * a micro-batch's length is rounded up to ``pad_multiple`` (the TP size under sequence
   parallelism, which splits the sequence over TP ranks).
 
@@ -20,11 +23,12 @@ ranks (reported as ``batch/padding_fraction``).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MicroBatch", "row_lengths", "plan_microbatches", "padding_fraction"]
+__all__ = ["MicroBatch", "row_lengths", "unit_sizes", "plan_microbatches", "padding_fraction"]
 
 
 @dataclass(frozen=True)
@@ -32,7 +36,8 @@ class MicroBatch:
     """Rows of the batch that run together, cut to ``seq_len`` columns.
 
     Attributes:
-        rows: row indices into the ``[B, S]`` batch (a pair's rows are adjacent: chosen, rejected).
+        rows: row indices into the ``[B, S]`` batch (a unit's rows are adjacent and in batch
+            order: a pair's chosen, then rejected).
         seq_len: columns to run (>= every row's real length; a multiple of ``pad_multiple``; may
             exceed ``S`` by less than ``pad_multiple``: the extra columns are filled with token 0).
     """
@@ -62,40 +67,73 @@ def _round_up(x: int, k: int) -> int:
     return -(-x // k) * k
 
 
+def unit_sizes(group_ids) -> list[int]:
+    """Sizes of the runs of equal ``group_ids``: the units of a batch whose groups stay together.
+
+    Args:
+        group_ids: ``[B]`` integer unit id of each row (``LearnerBatch.group_ids``).
+    Returns:
+        run lengths, in row order (they sum to ``B``).
+    Raises:
+        ValueError: a group's rows are not contiguous (``LearnerBatch.from_groups`` always
+            writes them contiguously).
+    """
+    ids = [int(v) for v in torch.as_tensor(group_ids).reshape(-1).tolist()]
+    sizes: list[int] = []
+    seen: set[int] = set()
+    for k, g in enumerate(ids):
+        if k and g == ids[k - 1]:
+            sizes[-1] += 1
+            continue
+        if g in seen:
+            raise ValueError(f"unit_sizes: rows of group {g} are not contiguous (row {k}); a group's "
+                             "rows must be adjacent (build batches with LearnerBatch.from_groups)")
+        seen.add(g)
+        sizes.append(1)
+    return sizes
+
+
 def plan_microbatches(lengths: list[int], *, rows_per_microbatch: int, dp_rank: int = 0,
-                      dp_size: int = 1, pairs: bool = True, pad_multiple: int = 1) -> list[MicroBatch]:
+                      dp_size: int = 1, pairs: bool = True, pad_multiple: int = 1,
+                      units: list[int] | None = None) -> list[MicroBatch]:
     """Micro-batches of DP rank ``dp_rank`` (see module doc).
 
     Args:
         lengths: real length of each of the ``B`` rows (:func:`row_lengths`).
-        rows_per_microbatch: rows per micro-batch (``learner.micro_batch_size``); with ``pairs``
-            rounded down to an even number, at least 2.
+        rows_per_microbatch: most rows per micro-batch (``learner.micro_batch_size``); a unit
+            with more rows gets a micro-batch of its own.
         dp_rank, dp_size: this rank and the data-parallel size.
-        pairs: keep rows 2i and 2i+1 together (DPO); False: rows are independent units.
+        pairs: without ``units``: keep rows 2i and 2i+1 together (DPO); False: every row is a unit.
         pad_multiple: round each micro-batch length up to a multiple of this.
+        units: sizes of consecutive units (e.g. :func:`unit_sizes`); overrides ``pairs``.
     Returns:
         this rank's micro-batches, longest first; empty when the rank gets no unit.
     Raises:
-        ValueError: ``pairs`` with an odd number of rows, or bad sizes.
+        ValueError: ``pairs`` with an odd number of rows, ``units`` not summing to ``B``, or bad sizes.
     """
     n = len(lengths)
-    if pairs and n % 2:
-        raise ValueError(f"plan_microbatches: {n} rows cannot form DPO pairs (need an even count)")
     if rows_per_microbatch < 1 or dp_size < 1 or not 0 <= dp_rank < dp_size or pad_multiple < 1:
         raise ValueError(f"plan_microbatches: rows_per_microbatch={rows_per_microbatch}, "
                          f"dp_rank={dp_rank}, dp_size={dp_size}, pad_multiple={pad_multiple}")
-    width = 2 if pairs else 1
-    units = [tuple(range(u * width, (u + 1) * width)) for u in range(n // width)]
-    ulen = [max(lengths[r] for r in u) for u in units]
-    order = sorted(range(len(units)), key=lambda u: (-ulen[u], u))  # longest first, stable
-    mine = order[dp_rank::dp_size]
-    per_mb = max(1, rows_per_microbatch // width)
-    out = []
-    for k in range(0, len(mine), per_mb):
-        chunk = mine[k:k + per_mb]
-        rows = tuple(r for u in chunk for r in units[u])
-        out.append(MicroBatch(rows=rows, seq_len=_round_up(max(ulen[u] for u in chunk), pad_multiple)))
-    return out
+    if units is None:
+        if pairs and n % 2:
+            raise ValueError(f"plan_microbatches: {n} rows cannot form DPO pairs (need an even count)")
+        units = [2 if pairs else 1] * (n // 2 if pairs else n)
+    if sum(units) != n or any(u < 1 for u in units):
+        raise ValueError(f"plan_microbatches: unit sizes {units} must be >= 1 and sum to the {n} rows")
+    starts = [0, *itertools.accumulate(units)][:-1]
+    rows_of = [tuple(range(a, a + w)) for a, w in zip(starts, units)]
+    ulen = [max(lengths[r] for r in u) for u in rows_of]
+    order = sorted(range(len(rows_of)), key=lambda u: (-ulen[u], u))  # longest first, stable
+    chunks: list[list[int]] = []
+    for u in order[dp_rank::dp_size]:
+        if chunks and sum(units[v] for v in chunks[-1]) + units[u] <= rows_per_microbatch:
+            chunks[-1].append(u)
+        else:
+            chunks.append([u])
+    return [MicroBatch(rows=tuple(r for u in chunk for r in rows_of[u]),
+                       seq_len=_round_up(max(ulen[u] for u in chunk), pad_multiple))
+            for chunk in chunks]
 
 
 def padding_fraction(lengths: list[int], plans: list[list[MicroBatch]]) -> float:

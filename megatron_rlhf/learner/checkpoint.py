@@ -5,8 +5,11 @@ Layout of a learner checkpoint folder::
     path/policy/        megatron dist_checkpointing (torch_dist): the policy GPTModel's
                         sharded_state_dict (TE-layout names; reshardable to any TP/PP)
     path/reference/     same for the frozen reference
+    path/critic/        same for the PPO critic (only when ``learner.critic`` is not None;
+                        :mod:`megatron_rlhf.learner.critic`)
     path/learner_state.pt   torch.save (rank 0): optimizer state dict, LR-scheduler state, RNG
-                        states, weight_version, layout (tp, pp, dp, model_type, dtype)
+                        states, weight_version, layout (tp, pp, dp, model_type, dtype), and
+                        under ``critic`` the critic's optimizer / LR-scheduler state (if any)
     path/learner_state.rank<r>.pt   the same for rank r > 0 of a multi-process learner (its
                         optimizer shard). Not supported with the distributed optimizer yet
                         (raises NotImplementedError).
@@ -78,13 +81,22 @@ def _load_model(model, folder: Path) -> None:
                            f"unexpected {result.unexpected_keys[:5]}")
 
 
+def _critic(learner):
+    """The learner's PPO critic, or None (attribute ``critic``; absent on older learners)."""
+    return getattr(learner, "critic", None)
+
+
 def save_learner_checkpoint(learner, path: Path) -> None:
-    """Write ``learner``'s models, optimizer, scheduler, RNG and version under ``path`` (see
-    module doc). ``path`` may exist; it should be empty (the caller makes the save atomic)."""
+    """Write ``learner``'s models (and critic, if any), optimizer, scheduler, RNG and version
+    under ``path`` (see module doc). ``path`` may exist; it should be empty (the caller makes the
+    save atomic)."""
     _refuse_distributed_optimizer(learner)
+    critic = _critic(learner)
     path.mkdir(parents=True, exist_ok=True)
     _save_model(learner.policy, path / "policy")
     _save_model(learner.reference, path / "reference")
+    if critic is not None:
+        _save_model(critic.model, path / "critic")
     state = {"weight_version": learner.weight_version,
              "optimizer": learner.optimizer.state_dict(),
              "scheduler": learner.scheduler.state_dict(),
@@ -93,6 +105,8 @@ def save_learner_checkpoint(learner, path: Path) -> None:
                         "model_type": learner.hf_config.model_type, "dtype": str(learner.dtype),
                         # base HF folder (config, tokenizer) for tools/convert/megatron_to_hf.py
                         "model_dir": os.path.abspath(learner.model_dir)}}
+    if critic is not None:
+        state["critic"] = critic.state_for_checkpoint()
     torch.save(state, state_file(path, _rank(learner)))
     if learner.groups.world_size > 1:
         import torch.distributed as dist
@@ -107,7 +121,8 @@ def load_learner_checkpoint(learner, path: Path) -> int:
     Raises:
         FileNotFoundError: ``path/learner_state.pt`` or a model folder is missing.
         ValueError: the checkpoint's layout (TP/PP/DP, model type) differs from the learner's
-            (resharding the optimizer is not supported yet; models reshard via dist_checkpointing).
+            (resharding the optimizer is not supported yet; models reshard via dist_checkpointing),
+            or the learner has a critic (algorithm.loss=ppo) and the checkpoint has none.
     """
     _refuse_distributed_optimizer(learner)
     sfile = state_file(path, _rank(learner))
@@ -120,8 +135,16 @@ def load_learner_checkpoint(learner, path: Path) -> int:
             "model_type": learner.hf_config.model_type}
     if any(layout.get(k) != v for k, v in mine.items()):
         raise ValueError(f"{path}: checkpoint layout {layout} does not match the learner {mine}")
+    critic = _critic(learner)
+    if critic is not None and ("critic" not in state or not (path / "critic" / "metadata.json").is_file()):
+        raise ValueError(f"{path}: checkpoint has no PPO critic (saved by a learner without one, "
+                         "e.g. algorithm.loss != ppo) but this learner has a critic; resume a ppo "
+                         "run from a ppo checkpoint, or start it from the HF weights instead")
     _load_model(learner.policy, path / "policy")
     _load_model(learner.reference, path / "reference")
+    if critic is not None:
+        _load_model(critic.model, path / "critic")
+        critic.load(state["critic"])
     learner.optimizer.load_state_dict(state["optimizer"])
     learner.scheduler.load_state_dict(state["scheduler"])
     learner._set_rng_state(state["rng"])

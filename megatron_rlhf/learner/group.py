@@ -16,7 +16,7 @@ a failing rank surfaces as an error, not a hang in the caller), and returns the 
 rank that owns it:
 
 * metrics and logprobs: the *reporting rank* (last pipeline stage, TP rank 0, DP rank 0), which
-  already holds values over all pairs (DP ranks exchange them inside ``train_step``);
+  already holds values over the whole batch (DP ranks exchange them inside ``train_step``);
 * ``export_weights``: each pipeline stage's TP-rank-0 / DP-rank-0 rank gathers its stage tensor by
   tensor over TP and ``ray.put`` s each bucket as soon as it is full; the coordinator returns the
   concatenated list of bucket ObjectRefs in stage order (= HF checkpoint order). The buckets go
@@ -73,7 +73,7 @@ class LearnerGroup:
     """TP x PP x DP learner ranks behind the verbs of :class:`MegatronLearner`.
 
     Args:
-        model_dir, learner_cfg, algorithm_cfg, dtype, seed, total_steps: as for
+        model_dir, learner_cfg, algorithm_cfg, dtype, seed, total_steps, temperature: as for
             :class:`MegatronLearner` (the layout comes from ``learner_cfg.tensor_parallel``,
             ``pipeline_parallel``, ``data_parallel``).
         cpu_core: rank r is pinned to core ``cpu_core + r`` (modulo the cores of its node);
@@ -88,7 +88,8 @@ class LearnerGroup:
 
     def __init__(self, *, model_dir: str, learner_cfg, algorithm_cfg, dtype: str = "float32",
                  seed: int = 0, total_steps: int = 1, cpu_core: int = -1,
-                 rank_actor_options: dict | None = None, timeout_s: float = 1800.0):
+                 rank_actor_options: dict | None = None, timeout_s: float = 1800.0,
+                 temperature: float = 1.0):
         import ray
 
         t0 = time.perf_counter()
@@ -103,7 +104,7 @@ class LearnerGroup:
             address = self._get(self._ranks[0].rendezvous_address.remote())
             self.layouts = self._get([a.build.remote(
                 model_dir=str(model_dir), learner_cfg=learner_cfg, algorithm_cfg=algorithm_cfg,
-                dtype=dtype, seed=seed, total_steps=total_steps,
+                dtype=dtype, seed=seed, total_steps=total_steps, temperature=temperature,
                 cpu_core=cpu_core + r if cpu_core >= 0 else -1, rank=r, world_size=self.world_size,
                 init_method=f"tcp://{address}") for r, a in enumerate(self._ranks)])
         except BaseException:
@@ -142,22 +143,22 @@ class LearnerGroup:
     # ----------------------------------------------------------------------------- verbs
     def train_step(self, batch) -> dict[str, float]:
         """:meth:`MegatronLearner.train_step` on every rank; the reporting rank's metrics
-        (over all pairs) plus ``time/group_train_s`` (wall time including the fan-out)."""
+        (over the whole batch) plus ``time/group_train_s`` (wall time including the fan-out)."""
         t0 = time.perf_counter()
         out = dict(self._all_with_shared_arg("train_step", batch)[self._report])
         out["time/group_train_s"] = time.perf_counter() - t0
         return out
 
-    def token_logprobs(self, input_ids, which: str = "policy"):
+    def token_logprobs(self, input_ids, which: str = "policy", temperature: float = 1.0):
         """``[B, S]`` float32 token logprobs (see :meth:`MegatronLearner.token_logprobs`)."""
-        return self._all_with_shared_arg("token_logprobs", input_ids, which)[self._report]
+        return self._all_with_shared_arg("token_logprobs", input_ids, which, temperature)[self._report]
 
-    def sequence_logprobs(self, input_ids, loss_mask, which: str = "policy"):
+    def sequence_logprobs(self, input_ids, loss_mask, which: str = "policy", temperature: float = 1.0):
         """``[B]`` float32 masked sums (see :meth:`MegatronLearner.sequence_logprobs`)."""
         import ray
 
         ids, mask = ray.put(input_ids), ray.put(loss_mask)
-        return self._all("sequence_logprobs", ids, mask, which)[self._report]
+        return self._all("sequence_logprobs", ids, mask, which, temperature)[self._report]
 
     def export_weights(self, bucket_bytes: int = 256 * 2**20) -> list[Any]:
         """HF-named buckets of the policy as a list of ``ray.ObjectRef`` (each of a

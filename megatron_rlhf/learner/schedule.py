@@ -14,9 +14,17 @@ output into token log-probabilities, with an arbitrary per-micro-batch loss on t
   ``[b, s]`` max / sum-exp / target logit are all-reduced over TP). When the vocab was padded for
   TP (:func:`megatron_rlhf.convert.sharding.padded_vocab_size`) the padded columns are set to
   ``-inf`` first, so they carry no probability mass and the result equals the unpadded model.
-* ``on_logprobs(k, mb, tok_lp)`` runs on the last pipeline stage only and returns the loss of
-  micro-batch k (a scalar tensor). Like megatron's schedules, the loss is divided by the number of
-  micro-batches before backward; callers scale accordingly.
+* Sampling temperature: with ``temperature != 1`` the logprobs are those of ``softmax(logits /
+  temperature)``, the distribution vLLM samples from (each rank scales its own ``V/tp`` logit
+  columns before the vocab-parallel cross entropy, so nothing is gathered). The model is then
+  called without labels and returns its vocab-parallel logits, as with vocab padding.
+* ``with_entropy``: also the per-token entropy of that distribution, differentiable and
+  vocab-parallel (:func:`megatron_rlhf.learner.logprobs.vocab_parallel_entropy`), aligned like the
+  token logprobs.
+* ``on_logprobs(k, mb, tok_lp)`` (``on_logprobs(k, mb, tok_lp, entropy)`` with ``with_entropy``)
+  runs on the last pipeline stage only and returns the loss of micro-batch k (a scalar tensor).
+  Like megatron's schedules, the loss is divided by the number of micro-batches before backward;
+  callers scale accordingly.
 """
 
 from __future__ import annotations
@@ -27,9 +35,10 @@ from typing import Callable
 
 import torch
 
-from megatron_rlhf.learner.logprobs import _shift, next_token_labels, position_ids_for
+from megatron_rlhf.learner.logprobs import (_shift, next_token_labels, position_ids_for,
+                                            vocab_parallel_entropy)
 
-__all__ = ["MicroBatchData", "run_microbatches", "make_microbatch"]
+__all__ = ["MicroBatchData", "run_microbatches", "make_microbatch", "cut_rows"]
 
 
 @dataclass
@@ -49,73 +58,97 @@ class MicroBatchData:
     extra: dict = field(default_factory=dict)
 
 
+def cut_rows(t: torch.Tensor, rows, seq_len: int, fill=0) -> torch.Tensor:
+    """Rows ``rows`` of a ``[B, S, ...]`` tensor cut (or right-padded with ``fill``) to ``seq_len``
+    columns: ``[len(rows), seq_len, ...]``."""
+    idx = torch.as_tensor(list(rows), dtype=torch.long, device=t.device)
+    t = t.index_select(0, idx)[:, :seq_len]
+    if t.shape[1] < seq_len:
+        t = torch.cat([t, t.new_full((t.shape[0], seq_len - t.shape[1], *t.shape[2:]), fill)], dim=1)
+    return t
+
+
 def make_microbatch(input_ids: torch.Tensor, rows, seq_len: int, device, loss_mask=None,
                     **extra) -> MicroBatchData:
     """Cut rows ``rows`` of ``input_ids [B, S]`` (and of ``loss_mask``/``extra`` ``[B, S]`` tensors)
     to ``seq_len`` columns; columns beyond ``S`` are filled with token 0 / mask 0 (right padding,
     invisible to the causal logprobs of earlier tokens)."""
-    idx = torch.as_tensor(list(rows), dtype=torch.long)
-
-    def cut(t, fill):
-        t = t.index_select(0, idx)[:, :seq_len]
-        if t.shape[1] < seq_len:
-            t = torch.cat([t, t.new_full((t.shape[0], seq_len - t.shape[1]), fill)], dim=1)
-        return t
-
     return MicroBatchData(
-        input_ids=cut(input_ids, 0).to(device), rows=tuple(rows),
-        loss_mask=None if loss_mask is None else cut(loss_mask, 0.0),
-        extra={k: (cut(v, 0.0) if torch.is_tensor(v) and v.dim() == 2 else v) for k, v in extra.items()})
+        input_ids=cut_rows(input_ids, rows, seq_len, 0).to(device), rows=tuple(rows),
+        loss_mask=None if loss_mask is None else cut_rows(loss_mask, rows, seq_len, 0.0),
+        extra={k: (cut_rows(v, rows, seq_len, 0.0) if torch.is_tensor(v) and v.dim() == 2 else v)
+               for k, v in extra.items()})
 
 
-def _vocab_mask_fn(vocab_size: int, padded_vocab: int, tp_rank: int, tp: int):
-    """None when nothing is padded, else ``logits [b, s, V/tp] -> logits`` with padded columns -inf."""
+def _pad_columns(vocab_size: int, padded_vocab: int, tp_rank: int, tp: int) -> torch.Tensor | None:
+    """``[V/tp]`` bool mask of this rank's padded vocab columns, or None when it has none."""
     if padded_vocab == vocab_size:
         return None
     per = padded_vocab // tp
-    cols = torch.arange(tp_rank * per, (tp_rank + 1) * per)
-    pad = cols >= vocab_size
-    if not bool(pad.any()):
-        return lambda logits: logits
-    return lambda logits: logits.masked_fill(pad.to(logits.device), float("-inf"))
+    pad = torch.arange(tp_rank * per, (tp_rank + 1) * per) >= vocab_size
+    return pad if bool(pad.any()) else None
 
 
-def _token_logprobs_from_output(output: torch.Tensor, input_ids: torch.Tensor, mask_fn) -> torch.Tensor:
-    """Last-stage model output -> ``[b, s]`` float32 token logprobs (column 0 = 0).
+def _token_logprobs_from_output(output: torch.Tensor, input_ids: torch.Tensor, *, from_logits: bool,
+                                pad: torch.Tensor | None, temperature: float = 1.0,
+                                with_entropy: bool = False, tp_group=None):
+    """Last-stage model output -> (``[b, s]`` float32 token logprobs (column 0 = 0), ``[b, s]``
+    entropy aligned like them or None).
 
-    ``output`` is the per-token cross entropy ``[b, s]`` (model called with labels) or, with vocab
-    padding, the vocab-parallel logits ``[b, s, V/tp]``.
+    ``output`` is the per-token cross entropy ``[b, s]`` (model called with labels;
+    ``from_logits=False``) or the vocab-parallel logits ``[b, s, V/tp]``: then the logits are
+    divided by ``temperature``, padded columns (``pad``) set to -inf, and megatron's
+    ``vocab_parallel_cross_entropy`` gives the logprobs (it overwrites its input, so it gets a
+    tensor of its own when the entropy also needs the logits).
     """
-    if mask_fn is None:
-        return _shift(-output.float())
+    if not from_logits:
+        return _shift(-output.float()), None
     from megatron.core import tensor_parallel
 
-    ce = tensor_parallel.vocab_parallel_cross_entropy(mask_fn(output), next_token_labels(input_ids))
-    return _shift(-ce.float())
+    logits = output.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    ce_in = logits if pad is None else logits.masked_fill(pad.to(logits.device), float("-inf"))
+    if with_entropy and ce_in is logits:
+        ce_in = logits.clone()
+    ce = tensor_parallel.vocab_parallel_cross_entropy(ce_in, next_token_labels(input_ids))
+    ent = None
+    if with_entropy:
+        ent = _shift(vocab_parallel_entropy(logits, None if pad is None else pad.to(logits.device),
+                                            tp_group))
+    return _shift(-ce.float()), ent
 
 
 def run_microbatches(model, mbs: list[MicroBatchData],
-                     on_logprobs: Callable[[int, MicroBatchData, torch.Tensor], torch.Tensor | None],
+                     on_logprobs: Callable[..., torch.Tensor | None],
                      *, forward_only: bool, pp: int, pg_collection, vocab_size: int,
-                     padded_vocab: int, tp_rank: int = 0, tp: int = 1, no_sync=None) -> None:
+                     padded_vocab: int, tp_rank: int = 0, tp: int = 1, no_sync=None,
+                     temperature: float = 1.0, with_entropy: bool = False) -> None:
     """Forward (and backward unless ``forward_only``) every micro-batch of ``mbs`` in order.
 
     Args:
         model: GPTModel or megatron DDP of one (this rank's pipeline stage).
         mbs: this rank's micro-batches (every stage of a pipeline gets the same list).
-        on_logprobs: ``(k, mb, tok_lp [b, s]) -> scalar loss`` called on the last stage for
-            micro-batch k; with ``forward_only`` its return value is ignored (may be None).
+        on_logprobs: ``(k, mb, tok_lp [b, s]) -> scalar loss`` (with ``with_entropy`` also a fourth
+            argument, the ``[b, s]`` entropy) called on the last stage for micro-batch k; with
+            ``forward_only`` its return value is ignored (may be None).
         forward_only: no backward (and ``torch.no_grad``).
         pp: pipeline size; pg_collection: megatron ``ProcessGroupCollection`` of this rank.
         vocab_size, padded_vocab, tp_rank, tp: see module doc (vocab padding mask).
         no_sync: context-manager factory that defers DP grad reduction (megatron DDP's ``no_sync``;
             used for all but the last micro-batch when grad-reduce overlap is on), or None.
+        temperature: logprobs (and entropy) of ``softmax(logits / temperature)`` (> 0).
+        with_entropy: compute the per-token entropy (differentiable) and pass it to ``on_logprobs``.
     Raises:
-        ValueError: ``mbs`` is empty.
+        ValueError: ``mbs`` is empty or ``temperature <= 0``.
     """
     if not mbs:
         raise ValueError("run_microbatches: no micro-batch given")
-    mask_fn = _vocab_mask_fn(vocab_size, padded_vocab, tp_rank, tp)
+    if not temperature > 0:
+        raise ValueError(f"run_microbatches: temperature must be > 0; got {temperature}")
+    pad = _pad_columns(vocab_size, padded_vocab, tp_rank, tp)
+    from_logits = padded_vocab != vocab_size or temperature != 1.0 or with_entropy
+    tp_group = pg_collection.tp if tp > 1 else None
     n = len(mbs)
     data = iter(list(enumerate(mbs)))
 
@@ -123,13 +156,15 @@ def run_microbatches(model, mbs: list[MicroBatchData],
         k, mb = next(data_iterator)
         ids = mb.input_ids
         kwargs = dict(input_ids=ids, position_ids=position_ids_for(ids), attention_mask=None)
-        if mask_fn is None:
+        if not from_logits:
             kwargs["labels"] = next_token_labels(ids)
         output = m(**kwargs)
 
         def loss_func(out):
-            tok = _token_logprobs_from_output(out, ids, mask_fn)
-            loss = on_logprobs(k, mb, tok)
+            tok, ent = _token_logprobs_from_output(out, ids, from_logits=from_logits, pad=pad,
+                                                   temperature=temperature,
+                                                   with_entropy=with_entropy, tp_group=tp_group)
+            loss = on_logprobs(k, mb, tok, ent) if with_entropy else on_logprobs(k, mb, tok)
             if loss is None or forward_only:
                 loss = tok.sum() * 0.0
             return loss, {}

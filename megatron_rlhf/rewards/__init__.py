@@ -1,6 +1,11 @@
-"""Reward functions, registered by name (``tasks[].reward``).
+"""Reward functions, registered by name (``tasks[].reward``), and reward models.
 
-Each reward is a callable class ``reward(completions: list[str], answers: list[str]) ->
+Reward-model tasks (``tasks[].reward: {reward_model: NAME_OR_PATH}``): resolve the folder with
+:func:`resolve_reward_model` (a demo name is trained on first use), serve it with
+:class:`RewardModelWorker` (a Ray actor in the trainer), normalise per task with
+:class:`RunningRewardNormalizer`.
+
+Each registered reward is a callable class ``reward(completions: list[str], answers: list[str]) ->
 list[float]`` with ``close()``, ``stats()`` and a class attribute ``binary`` (True when rewards
 are 0/1, which selects the pair rule in ``rollout.pairs.select_pair``).
 """
@@ -10,8 +15,12 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_rlhf.rewards.math_verify import MathVerifyReward
+from megatron_rlhf.rewards.reward_model import RewardModel, RunningRewardNormalizer, length_normalized_rewards
+from megatron_rlhf.rewards.server import RewardModelWorker
+from megatron_rlhf.rewards.train import DEMO_REWARD_MODELS, resolve_reward_model
 
-__all__ = ["REWARDS", "register_reward", "make_reward", "MathVerifyReward"]
+__all__ = ["REWARDS", "register_reward", "make_reward", "MathVerifyReward", "RewardModel", "RewardModelWorker",
+           "RunningRewardNormalizer", "length_normalized_rewards", "resolve_reward_model", "DEMO_REWARD_MODELS"]
 
 REWARDS: dict[str, type] = {"math_verify": MathVerifyReward}
 

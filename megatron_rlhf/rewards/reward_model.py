@@ -526,13 +526,27 @@ class RunningRewardNormalizer:
         return [(float(r) - m) / (s + self.eps) for r in rewards]
 
     def state_dict(self) -> dict:
-        """Checkpointable state: ``{"eps", "stats": {task: [count, mean, M2]}}``."""
-        return {"eps": self.eps, "stats": {k: list(v) for k, v in self._stats.items()}}
+        """Checkpointable state: ``{"eps", "stats": {task: [count, mean, M2]}}`` (plain ints and
+        floats: survives ``json.dumps``/``json.loads`` exactly, Python floats round-trip in JSON)."""
+        return {"eps": self.eps, "stats": {k: [int(v[0]), float(v[1]), float(v[2])] for k, v in self._stats.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` output."""
-        self.eps = float(state["eps"])
-        self._stats = {k: (int(v[0]), float(v[1]), float(v[2])) for k, v in state["stats"].items()}
+        """Restore :meth:`state_dict` output (e.g. after a JSON round trip).
+
+        Raises:
+            ValueError: malformed state (missing keys, a stats entry that is not
+                ``[count >= 0, mean, M2 >= 0]`` of finite numbers); nothing is changed then.
+        """
+        try:
+            eps = float(state["eps"])
+            stats = {str(k): (int(v[0]), float(v[1]), float(v[2])) for k, v in state["stats"].items()}
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+            raise ValueError(f"RunningRewardNormalizer.load_state_dict: expected {{'eps', 'stats': {{task: "
+                             f"[count, mean, M2]}}}}, got {state!r:.200} ({e})") from e
+        bad = [k for k, (n, m, m2) in stats.items() if n < 0 or m2 < 0 or not (math.isfinite(m) and math.isfinite(m2))]
+        if not eps > 0 or bad:
+            raise ValueError(f"RunningRewardNormalizer.load_state_dict: eps={eps} (must be > 0), bad stats for {bad}")
+        self.eps, self._stats = eps, stats
 
 
 def length_normalized_rewards(rewards: Sequence[float], lengths: Sequence[int]) -> list[float]:

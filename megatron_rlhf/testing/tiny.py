@@ -95,3 +95,38 @@ def make_tiny_model(out_dir: str | Path, arch: str = "llama", *, hidden_size: in
            "bos_token_id": tok.bos_token_id}
     (out / "generation_config.json").write_text(json.dumps(gen))
     return out
+
+
+def make_tiny_reward_model(out_dir: str | Path, *, hidden_size: int = 64, num_layers: int = 1,
+                           vocab_size: int = 512, seed: int = 0) -> Path:
+    """Write a tiny random Llama sequence-classification reward model (``num_labels=1``, the
+    scalar head of HF ``LlamaForSequenceClassification``) + tokenizer with chat template to
+    ``out_dir``: what :class:`megatron_rlhf.rewards.reward_model.RewardModel` serves.
+
+    Args:
+        out_dir: target folder (created).
+        hidden_size, num_layers, vocab_size: model shape.
+        seed: torch seed of the random init.
+    Returns:
+        The folder path.
+    """
+    import torch
+    import transformers
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = _tokenizer(out, vocab_size)
+    cfg = transformers.LlamaConfig(
+        vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=2, num_key_value_heads=2,
+        max_position_embeddings=1024, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+        pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+        num_labels=1, rms_norm_eps=1e-5)
+    torch.manual_seed(seed)
+    model = transformers.LlamaForSequenceClassification(cfg).to(torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(out, safe_serialization=True)
+    return out

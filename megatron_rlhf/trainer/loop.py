@@ -28,7 +28,7 @@ import threading
 import time
 from pathlib import Path
 
-from megatron_rlhf.config import Config, config_to_dict, save_config
+from megatron_rlhf.config import Config, ConfigError, config_to_dict, save_config
 from megatron_rlhf.trainer.checkpoint import CheckpointManager
 from megatron_rlhf.trainer.metrics import MetricsLogger, summarize
 from megatron_rlhf.generator.pool import GeneratorPool
@@ -102,7 +102,7 @@ class _StopFlag:
             signal.signal(sig, old)
 
 
-def _init_ray(cfg: Config):
+def _init_ray(cfg: Config, extra_cpus: int = 0):
     import ray
 
     from megatron_rlhf.runtime import process_env
@@ -118,7 +118,7 @@ def _init_ray(cfg: Config):
     else:
         lc = cfg.learner  # one CPU per generator engine and per learner rank
         ranks = lc.tensor_parallel * lc.pipeline_parallel * lc.data_parallel
-        ray.init(num_cpus=max(2, cfg.generators.num_workers + ranks), **kw)
+        ray.init(num_cpus=max(2, cfg.generators.num_workers + ranks + extra_cpus), **kw)
     return True
 
 
@@ -137,7 +137,7 @@ def _actor_options(role: str, gpus: int) -> dict:
     return opts
 
 
-def _build_actors(cfg: Config, model_dir: Path):
+def _build_actors(cfg: Config, model_dir: Path, generators: list | None = None):
     import ray
 
     from megatron_rlhf.learner.actor import MegatronLearner
@@ -146,6 +146,7 @@ def _build_actors(cfg: Config, model_dir: Path):
     lc = cfg.learner
     kw = dict(model_dir=str(model_dir), learner_cfg=lc, algorithm_cfg=cfg.algorithm,
               dtype=cfg.model.dtype, seed=cfg.run.seed, total_steps=cfg.run.num_steps,
+              temperature=cfg.generators.temperature if cfg.algorithm.is_policy_gradient else 1.0,
               cpu_core=pin + cfg.generators.num_workers if pin >= 0 else -1)
     if lc.tensor_parallel * lc.pipeline_parallel * lc.data_parallel == 1:
         learner = ray.remote(**_actor_options("learner", 1))(MegatronLearner).remote(**kw)
@@ -154,7 +155,7 @@ def _build_actors(cfg: Config, model_dir: Path):
 
         learner = ray.remote(num_cpus=0, max_restarts=0)(LearnerGroup).remote(
             rank_actor_options=_actor_options("learner", 1), timeout_s=cfg.async_.timeout_s, **kw)
-    return learner, _build_generators(cfg, model_dir)
+    return learner, (list(generators) if generators else _build_generators(cfg, model_dir))
 
 
 def _build_generators(cfg: Config, model_dir: Path) -> list:
@@ -175,28 +176,42 @@ def _build_generators(cfg: Config, model_dir: Path) -> list:
 
 
 def _load_prompts(cfg: Config, model_dir: Path):
+    """Every task's prompts (math loaders or chat loaders by the task's reward kind) in one
+    ``MultiTaskSampler`` (per-task seeded samplers, quotas by ``tasks[].weight``)."""
     from transformers import AutoTokenizer
 
-    from megatron_rlhf.data import PromptSampler, load_task_prompts
+    from megatron_rlhf.data import load_prompts_for_task
+    from megatron_rlhf.data.mix import MultiTaskSampler
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     max_prompt = cfg.generators.max_model_len - cfg.generators.max_new_tokens
-    prompts, counts = [], {}
+    by_task, counts = {}, {}
     for task in cfg.tasks:
-        p, c = load_task_prompts(task, tok, max_prompt)
-        prompts.extend(p)
-        counts[task.name] = c
+        by_task[task.name], counts[task.name] = load_prompts_for_task(task, tok, max_prompt)
+        if not by_task[task.name]:
+            raise ValueError(f"tasks[{task.name}].data: no usable prompt ({counts[task.name]}); check "
+                             "path, prompt_field, filter and generators.max_model_len")
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    return PromptSampler(prompts, seed=cfg.run.seed), counts, pad_id
+    sampler = MultiTaskSampler(by_task, {t.name: t.weight for t in cfg.tasks}, seed=cfg.run.seed)
+    return sampler, counts, pad_id
 
 
 def _probe_tokens(sampler, max_model_len: int) -> list[int]:
-    """The weight-sync probe: the first prompt's tokens (fixed for the run), cut to the context."""
-    return list(sampler.prompts[0].token_ids[: max_model_len - 1])
+    """The weight-sync probe: the first task's first prompt's tokens (fixed for the run), cut to
+    the context."""
+    first = sampler.prompts(sampler.tasks[0])[0]
+    return list(first.token_ids[: max_model_len - 1])
 
 
-def train(cfg: Config, *, quiet: bool = False) -> RunResult:
+def train(cfg: Config, *, quiet: bool = False, generators: list | None = None) -> RunResult:
     """Run (or resume) the job ``cfg`` describes; returns its summary.
+
+    Args:
+        cfg: the resolved config.
+        quiet: no console output.
+        generators: already started ``VLLMGenerator`` actors of the same base model to use instead
+            of starting ``generators.num_workers`` new ones (tests share one per module): they are
+            reset to the run's starting weights first and left running at the end.
 
     Raises:
         ProducerError: generation failed (cause attached: e.g. ``GeneratorDiedError`` when a
@@ -228,31 +243,40 @@ def train(cfg: Config, *, quiet: bool = False) -> RunResult:
         say(f"run already complete at step {cfg.run.num_steps}: nothing to train (raise run.num_steps "
             "to continue it, or pick another run.name for a new run)")
         return done_before
-    needs_math = any(t.reward == "math_verify" for t in cfg.tasks)
+    plugins = _import_plugins(cfg)                  # before any actor starts: a bad config stops here
+    reward_models = _resolve_reward_models(cfg)
+    needs_math = any(t.kind == "math_verify" for t in cfg.tasks)
     reward = MathVerifyReward(num_workers=1) if needs_math else None
-    reward_fns = _reward_fns(cfg, reward)
-    started_ray = _init_ray(cfg)
+    started_ray = _init_ray(cfg, extra_cpus=len(set(reward_models.values())))
     timeout = cfg.async_.timeout_s
-    learner, generators, transport, channel, producer = None, [], None, None, None
+    learner, transport, channel, producer, rm_actors = None, None, None, None, {}
+    shared_generators, generators = list(generators or []), []
     too_long = sum(c.get("too_long", 0) for c in data_counts.values())
     try:
-        learner, generators = _build_actors(cfg, model_dir)
+        rm_actors = _build_reward_models(cfg, reward_models)
+        reward_fns = _reward_fns(cfg, reward, rm_actors, plugins, timeout)
+        learner, generators = _build_actors(cfg, model_dir, shared_generators)
         transport = make_transport(cfg.generators, run_dir)
         probe = _probe_tokens(sampler, cfg.generators.max_model_len) if cfg.generators.check_weight_sync else None
-        start_step, version, rng_state = 0, 0, None
+        start_step, version, rng_state, producer_state = 0, 0, None, None
         latest = ckpts.latest() if cfg.checkpoint.resume else None
         if latest is not None:
             path, state = latest
             version = ray.get(learner.load_checkpoint.remote(str(path / "learner")), timeout=timeout)
             start_step, rng_state = state["step"], state["rng_state"]
+            producer_state = state.get("producer_state")
             sampler.load_state_dict(state["sampler_state"])
             say(f"resuming from {path.name} (step {start_step}, weight version {version})")
-        ray.get([a.__ray_ready__.remote() for a in (learner, *generators)], timeout=timeout)
+        ray.get([a.__ray_ready__.remote() for a in (learner, *generators, *rm_actors.values())],
+                timeout=timeout)
         if hasattr(transport, "setup"):   # nccl: form the broadcast group
             transport.setup(learner, generators, timeout)
         channel = WeightChannel(PublishedWeights(version=0))
         if version > 0:  # the generators start from the base weights: hand them the resumed ones
             channel.publish(transport.publish(learner, version, timeout, probe))
+        elif shared_generators:  # reused actors hold an earlier run's weights: reset to version 0
+            start = transport.publish(learner, 0, timeout, None)
+            ray.get([transport.push(g, start) for g in shared_generators], timeout=timeout)
         pool = GeneratorPool(generators, transport=transport, generator_cfg=cfg.generators,
                              timeout_s=timeout, probe=probe,
                              log=lambda m: print(m, file=sys.stderr, flush=True))
@@ -262,7 +286,7 @@ def train(cfg: Config, *, quiet: bool = False) -> RunResult:
             pair_fn=select_pair, channel=channel, out_queue=batches, algorithm_cfg=cfg.algorithm,
             generator_cfg=cfg.generators, staleness_bound=cfg.async_.staleness_bound,
             first_batch=start_step, num_batches=cfg.run.num_steps, min_version=version,
-            rng_state=rng_state, seed=cfg.run.seed, timeout_s=timeout)
+            rng_state=rng_state, producer_state=producer_state, seed=cfg.run.seed, timeout_s=timeout)
         thread = threading.Thread(target=producer.run, name="rollout-producer", daemon=True)
         metrics = MetricsLogger(run_dir, cfg.logging, config_to_dict(cfg))
         bar = tqdm(total=cfg.run.num_steps, initial=start_step, desc="steps", unit="step",
@@ -277,12 +301,14 @@ def train(cfg: Config, *, quiet: bool = False) -> RunResult:
                 if batch is None:
                     break
                 learner_idle = time.perf_counter() - t_wait
-                pairs, stale = split_by_staleness(batch.pairs, version, cfg.async_.max_staleness)
+                unit = cfg.algorithm.unit
+                groups, stale = split_by_staleness(batch.groups, version, cfg.async_.max_staleness, unit)
                 staleness = stale["staleness/max"]
-                if not pairs:
-                    raise RuntimeError(f"step {done + 1}: every pair is older than async.max_staleness="
-                                       f"{cfg.async_.max_staleness} ({stale}); the weight handshake is broken")
-                lb = LearnerBatch.from_pairs(pairs, pad_id)
+                if len(groups) < cfg.learner.data_parallel:
+                    raise RuntimeError(f"step {done + 1}: {len(batch.groups) - len(groups)} groups are older "
+                                       f"than async.max_staleness={cfg.async_.max_staleness} ({stale}); the "
+                                       "weight handshake is broken")
+                lb = LearnerBatch.from_groups(groups, unit, pad_id)
                 t0 = time.perf_counter()
                 out = _learner_call(learner.train_step.remote(lb), f"train_step of step {done + 1}",
                                     timeout, ckpts)
@@ -330,8 +356,8 @@ def train(cfg: Config, *, quiet: bool = False) -> RunResult:
             channel.close()
         if reward is not None:
             reward.close()
-        for actor in (learner, *generators):
-            if actor is not None:
+        for actor in (learner, *generators, *rm_actors.values()):
+            if actor is not None and actor not in shared_generators:
                 ray.kill(actor)
         if transport is not None:
             transport.close()
@@ -368,20 +394,83 @@ def _completed_run(cfg: Config, ckpts: CheckpointManager, run_dir: Path) -> RunR
     return result
 
 
-def _reward_fns(cfg: Config, math_reward) -> dict:
-    """Task name -> reward callable: math-verify (process pool) or a ``module:function`` plug-in."""
+def _resolve_reward_models(cfg: Config) -> dict[str, Path]:
+    """Task name -> reward-model folder for every ``reward: {reward_model: ...}`` task (the demo
+    name ``smollm2-demo`` is trained once and cached).
+
+    Raises:
+        ConfigError: a path that does not exist / is not a reward model, named by its task.
+    """
+    from megatron_rlhf.rewards import resolve_reward_model
+
+    out = {}
+    for task in cfg.tasks:
+        if task.kind == "reward_model":
+            try:
+                out[task.name] = resolve_reward_model(task.reward.reward_model,
+                                                      os.path.expanduser(cfg.model.cache_dir),
+                                                      key=f"tasks[{task.name}].reward.reward_model")
+            except (ValueError, FileNotFoundError) as e:
+                raise ConfigError(str(e)) from e
+    return out
+
+
+def _build_reward_models(cfg: Config, folders: dict[str, Path]) -> dict:
+    """One ``RewardModelWorker`` Ray actor per reward-model folder (tasks sharing a folder share
+    the actor): one CPU, and on GPU clusters one GPU with the ``mrlhf_reward`` resource when
+    slurm/ray_cluster.sh declares it."""
+    import ray
+
+    from megatron_rlhf.rewards.server import RewardModelWorker
+
+    by_dir: dict[Path, object] = {}
+    out = {}
+    for task in cfg.tasks:
+        if task.name not in folders:
+            continue
+        d = folders[task.name]
+        if d not in by_dir:
+            opts = _actor_options("reward", 1)
+            by_dir[d] = ray.remote(**opts)(RewardModelWorker).remote(
+                model_dir=str(d), dtype=cfg.model.dtype, batch_size=task.reward.batch_size)
+        out[task.name] = by_dir[d]
+    return out
+
+
+def _import_plugins(cfg: Config) -> dict:
+    """Task name -> the imported ``module:function`` reward plug-in of every plug-in task.
+
+    Raises:
+        ConfigError: a plug-in that cannot be imported (named by its task).
+    """
     import importlib
+
+    out = {}
+    for task in cfg.tasks:
+        if task.kind == "plugin":
+            mod, _, fn = task.reward.partition(":")
+            try:
+                out[task.name] = getattr(importlib.import_module(mod), fn)
+            except (ImportError, AttributeError) as e:
+                raise ConfigError(f"tasks[{task.name}].reward = {task.reward!r} cannot be imported: {e}") from e
+    return out
+
+
+def _reward_fns(cfg: Config, math_reward, rm_actors: dict, plugins: dict, timeout: float) -> dict:
+    """Task name -> ``(prompts, completions) -> rewards``: math-verify against the prompt's gold
+    answer (process pool), a reward-model actor scoring (prompt text, completion), or a
+    ``module:function`` plug-in called as ``fn(completions, answers)``."""
+    import ray
 
     fns = {}
     for task in cfg.tasks:
-        if task.reward == "math_verify":
-            fns[task.name] = math_reward
+        if task.kind == "math_verify":
+            fns[task.name] = lambda ps, texts, f=math_reward: f(texts, [p.answer for p in ps])
+        elif task.kind == "reward_model":
+            fns[task.name] = lambda ps, texts, a=rm_actors[task.name]: ray.get(
+                a.score.remote([p.text for p in ps], list(texts)), timeout=timeout)
         else:
-            mod, _, fn = task.reward.partition(":")
-            try:
-                fns[task.name] = getattr(importlib.import_module(mod), fn)
-            except (ImportError, AttributeError) as e:
-                raise ConfigError(f"tasks[{task.name}].reward = {task.reward!r} cannot be imported: {e}") from e
+            fns[task.name] = lambda ps, texts, f=plugins[task.name]: f(list(texts), [p.answer for p in ps])
     return fns
 
 
@@ -432,7 +521,7 @@ def _save(ckpts: CheckpointManager, learner, step: int, version: int, batch, tim
     import ray
 
     state = {"step": step, "weight_version": version, "sampler_state": batch.sampler_state,
-             "rng_state": batch.rng_state, "time": time.time()}
+             "rng_state": batch.rng_state, "producer_state": batch.producer_state, "time": time.time()}
     ckpts.save(step, state, lambda tmp: ray.get(
         learner.save_checkpoint.remote(str(tmp / "learner")), timeout=timeout))
     return step

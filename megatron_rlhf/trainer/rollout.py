@@ -8,14 +8,17 @@ vLLM workers, balanced rounds, restarts of dead workers):
     for k in batches:                                   # k = 0-based batch index
         wait until a weight version >= k - staleness_bound is published   (the handshake)
         if a newer version than the workers' is published: push it to every worker
-        draw prompts_per_request x M prompts per round, generate K completions each (spread
-            over the M workers), score, pick one pair per prompt, until
-            algorithm.pairs_per_step pairs exist (prompts without a pair are skipped);
+        draw prompts_per_request x M prompts per round over the tasks still short of their
+            quota (adaptive split), generate K completions each (spread over the M workers),
+            score every task at once (math-verify pool, reward-model actor), keep each prompt's
+            trainable group (a pair, the whole group, or its best completion, per
+            algorithm.loss), until every task holds exactly its quota of
+            algorithm.prompts_per_step (prompts that cannot train are skipped and counted);
             with generators.inflight_updates a newer published version is pushed before a
             worker's next request, so a batch may span versions
-        put RolloutBatch(k, oldest version, pairs, sampler position) on the queue (maxsize 1)
+        put RolloutBatch(k, oldest version, groups, sampler position) on the queue (maxsize 1)
 
-Consumes: prompts (``PromptSampler``), published weights (``WeightChannel``).
+Consumes: prompts (``MultiTaskSampler``), published weights (``WeightChannel``).
 Waits for: the weight version batch k may use; space in the queue.
 Unblocked by: the learner publishing a version; the learner taking a batch.
 Without inflight updates weights reach the workers only between batches, so one batch is
@@ -33,8 +36,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from concurrent.futures import ThreadPoolExecutor
+
 from megatron_rlhf.generator.weight_sync import PublishedWeights
-from megatron_rlhf.types import PreferencePair, Rollout
+from megatron_rlhf.rewards.reward_model import length_normalized_rewards
+from megatron_rlhf.trainer.staleness import trained_rollouts
+from megatron_rlhf.types import PreferencePair, Rollout, RolloutGroup
 
 __all__ = ["WeightChannel", "PublishedWeights", "RolloutBatch", "RolloutProducer", "ProducerError"]
 
@@ -85,40 +92,61 @@ class WeightChannel:
 
 @dataclass(frozen=True)
 class RolloutBatch:
-    """One learner batch worth of pairs, tagged with the weight version that generated it.
+    """One learner batch worth of trainable prompt groups, tagged with the weight version that
+    generated it.
 
     Attributes:
         index: 0-based batch index (the learner trains it as step ``index + 1``).
         weight_version: oldest version that generated any of its completions.
-        pairs: exactly ``algorithm.pairs_per_step`` preference pairs.
+        groups: exactly ``algorithm.prompts_per_step`` :class:`RolloutGroup` s, each task holding
+            its quota (``tasks[].weight``, largest remainder), in task order.
         sampler_state: data-sampler position after the last prompt this batch consumed.
         rng_state: pair-selection RNG state after this batch.
+        producer_state: the rest of the producer's resumable state (reward normaliser, yield
+            estimates), JSON-plain.
         stats: per-batch numbers for the metrics row (``time/gen_s``, ``reward/mean``, ...).
     """
 
     index: int
     weight_version: int
-    pairs: tuple[PreferencePair, ...]
+    groups: tuple[RolloutGroup, ...]
     sampler_state: dict
     rng_state: Any
+    producer_state: dict = field(default_factory=dict)
     stats: dict = field(default_factory=dict)
+
+    @property
+    def pairs(self) -> tuple[PreferencePair, ...]:
+        """The groups' preference pairs (pair losses only)."""
+        return tuple(PreferencePair(chosen=g.rollouts[g.pair[0]], rejected=g.rollouts[g.pair[1]])
+                     for g in self.groups if g.pair is not None)
 
 
 class RolloutProducer:
     """Produces :class:`RolloutBatch` es into ``out_queue`` (see the module docstring).
 
+    Every batch holds exactly ``quota[task]`` trainable prompts of each task (``sampler.quotas``:
+    largest-remainder split of ``algorithm.prompts_per_step`` by ``tasks[].weight``), counted in
+    what is trained: a prompt that cannot train (no pair; all K rewards equal with
+    ``skip_uniform_groups``) is skipped and counted, and its task draws more. Each generation round
+    draws ``prompts_per_request x M`` prompts split over the tasks still short of their quota by
+    ``allocate_draws`` (adaptive: a task whose prompts yield fewer trainable groups, e.g. hard math
+    or long chat generations, gets proportionally more prompts; yield is an exponential moving
+    average of trainable groups per drawn prompt).
+
     Args:
         pool: the ``GeneratorPool`` (M workers).
-        sampler: ``PromptSampler`` positioned where generation resumes.
-        reward_fns: task name -> callable ``(completions: list[str], answers: list[str]) -> list[float]``.
+        sampler: ``MultiTaskSampler`` positioned where generation resumes.
+        reward_fns: task name -> ``(prompts: list[Prompt], completions: list[str]) -> list[float]``.
         pair_fn: ``select_pair(rewards, rng, binary)``.
         channel: the :class:`WeightChannel`.
         out_queue: ``queue.Queue(maxsize=1)``.
-        algorithm_cfg, generator_cfg: sub-configs (pairs_per_step, samples_per_prompt, ...).
+        algorithm_cfg, generator_cfg: sub-configs (prompts_per_step, samples_per_prompt, loss, ...).
         staleness_bound: 0 for ``async.sync``, else ``async.max_staleness``.
         first_batch, num_batches: batches ``first_batch .. num_batches-1`` are produced.
         min_version: the version the run (re)starts from (batch k needs >= max(min_version, k - bound)).
         rng_state: pair-selection RNG state to resume from (``None``: seeded with ``seed``).
+        producer_state: :attr:`RolloutBatch.producer_state` to resume from (``None``: fresh).
         seed: seed of the pair-selection RNG.
         timeout_s: bound of every wait.
     """
@@ -126,7 +154,10 @@ class RolloutProducer:
     def __init__(self, *, pool, sampler, reward_fns: dict[str, Callable], pair_fn: Callable,
                  channel: WeightChannel, out_queue: queue.Queue, algorithm_cfg, generator_cfg,
                  staleness_bound: int, first_batch: int, num_batches: int, min_version: int,
-                 rng_state: Any = None, seed: int = 0, timeout_s: float = 1800.0):
+                 rng_state: Any = None, producer_state: dict | None = None, seed: int = 0,
+                 timeout_s: float = 1800.0):
+        from megatron_rlhf.rewards.reward_model import RunningRewardNormalizer
+
         self.pool, self.sampler, self.reward_fns, self.pair_fn = pool, sampler, reward_fns, pair_fn
         self.channel, self.out_queue = channel, out_queue
         self.algo, self.gen_cfg = algorithm_cfg, generator_cfg
@@ -135,6 +166,11 @@ class RolloutProducer:
         self.rng = random.Random(seed)
         if rng_state is not None:
             self.rng.setstate(_to_rng_state(rng_state))
+        self.normalizer = RunningRewardNormalizer()
+        self.rates = {t: 0.5 for t in sampler.tasks}   # trainable groups per drawn prompt (EMA)
+        if producer_state:
+            self.normalizer.load_state_dict(producer_state["normalizer"])
+            self.rates.update(producer_state.get("rates", {}))
         self.stop_event = threading.Event()
 
     # ------------------------------------------------------------------------------ loop
@@ -166,57 +202,153 @@ class RolloutProducer:
         except BaseException as e:  # noqa: BLE001 - forwarded to the learner loop
             self.out_queue.put(e)
 
+    # ------------------------------------------------------------------------------ scoring
+    def _score(self, prompts: list, groups: list) -> list[list[float]]:
+        """Rewards ``[prompt][K]``: one call per task with all its completions of this round; the
+        tasks' scorers (math-verify process pool, reward-model actor) run concurrently."""
+        by_task: dict[str, list[int]] = {}
+        for i, p in enumerate(prompts):
+            by_task.setdefault(p.task, []).append(i)
+
+        def score_task(task: str, idx: list[int]) -> list[float]:
+            ps = [prompts[i] for i in idx for _ in groups[i]]
+            texts = [c.text for i in idx for c in groups[i]]
+            out = list(self.reward_fns[task](ps, texts))
+            if len(out) != len(texts):
+                raise ValueError(f"tasks[{task}].reward returned {len(out)} rewards for {len(texts)} completions")
+            return out
+
+        results: dict[str, list[float]] = {}
+        if len(by_task) == 1:
+            (task, idx), = by_task.items()
+            results[task] = score_task(task, idx)
+        else:
+            with ThreadPoolExecutor(max_workers=len(by_task), thread_name_prefix="reward") as ex:
+                futs = {t: ex.submit(score_task, t, idx) for t, idx in by_task.items()}
+                results = {t: f.result() for t, f in futs.items()}
+        out: list[list[float]] = [[] for _ in prompts]
+        for task, idx in by_task.items():
+            flat, pos = results[task], 0
+            for i in idx:
+                out[i] = [float(x) for x in flat[pos:pos + len(groups[i])]]
+                pos += len(groups[i])
+        return out
+
+    def _group(self, prompt, rollouts: list[Rollout]) -> RolloutGroup | None:
+        """The trainable group of one prompt for ``algorithm.loss``, or None (skip the prompt).
+
+        pair: ``pair_fn`` (random correct vs random incorrect for 0/1 rewards; best vs worst
+        otherwise). group_dpo: loss rewards are 0/1 correctness (for scalar rewards: above the
+        group mean). ppo/rloo/proximal_rloo with ``normalize_rewards``: the task's running
+        mean/std normalisation. Others: raw rewards.
+        """
+        values = [r.reward for r in rollouts]
+        binary = all(v in (0.0, 1.0) for v in values)
+        unit = self.algo.unit
+        if unit == "pair":
+            choice = self.pair_fn(values, self.rng, binary)
+            if choice is None:
+                return None
+            return RolloutGroup(prompt=prompt, rollouts=tuple(rollouts), pair=tuple(choice))
+        if self.algo.skip_uniform_groups and max(values) == min(values):
+            return None
+        loss_rewards = None
+        if self.algo.loss == "group_dpo" and not binary:
+            mean = sum(values) / len(values)
+            loss_rewards = tuple(1.0 if v > mean else 0.0 for v in values)
+        elif self.algo.loss in ("ppo", "rloo", "proximal_rloo") and self.algo.normalize_rewards:
+            loss_rewards = tuple(self.normalizer.normalize(prompt.task, values))
+        return RolloutGroup(prompt=prompt, rollouts=tuple(rollouts), loss_rewards=loss_rewards)
+
     # ------------------------------------------------------------------------------ one batch
     def _make_batch(self, k: int, sync: dict, idle_s: float) -> RolloutBatch:
-        want, n = self.algo.pairs_per_step, self.algo.samples_per_prompt
-        pairs: list[PreferencePair] = []
+        from megatron_rlhf.data.mix import allocate_draws
+
+        quotas = self.sampler.quotas(self.algo.prompts_per_step)
+        n = self.algo.samples_per_prompt
+        got: dict[str, list[RolloutGroup]] = {t: [] for t in quotas}
+        per_task = {t: {"drawn": 0, "skipped": 0, "surplus": 0, "rewards": [], "lens": [], "tokens": 0}
+                    for t in quotas}
         rollouts: list[Rollout] = []
-        drawn = skipped = surplus = truncated = 0
+        drawn = truncated = 0
         gen_s = reward_s = 0.0
         versions = set()
-        while len(pairs) < want:
+        budget = self.gen_cfg.prompts_per_request * self.pool.num_workers
+        while any(len(got[t]) < q for t, q in quotas.items()):
             if drawn >= self.algo.max_prompts_per_step:
+                short = {t: f"{len(got[t])}/{q}" for t, q in quotas.items() if len(got[t]) < q}
                 raise RuntimeError(
-                    f"batch {k}: {drawn} prompts gave only {len(pairs)} of algorithm.pairs_per_step="
-                    f"{want} pairs (algorithm.max_prompts_per_step={self.algo.max_prompts_per_step}); "
-                    "the model almost never gets a correct and an incorrect answer on this data: "
-                    "use easier data (tasks[].data.filter), more samples_per_prompt or fewer pairs")
-            prompts = self.sampler.next(self.gen_cfg.prompts_per_request * self.pool.num_workers)
+                    f"batch {k}: {drawn} prompts gave too few trainable prompts (task: got/quota "
+                    f"{short}; algorithm.max_prompts_per_step={self.algo.max_prompts_per_step}); the "
+                    "model almost never gets both a good and a bad answer on this data: use easier "
+                    "data (tasks[].data.filter), more samples_per_prompt or a smaller prompts_per_step")
+            remaining = {t: q - len(got[t]) for t, q in quotas.items()}
+            draws = allocate_draws(remaining, self.rates, budget)
+            prompts = [p for t, m in draws.items() if m > 0 for p in self.sampler.next(t, m)]
             drawn += len(prompts)
+            for t, m in draws.items():
+                per_task[t]["drawn"] += m
             t0 = time.perf_counter()
             refresh = self.channel.latest if self.gen_cfg.inflight_updates else None
             groups = self.pool.generate(prompts, n, refresh=refresh)
             gen_s += time.perf_counter() - t0
             t0 = time.perf_counter()
-            for prompt, comps in zip(prompts, groups):
-                rewards = self.reward_fns[prompt.task]([c.text for c in comps], [prompt.answer] * len(comps))
-                group = [Rollout(prompt=prompt, completion=c, reward=float(r)) for c, r in zip(comps, rewards)]
+            rewards = self._score(prompts, groups)
+            round_trainable = {t: 0 for t in draws}
+            for prompt, comps, rw in zip(prompts, groups, rewards):
+                task = prompt.task
+                self.normalizer.update(task, rw)
+                group = [Rollout(prompt=prompt, completion=c, reward=r) for c, r in zip(comps, rw)]
                 rollouts.extend(group)
                 truncated += sum(c.finish_reason == "length" for c in comps)
                 versions.update(c.weight_version for c in comps)
-                values = [r.reward for r in group]
-                choice = self.pair_fn(values, self.rng, all(v in (0.0, 1.0) for v in values))
-                if choice is None:
-                    skipped += 1
-                elif len(pairs) < want:
-                    pairs.append(PreferencePair(chosen=group[choice[0]], rejected=group[choice[1]]))
+                st = per_task[task]
+                st["rewards"].extend(rw)
+                st["lens"].extend(len(c.token_ids) for c in comps)
+                trainable = self._group(prompt, group)
+                if trainable is None:
+                    st["skipped"] += 1
+                    continue
+                round_trainable[task] += 1
+                if len(got[task]) < quotas[task]:
+                    got[task].append(trainable)
                 else:
-                    surplus += 1  # a pair beyond pairs_per_step: shapes stay fixed, so it is dropped
+                    st["surplus"] += 1   # beyond the task's quota: shapes stay fixed, so it is dropped
+            for t, m in draws.items():   # adaptive draw: yield estimate per task
+                if m > 0:
+                    self.rates[t] = max(0.02, 0.7 * self.rates[t] + 0.3 * round_trainable[t] / m)
             reward_s += time.perf_counter() - t0
+        chosen = [g for t in quotas for g in got[t]]
+        stats = self._stats(chosen, rollouts, per_task, quotas, drawn, truncated, gen_s, reward_s,
+                            idle_s, versions)
+        stats.update(self.pool.take_stats())
+        stats.update(sync)
+        producer_state = {"normalizer": self.normalizer.state_dict(), "rates": dict(self.rates)}
+        return RolloutBatch(index=k, weight_version=min(versions), groups=tuple(chosen),
+                            sampler_state=self.sampler.state_dict(), rng_state=self.rng.getstate(),
+                            producer_state=producer_state, stats=stats)
+
+    def _stats(self, chosen, rollouts, per_task, quotas, drawn, truncated, gen_s, reward_s, idle_s,
+               versions) -> dict:
+        """The batch's metrics: overall and per task (``task/<name>/...``)."""
+        def mean(xs):
+            return sum(xs) / len(xs) if xs else float("nan")
+
         lens = [len(r.completion.token_ids) for r in rollouts]
-        chosen_lens = [len(p.chosen.completion.token_ids) for p in pairs]
-        rejected_lens = [len(p.rejected.completion.token_ids) for p in pairs]
+        skipped = sum(st["skipped"] for st in per_task.values())
+        surplus = sum(st["surplus"] for st in per_task.values())
+        trained = [r for g in chosen for r in trained_rollouts(g, self.algo.unit)]
         stats = {
-            "reward/mean": sum(r.reward for r in rollouts) / len(rollouts),
-            "reward/pair_mean": sum(p.chosen.reward + p.rejected.reward for p in pairs) / (2 * len(pairs)),
-            "pairs/count": len(pairs),
+            "reward/mean": mean([r.reward for r in rollouts]),
+            "reward/trained_mean": mean([r.reward for r in trained]),
+            "pairs/count": len(chosen),
+            "batch/units": len(chosen),
+            "batch/sequences": len(trained),
             "pairs/skipped_prompts": skipped,
             "pairs/surplus_dropped": surplus,
-            "pairs/rate": (len(pairs) + surplus) / drawn,
+            "pairs/rate": (len(chosen) + surplus) / drawn,
             "prompts/drawn": drawn,
-            "response/len_mean_tokens": sum(lens) / len(lens),
-            "response/chosen_len_mean_tokens": sum(chosen_lens) / len(chosen_lens),
-            "response/rejected_len_mean_tokens": sum(rejected_lens) / len(rejected_lens),
+            "response/len_mean_tokens": mean(lens),
             "response/truncated_frac": truncated / len(rollouts),
             "time/gen_s": gen_s,
             "time/reward_s": reward_s,
@@ -226,12 +358,31 @@ class RolloutProducer:
             "generator/version_min": min(versions),
             "generator/version_max": max(versions),
             "data/epoch": self.sampler.epoch,
-            **self.pool.take_stats(),
-            **sync,
         }
-        return RolloutBatch(index=k, weight_version=min(versions), pairs=tuple(pairs),
-                            sampler_state=self.sampler.state_dict(), rng_state=self.rng.getstate(),
-                            stats=stats)
+        pairs = [g for g in chosen if g.pair is not None]
+        if pairs:
+            stats["reward/pair_mean"] = mean([g.rollouts[i].reward for g in pairs for i in g.pair])
+            stats["response/chosen_len_mean_tokens"] = mean([len(g.rollouts[g.pair[0]].completion.token_ids)
+                                                             for g in pairs])
+            stats["response/rejected_len_mean_tokens"] = mean([len(g.rollouts[g.pair[1]].completion.token_ids)
+                                                               for g in pairs])
+        for t, st in per_task.items():
+            mine = [g for g in chosen if g.prompt.task == t]
+            pre = f"task/{t}/"
+            n_t, m_t, s_t = self.normalizer.stats(t)
+            stats.update({
+                pre + "units": len(mine), pre + "quota": quotas[t], pre + "drawn": st["drawn"],
+                pre + "skipped": st["skipped"], pre + "surplus": st["surplus"],
+                pre + "reward_mean": mean(st["rewards"]),
+                pre + "reward_norm_mean": mean([(r - m_t) / (s_t + 1e-6) for r in st["rewards"]]),
+                pre + "reward_per_token": mean(length_normalized_rewards(st["rewards"], st["lens"])),
+                pre + "len_mean_tokens": mean(st["lens"]), pre + "yield_ema": self.rates[t]})
+            if self.algo.unit == "pair" and mine:
+                stats[pre + "chosen_len_mean_tokens"] = mean([len(g.rollouts[g.pair[0]].completion.token_ids)
+                                                              for g in mine])
+                stats[pre + "rejected_len_mean_tokens"] = mean([len(g.rollouts[g.pair[1]].completion.token_ids)
+                                                                for g in mine])
+        return stats
 
 
 def _to_rng_state(state: Any) -> tuple:
