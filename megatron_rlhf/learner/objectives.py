@@ -156,7 +156,7 @@ def sequence_sums(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def _group_dpo_threshold(algo: AlgorithmConfig) -> float:
-    return float(getattr(algo, "group_dpo_threshold", GROUP_DPO_THRESHOLD))
+    return float(algo.group_dpo_threshold)
 
 
 def prepare_batch(algo: AlgorithmConfig, *, mask: torch.Tensor, rewards: torch.Tensor | None,
