@@ -66,10 +66,13 @@ def format_summary(res: dict) -> str:
         f"steps {res['first_step']}-{res['last_step']}"
         + (f" (resumed after step {res['resumed_from_step']})" if res.get("resumed_from_step") else "")
         + (" STOPPED EARLY (checkpoint written; start again to resume)" if res.get("stopped_early") else ""),
-        f"mean reward: first steps {f(res['reward_first'])} -> last steps {f(res['reward_last'])}",
-        f"pairs formed {res['pairs_formed']} from {res['prompts_drawn']} prompts; "
-        f"{res['prompts_skipped']} prompts skipped (no correct/incorrect pair)"
-        + (f", {res['pairs_surplus']} surplus pairs dropped (pairs_per_step is fixed)" if res.get("pairs_surplus") else ""),
+        f"mean reward: first steps {f(res['reward_first'])} -> last steps {f(res['reward_last'])}"
+        + (" (all tasks pooled)" if len(res.get("tasks") or {}) > 1 else ""),
+        *[f"  task {t}: reward {f(v['reward_first'])} -> {f(v['reward_last'])}; {v['pairs']} trained from "
+          f"{v['drawn']} prompts, {v['skipped']} skipped" for t, v in (res.get("tasks") or {}).items()],
+        f"trained {res['pairs_formed']} pairs/groups from {res['prompts_drawn']} prompts; "
+        f"{res['prompts_skipped']} prompts skipped (nothing to learn from: no pair, or all rewards equal)"
+        + (f", {res['pairs_surplus']} surplus dropped (prompts_per_step is fixed)" if res.get("pairs_surplus") else ""),
         f"mean seconds per step: gen {f(res['gen_s_mean'], 1)}, train {f(res['train_s_mean'], 1)}, "
         f"sync {f(res['sync_s_mean'], 2)}",
         f"async speed-up: {f(res['async_speedup'], 2)}x (gen+train+sync {f(res['serial_s'], 0)} s "

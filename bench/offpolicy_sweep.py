@@ -86,7 +86,7 @@ def _plot(results: list[dict], path: Path) -> None:
         for p in pts:
             ax.annotate(f"N={p['N']}", (p["kl"], p["reward"]), textcoords="offset points", xytext=(4, 4),
                         fontsize=8)
-    ax.set_xlabel("KL(pi || pi_ref), nats per sequence (last steps)")
+    ax.set_xlabel("KL(pi || pi_ref) k1, nats per completion token (last steps)")
     ax.set_ylabel("reward (mean over last steps)")
     ax.set_title("Final reward vs KL per loss and off-policyness N")
     ax.legend()

@@ -135,24 +135,11 @@ def test_length_normalized_reward_is_reward_per_token():
 
 
 def _word_salad_pairs(n: int, seed: int) -> list[dict]:
-    """dove-format pairs from the in-repo HH helpful prompts (MIT): chosen = the real reply,
-    rejected = the same words in a seeded random order (same length, same bag of words). Only used
+    """Real HH helpful replies vs the same words shuffled (see ``testing.tiny.word_salad_pairs``):
     to exercise the training/serving mechanics on a tiny random model."""
-    import random
+    from megatron_rlhf.testing.tiny import word_salad_pairs
 
-    rng = random.Random(seed)
-    rows = [json.loads(line) for line in (REPO / "data/chat/hh_helpful_dove/test.jsonl").read_text().splitlines()]
-    out = []
-    for r in rows:
-        words = r["gold_response"].split()
-        if len(words) < 8:
-            continue
-        shuffled = words[:]
-        while shuffled == words:
-            rng.shuffle(shuffled)
-        out.append({"i_chosen": r["instruction"], "r_chosen": " ".join(words),
-                    "i_reject": r["instruction"], "r_reject": " ".join(shuffled)})
-    return out[:n]
+    return word_salad_pairs(n, seed)
 
 
 def _train_tool():

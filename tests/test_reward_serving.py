@@ -3,7 +3,6 @@ trained on first use into an atomically published cache folder, and checkpointab
 
 import json
 import math
-import random
 from pathlib import Path
 
 import pytest
@@ -21,23 +20,10 @@ COMPLETIONS = ["The capital of France is Paris.", "idk",
 
 
 def _pairs_file(path: Path, n: int, seed: int = 0) -> Path:
-    """dove-format pairs from the in-repo HH helpful prompts (MIT): chosen = the real reply,
-    rejected = its words shuffled (a mechanics-only signal for a tiny random model)."""
-    rng = random.Random(seed)
-    rows = [json.loads(x) for x in (REPO / "data/chat/hh_helpful_dove/test.jsonl").read_text().splitlines()]
-    out = []
-    for r in rows:
-        words = r["gold_response"].split()
-        if len(words) < 8:
-            continue
-        shuffled = words[:]
-        while shuffled == words:
-            rng.shuffle(shuffled)
-        out.append({"i_chosen": r["instruction"], "r_chosen": " ".join(words),
-                    "i_reject": r["instruction"], "r_reject": " ".join(shuffled)})
-        if len(out) == n:
-            break
-    path.write_text("".join(json.dumps(o) + "\n" for o in out))
+    """dove-format pairs (real HH helpful reply vs its words shuffled) written as JSONL."""
+    from megatron_rlhf.testing.tiny import word_salad_pairs
+
+    path.write_text("".join(json.dumps(o) + "\n" for o in word_salad_pairs(n, seed)))
     return path
 
 

@@ -79,6 +79,7 @@ from megatron_rlhf.learner.batching import padding_fraction, plan_microbatches, 
 from megatron_rlhf.learner.checkpoint import load_learner_checkpoint, save_learner_checkpoint
 from megatron_rlhf.learner.logprobs import masked_sum as _masked_sum
 from megatron_rlhf.learner.model import build_gpt_model, load_hf_config
+from megatron_rlhf.learner.optim import build_train_state
 from megatron_rlhf.learner.objectives import (BatchTensors, LossSpec, SliceInputs, assemble,
                                               check_batch, loss_on_slice, microbatch_inputs,
                                               prepare_batch, whole_batch_metrics)
@@ -133,7 +134,6 @@ class MegatronLearner:
         ValueError: ``world_size`` differs from the configured layout, the model cannot be
             split (heads / query groups / FFN not divisible by TP, layers not by PP), or
             ``learner.recompute=full`` on CPU, or ``temperature <= 0``.
-        NotImplementedError: ``algorithm.loss=ppo`` without :mod:`megatron_rlhf.learner.critic`.
     Attributes:
         weight_version: number of batches trained (restored by ``load_checkpoint``).
         critic: the PPO critic (``algorithm.loss=ppo``), else None.
@@ -239,46 +239,20 @@ class MegatronLearner:
         return model
 
     def _build_optimizer(self):
-        """Megatron DDP (fp32 grad buffer; grad-reduce overlap on GPU with DP > 1),
-        ``get_megatron_optimizer`` (Adam, decoupled weight decay, global-norm clip; distributed
-        optimizer per ``learner.distributed_optimizer``) and ``OptimizerParamScheduler``
-        (see :meth:`_lr_schedule_args`)."""
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.optimizer import OptimizerConfig as McoreOptimizerConfig
-        from megatron.core.optimizer import get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-        o = self.cfg.optimizer
-        self.overlap_grad_reduce = not self.platform.is_cpu and self.groups.dp > 1
-        self.use_distributed_optimizer = bool(self.cfg.distributed_optimizer)
-        ddp = DistributedDataParallel(
-            config=self.tconfig, module=self.policy, pg_collection=self.groups.pg_collection,
-            ddp_config=DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True, overlap_grad_reduce=self.overlap_grad_reduce,
-                use_distributed_optimizer=self.use_distributed_optimizer,
-                average_in_collective=True))
-        if self.overlap_grad_reduce:
-            self.tconfig.no_sync_func = ddp.no_sync  # pipeline schedules defer the reduction
-        ocfg = McoreOptimizerConfig(
-            optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
-            adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
-            clip_grad=o.clip_grad, bf16=self.dtype == torch.bfloat16, fp16=False,
-            params_dtype=self.dtype, use_distributed_optimizer=self.use_distributed_optimizer)
-        with self.platform.optimizer_context():  # FP32Optimizer allocates on device='cuda'
-            optimizer = get_megatron_optimizer(ocfg, [ddp])
-        scheduler = OptimizerParamScheduler(optimizer, **self._lr_schedule_args())
-        return ddp, optimizer, scheduler
+        """Megatron DDP, optimizer and LR scheduler of the policy (:mod:`megatron_rlhf.learner.optim`;
+        schedule in :meth:`_lr_schedule_args`)."""
+        st = build_train_state(module=self.policy, tconfig=self.tconfig, groups=self.groups,
+                               platform=self.platform, optimizer_cfg=self.cfg.optimizer, dtype=self.dtype,
+                               distributed_optimizer=self.cfg.distributed_optimizer,
+                               schedule_args=self._lr_schedule_args())
+        self.overlap_grad_reduce, self.use_distributed_optimizer = st.overlap_grad_reduce, st.use_distributed_optimizer
+        return st.ddp, st.optimizer, st.scheduler
 
     def _build_critic(self):
         """The PPO critic (:class:`megatron_rlhf.learner.critic.Critic`), built from this learner's
         layout, config and ``total_steps`` (optimizer steps)."""
-        try:
-            from megatron_rlhf.learner.critic import Critic
-        except ModuleNotFoundError as e:
-            if e.name != "megatron_rlhf.learner.critic":
-                raise
-            raise NotImplementedError("algorithm.loss=ppo needs the critic "
-                                      "(megatron_rlhf/learner/critic.py), which this install lacks") from e
+        from megatron_rlhf.learner.critic import Critic
+
         return Critic(self)
 
     @property
@@ -329,13 +303,7 @@ class MegatronLearner:
 
     def _gather_dp(self, obj) -> list:
         """``obj`` of every DP rank of this (TP rank, PP stage), in DP rank order."""
-        if self.groups.dp == 1:
-            return [obj]
-        import torch.distributed as dist
-
-        out = [None] * self.groups.dp
-        dist.all_gather_object(out, obj, group=self.groups.pg_collection.dp)
-        return out
+        return parallel.gather_dp(self.groups, obj)
 
     def _run(self, model, mbs, on_logprobs, *, forward_only: bool, temperature: float = 1.0,
              with_entropy: bool = False) -> None:

@@ -46,7 +46,9 @@ import time
 
 import torch
 
+from megatron_rlhf.learner import parallel
 from megatron_rlhf.learner.model import build_gpt_model
+from megatron_rlhf.learner.optim import build_train_state
 from megatron_rlhf.learner.schedule import MicroBatchData
 from megatron_rlhf.learner.value_schedule import run_value_microbatches
 from megatron_rlhf.learner.weights import load_hf_weights, mark_tensor_parallel
@@ -138,33 +140,14 @@ class Critic:
         return model
 
     def _build_optimizer(self, learner):
-        """Megatron DDP + ``get_megatron_optimizer`` + ``OptimizerParamScheduler`` (module doc)."""
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.optimizer import OptimizerConfig as McoreOptimizerConfig
-        from megatron.core.optimizer import get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-        o = learner.cfg.optimizer
-        self.overlap_grad_reduce = not self.platform.is_cpu and self.groups.dp > 1
-        self.use_distributed_optimizer = bool(learner.cfg.distributed_optimizer)
-        ddp = DistributedDataParallel(
-            config=self.tconfig, module=self.model, pg_collection=self.groups.pg_collection,
-            ddp_config=DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True, overlap_grad_reduce=self.overlap_grad_reduce,
-                use_distributed_optimizer=self.use_distributed_optimizer,
-                average_in_collective=True))
-        self.tconfig.no_sync_func = ddp.no_sync if self.overlap_grad_reduce else None
-        ratio = self.lr / o.lr if o.lr > 0 else 1.0
-        ocfg = McoreOptimizerConfig(
-            optimizer="adam", lr=self.lr, min_lr=o.min_lr * ratio, weight_decay=o.weight_decay,
-            adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
-            clip_grad=o.clip_grad, bf16=self.dtype == torch.bfloat16, fp16=False,
-            params_dtype=self.dtype, use_distributed_optimizer=self.use_distributed_optimizer)
-        with self.platform.optimizer_context():
-            optimizer = get_megatron_optimizer(ocfg, [ddp])
-        args = dict(learner._lr_schedule_args())
-        args.update(max_lr=self.lr, min_lr=args["min_lr"] * ratio)
-        return ddp, optimizer, OptimizerParamScheduler(optimizer, **args)
+        """Megatron DDP + optimizer + scheduler (:mod:`megatron_rlhf.learner.optim`, the policy's
+        recipe) at the critic's learning rate."""
+        st = build_train_state(module=self.model, tconfig=self.tconfig, groups=self.groups,
+                               platform=self.platform, optimizer_cfg=learner.cfg.optimizer, dtype=self.dtype,
+                               distributed_optimizer=learner.cfg.distributed_optimizer,
+                               schedule_args=learner._lr_schedule_args(), lr=self.lr)
+        self.overlap_grad_reduce, self.use_distributed_optimizer = st.overlap_grad_reduce, st.use_distributed_optimizer
+        return st.ddp, st.optimizer, st.scheduler
 
     def _check_open(self) -> None:
         if self._closed:
@@ -178,13 +161,7 @@ class Critic:
 
     def _gather_dp(self, obj) -> list:
         """``obj`` of every DP rank of this (TP rank, PP stage), in DP rank order."""
-        if self.groups.dp == 1:
-            return [obj]
-        import torch.distributed as dist
-
-        out = [None] * self.groups.dp
-        dist.all_gather_object(out, obj, group=self.groups.pg_collection.dp)
-        return out
+        return parallel.gather_dp(self.groups, obj)
 
     # ----------------------------------------------------------------------------- values
     def values(self, mbs: list[MicroBatchData]) -> list[torch.Tensor] | None:

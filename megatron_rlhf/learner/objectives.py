@@ -109,7 +109,8 @@ class Prepared:
         advantages: ``[B]`` (grpo, rloo, proximal_rloo, group_dpo with alpha > 0) or ``[B, S]``
             (ppo), else None.
         returns: ``[B, S]`` value targets (ppo), else None.
-        metrics: batch-transform metrics (``reward/mean``, ``ppo/*``, ...), floats.
+        metrics: batch-transform metrics (``reward/loss_mean`` and ``reward/loss_std``: the rewards the
+            loss sees, after per-task normalisation; ``ppo/*``, ...), floats.
     """
 
     totals: BatchTotals
@@ -199,7 +200,7 @@ def prepare_batch(algo: AlgorithmConfig, *, mask: torch.Tensor, rewards: torch.T
         raise ValueError(f"algorithm.loss={name} needs batch.rewards and batch.group_ids "
                          "(build the batch with LearnerBatch.from_groups)")
     rewards = rewards.float()
-    metrics = {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std(unbiased=False))}
+    metrics = {"reward/loss_mean": float(rewards.mean()), "reward/loss_std": float(rewards.std(unbiased=False))}
     if name in ("grpo", "group_dpo"):
         adv = None
         if name == "grpo" or algo.group_dpo_alpha > 0:

@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ParallelGroups", "acquire", "release", "free_port"]
+__all__ = ["ParallelGroups", "acquire", "release", "free_port", "gather_dp"]
 
 _LOCK = threading.Lock()
 _STATE: dict = {"refs": 0, "owns_pg": False, "owns_mp": False, "groups": None}
@@ -122,3 +122,20 @@ def release() -> None:
         if _STATE["owns_pg"] and dist.is_initialized():
             dist.destroy_process_group()
         _STATE.update(owns_pg=False, owns_mp=False, groups=None)
+
+
+def gather_dp(groups, obj) -> list:
+    """``obj`` of every data-parallel rank of this (TP rank, PP stage), in DP rank order
+    (``all_gather_object`` over the DP group; ``[obj]`` without DP). Collective over the DP group.
+
+    Args:
+        groups: the ``acquire`` result of this rank (``dp``, ``pg_collection.dp``).
+        obj: any picklable object.
+    """
+    if groups.dp == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    out = [None] * groups.dp
+    dist.all_gather_object(out, obj, group=groups.pg_collection.dp)
+    return out

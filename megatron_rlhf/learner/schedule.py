@@ -38,7 +38,7 @@ import torch
 from megatron_rlhf.learner.logprobs import (_shift, next_token_labels, position_ids_for,
                                             vocab_parallel_entropy)
 
-__all__ = ["MicroBatchData", "run_microbatches", "make_microbatch", "cut_rows"]
+__all__ = ["MicroBatchData", "run_microbatches", "run_schedule", "make_microbatch", "cut_rows"]
 
 
 @dataclass
@@ -149,8 +149,6 @@ def run_microbatches(model, mbs: list[MicroBatchData],
     pad = _pad_columns(vocab_size, padded_vocab, tp_rank, tp)
     from_logits = padded_vocab != vocab_size or temperature != 1.0 or with_entropy
     tp_group = pg_collection.tp if tp > 1 else None
-    n = len(mbs)
-    data = iter(list(enumerate(mbs)))
 
     def forward_step(data_iterator, m):
         k, mb = next(data_iterator)
@@ -171,6 +169,22 @@ def run_microbatches(model, mbs: list[MicroBatchData],
 
         return output, loss_func
 
+    run_schedule(model, mbs, forward_step, forward_only=forward_only, pp=pp,
+                 pg_collection=pg_collection, no_sync=no_sync, caller="run_microbatches")
+
+
+def run_schedule(model, mbs: list, forward_step, *, forward_only: bool, pp: int, pg_collection,
+                 no_sync=None, caller: str = "run_schedule") -> None:
+    """Drive megatron's ``forward_step(data_iterator, model) -> (output, loss_func)`` over the
+    micro-batches ``mbs`` (the iterator yields ``(k, mb)``): PP > 1 through megatron-core's
+    ``get_forward_backward_func`` (1F1B, ``variable_seq_lengths``); PP = 1 the same
+    forward / loss / ``(loss / n).backward()`` sequence in a plain loop (module doc).
+
+    Raises:
+        ValueError: PP > 1 without ``TransformerConfig.variable_seq_lengths`` (names ``caller``).
+    """
+    n = len(mbs)
+    data = iter(list(enumerate(mbs)))
     grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
     with grad_ctx:
         if pp == 1:
@@ -186,10 +200,9 @@ def run_microbatches(model, mbs: list[MicroBatchData],
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
-        inner = getattr(model, "module", model)
-        config = inner.config
+        config = getattr(model, "module", model).config
         if not config.variable_seq_lengths:
-            raise ValueError("run_microbatches: PP > 1 needs TransformerConfig.variable_seq_lengths=True")
+            raise ValueError(f"{caller}: PP > 1 needs TransformerConfig.variable_seq_lengths=True")
         fb = get_forward_backward_func(pp_size=pp)
         fb(forward_step_func=forward_step, data_iterator=data, model=[model], num_microbatches=n,
            seq_length=max(mb.input_ids.shape[1] for mb in mbs),

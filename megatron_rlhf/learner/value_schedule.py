@@ -17,13 +17,12 @@ returned by ``on_values`` is divided by the number of micro-batches before backw
 
 from __future__ import annotations
 
-import contextlib
 from typing import Callable
 
 import torch
 
 from megatron_rlhf.learner.logprobs import _shift, position_ids_for
-from megatron_rlhf.learner.schedule import MicroBatchData
+from megatron_rlhf.learner.schedule import MicroBatchData, run_schedule
 
 __all__ = ["run_value_microbatches", "token_values"]
 
@@ -57,10 +56,8 @@ def run_value_microbatches(model, mbs: list[MicroBatchData],
     Raises:
         ValueError: PP > 1 without ``TransformerConfig.variable_seq_lengths``.
     """
-    n = len(mbs)
-    if n == 0:
+    if not mbs:
         return
-    data = iter(list(enumerate(mbs)))
 
     def forward_step(data_iterator, m):
         k, mb = next(data_iterator)
@@ -76,28 +73,5 @@ def run_value_microbatches(model, mbs: list[MicroBatchData],
 
         return output, loss_func
 
-    grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
-    with grad_ctx:
-        if pp == 1:
-            for k in range(n):
-                sync_ctx = no_sync() if (no_sync is not None and not forward_only and k < n - 1) \
-                    else contextlib.nullcontext()
-                with sync_ctx:
-                    out, loss_func = forward_step(data, model)
-                    loss, _ = loss_func(out)
-                    if not forward_only:
-                        (loss / n).backward()
-            return
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-
-        config = getattr(model, "module", model).config
-        if not config.variable_seq_lengths:
-            raise ValueError("run_value_microbatches: PP > 1 needs "
-                             "TransformerConfig.variable_seq_lengths=True")
-        fb = get_forward_backward_func(pp_size=pp)
-        fb(forward_step_func=forward_step, data_iterator=data, model=[model], num_microbatches=n,
-           seq_length=max(mb.input_ids.shape[1] for mb in mbs),
-           micro_batch_size=max(mb.input_ids.shape[0] for mb in mbs), forward_only=forward_only,
-           p2p_communicator=P2PCommunicator(pp_group=pg_collection.pp, config=config),
-           pg_collection=pg_collection)
+    run_schedule(model, mbs, forward_step, forward_only=forward_only, pp=pp, pg_collection=pg_collection,
+                 no_sync=no_sync, caller="run_value_microbatches")

@@ -130,3 +130,35 @@ def make_tiny_reward_model(out_dir: str | Path, *, hidden_size: int = 64, num_la
                 p.normal_(0.0, 0.2)
     model.save_pretrained(out, safe_serialization=True)
     return out
+
+
+def word_salad_pairs(n: int, seed: int = 0, repo: str | Path | None = None) -> list[dict]:
+    """``n`` dove-format preference pairs from the in-repo HH helpful prompts (MIT): chosen = the
+    real reply, rejected = its words shuffled; a mechanics-only signal a tiny random reward model
+    can learn. Replies shorter than 8 words are skipped.
+
+    Args:
+        n: pairs wanted (fewer if the file has fewer usable rows).
+        seed: shuffling seed.
+        repo: repository root (default: the one this package lives in).
+    Returns:
+        ``[{"i_chosen", "r_chosen", "i_reject", "r_reject"}]``.
+    """
+    import random
+
+    root = Path(repo) if repo is not None else Path(__file__).resolve().parents[2]
+    rng = random.Random(seed)
+    rows = [json.loads(x) for x in (root / "data/chat/hh_helpful_dove/test.jsonl").read_text().splitlines()]
+    out = []
+    for r in rows:
+        words = r["gold_response"].split()
+        if len(words) < 8:
+            continue
+        shuffled = words[:]
+        while shuffled == words:
+            rng.shuffle(shuffled)
+        out.append({"i_chosen": r["instruction"], "r_chosen": " ".join(words),
+                    "i_reject": r["instruction"], "r_reject": " ".join(shuffled)})
+        if len(out) == n:
+            break
+    return out

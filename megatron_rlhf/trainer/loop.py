@@ -320,7 +320,8 @@ def train(cfg: Config, *, quiet: bool = False, generators: list | None = None) -
                     channel.publish(transport.publish(learner, version, timeout, probe))
                 row = {"step": done, "weight_version": version, "loss/total": out.get("loss/total"),
                        **stale, "prompts/too_long_filtered": too_long,
-                       **batch.stats, **{k: v for k, v in out.items() if k != "time/train_s"},
+                       **{k: v for k, v in out.items() if k != "time/train_s"},
+                       **batch.stats,   # the rollouts' numbers win over a learner key of the same name
                        "time/train_s": train_s, "time/learner_idle_s": learner_idle,
                        "time/step_s": time.perf_counter() - t_wait}
                 metrics.log(row)

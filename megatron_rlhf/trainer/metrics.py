@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsLogger", "REQUIRED_KEYS", "summarize"]
+__all__ = ["MetricsLogger", "REQUIRED_KEYS", "summarize", "task_names"]
 
 REQUIRED_KEYS = ("step", "weight_version", "staleness/max", "reward/mean", "pairs/count",
                  "pairs/skipped_prompts", "loss/total", "time/gen_s", "time/train_s", "time/sync_s",
@@ -80,7 +80,9 @@ def summarize(rows: list[dict], wall_s: float, edge: int = 3) -> dict:
     and last ``edge`` steps), ``pairs_formed``, ``prompts_skipped``, ``gen_s_mean``,
     ``train_s_mean``, ``sync_s_mean`` (seconds per step), ``wall_s`` and ``async_speedup`` =
     sum(gen + train + sync seconds) / wall seconds (what a synchronous run would have spent over
-    what this run spent; > 1 means the overlap paid off).
+    what this run spent; > 1 means the overlap paid off), and ``tasks``: per task
+    ``reward_first``/``reward_last`` (mean ``task/<name>/reward_mean``), ``pairs`` (trained
+    pairs or groups), ``drawn`` and ``skipped`` prompts.
     """
     if not rows:
         return {"steps": 0, "wall_s": wall_s}
@@ -106,4 +108,20 @@ def summarize(rows: list[dict], wall_s: float, edge: int = 3) -> dict:
         "wall_s": wall_s,
         "serial_s": serial,
         "async_speedup": serial / wall_s if wall_s > 0 else float("nan"),
+        "tasks": {t: {"reward_first": mean(f"task/{t}/reward_mean", rows[:edge]),
+                      "reward_last": mean(f"task/{t}/reward_mean", rows[-edge:]),
+                      "pairs": sum(r.get(f"task/{t}/units") or 0 for r in rows),
+                      "drawn": sum(r.get(f"task/{t}/drawn") or 0 for r in rows),
+                      "skipped": sum(r.get(f"task/{t}/skipped") or 0 for r in rows)}
+                  for t in task_names(rows)},
     }
+
+
+def task_names(rows: list[dict]) -> list[str]:
+    """Task names of the ``task/<name>/reward_mean`` keys, in first-seen order."""
+    out: dict[str, None] = {}
+    for r in rows:
+        for k in r:
+            if k.startswith("task/") and k.endswith("/reward_mean"):
+                out[k.split("/")[1]] = None
+    return list(out)
