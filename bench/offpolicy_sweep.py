@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.model == "tiny":
         from megatron_rlhf.testing.tiny import make_tiny_model
 
-        model_dir = str(make_tiny_model(args.out / "tiny_model", "llama"))
+        model_dir = str(make_tiny_model(args.out / "runs" / "tiny_model", "llama"))  # runs/ is git-ignored
     else:
         model_dir = str(resolve_model_dir(_config(args, "smollm2", losses[0], 1).model))
     ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": process_env()},
