@@ -380,6 +380,11 @@ class AlgorithmConfig:
     normalize_rewards: bool = True
     """ppo/rloo/proximal_rloo: normalise each task's rewards by its running mean/std before the
     advantages (tasks with different reward scales share one batch)."""
+    adaptive_task_draw: bool = True
+    """Multi-task batches: split each generation round's prompts over the tasks still short of
+    their quota by remaining need / measured yield (tasks whose prompts train less often, e.g.
+    hard math, or whose samples arrive slower draw more, so the trained mix stays as configured
+    without waiting on the slow task); false: by remaining need only. Quotas are exact either way."""
     skip_uniform_groups: bool = True
     """Skip prompts whose K rewards are all equal (no learning signal for group-relative losses)."""
 
@@ -518,7 +523,8 @@ class Config:
                f">= learner.data_parallel ({lp.data_parallel}): every data-parallel rank needs a pair")
         check_layout(self.placement, learner_world_size=lp.tensor_parallel * lp.pipeline_parallel * lp.data_parallel,
                      learner_tensor_parallel=lp.tensor_parallel, num_engines=self.generators.num_workers,
-                     engine_tensor_parallel=self.generators.tensor_parallel)
+                     engine_tensor_parallel=self.generators.tensor_parallel,
+                     reward_models=len({t.reward.reward_model for t in self.tasks if t.kind == "reward_model"}))
 
     @property
     def run_dir(self) -> Path:

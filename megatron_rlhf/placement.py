@@ -138,7 +138,8 @@ class PlacementConfig:
 
 
 def check_layout(placement: PlacementConfig, *, learner_world_size: int,
-                 learner_tensor_parallel: int, num_engines: int, engine_tensor_parallel: int) -> None:
+                 learner_tensor_parallel: int, num_engines: int, engine_tensor_parallel: int,
+                 reward_models: int = 0) -> None:
     """Check that the parallel layout fills the placement exactly (GPU jobs only).
 
     Args:
@@ -147,6 +148,8 @@ def check_layout(placement: PlacementConfig, *, learner_world_size: int,
         learner_tensor_parallel: ``learner.tensor_parallel`` (a TP group must fit in one node).
         num_engines: ``generators.num_workers``.
         engine_tensor_parallel: GPUs per vLLM engine (``generators.tensor_parallel``).
+        reward_models: reward-model actors (distinct ``tasks[].reward.reward_model`` folders); each
+            takes one GPU of the generator nodes.
     Raises:
         ConfigError: learner ranks != learner GPUs (an idle or missing GPU is a config mistake),
             or the engines need more GPUs than the generator nodes have, or a learner or engine
@@ -166,9 +169,10 @@ def check_layout(placement: PlacementConfig, *, learner_world_size: int,
     if engine_tensor_parallel > g or g % engine_tensor_parallel:
         _fail("generators.tensor_parallel", engine_tensor_parallel,
               f"a divisor of placement.gpus_per_node ({g}): an engine must not span nodes")
-    need = num_engines * engine_tensor_parallel
+    need = num_engines * engine_tensor_parallel + reward_models
     if need > placement.generator_gpus:
         _fail("generators.num_workers", num_engines,
-              f"at most {placement.generator_gpus // engine_tensor_parallel} engines of "
+              f"at most {(placement.generator_gpus - reward_models) // engine_tensor_parallel} engines of "
               f"{engine_tensor_parallel} GPUs on placement.generator_nodes "
-              f"({placement.generator_nodes}) x {g} GPUs")
+              f"({placement.generator_nodes}) x {g} GPUs"
+              + (f" with {reward_models} reward-model GPU(s) beside them" if reward_models else ""))

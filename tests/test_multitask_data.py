@@ -70,6 +70,10 @@ def test_math_chat_recipe_loads_without_its_cluster_reward_model_folder(tmp_path
     assert kinds == {"math": "math_verify", "chat": "reward_model"}
     assert not Path(cfg.tasks[1].reward.reward_model).expanduser().exists()
     assert [t.weight for t in cfg.tasks] == [0.5, 0.5]
+    # the reward model takes one generator-node GPU: 8 engines + the RM do not fit 8 GPUs
+    with pytest.raises(ConfigError, match=r"generators.num_workers.*at most 7 engines.*reward-model"):
+        load_config(REPO / "configs" / "online-dpo-qwen2.5-7b-math-chat-2n8g.yaml",
+                    [f"model.source={tmp_path}", "generators.num_workers=8"])
 
 
 @pytest.mark.timeout(30)

@@ -212,3 +212,19 @@ def test_unreachable_quota_fails_with_a_clear_error(scorers):
     t.start()
     item = out.get(timeout=120)
     assert isinstance(item, RuntimeError) and "max_prompts_per_step" in str(item)
+
+
+def test_adaptive_draw_gives_the_low_yield_task_more_prompts(scorers):
+    """Math prompts skip more often than chat ones: adaptively, later rounds draw math-heavy; with
+    adaptive_task_draw=false each round splits by the remaining quota only."""
+    prod, out = _producer(scorers, weights=(0.5, 0.5), num_batches=3)
+    batches = _run(prod, out, 3)
+    assert prod.rates["math"] < prod.rates["chat"]
+    fixed, out2 = _producer(scorers, weights=(0.5, 0.5), num_batches=3, adaptive_task_draw=False)
+    _run(fixed, out2, 3)
+    first_round = [c for c in fixed.pool.calls if c][0]
+    assert first_round.count("math") == first_round.count("chat") == 2   # 4 prompts, needs 4/4
+    later = prod.pool.calls[-1]
+    assert later.count("math") >= later.count("chat")
+    for b in batches:
+        assert [g.prompt.task for g in b.groups].count("math") == 4

@@ -265,7 +265,12 @@ def train(cfg: Config, *, quiet: bool = False, generators: list | None = None) -
             version = ray.get(learner.load_checkpoint.remote(str(path / "learner")), timeout=timeout)
             start_step, rng_state = state["step"], state["rng_state"]
             producer_state = state.get("producer_state")
-            sampler.load_state_dict(state["sampler_state"])
+            try:
+                sampler.load_state_dict(state["sampler_state"])
+            except (ValueError, KeyError, TypeError) as e:
+                raise ConfigError(f"cannot resume from {path}: its data-sampler position does not fit "
+                                  f"this config's tasks ({e}); resume with the same tasks[] and run.seed, "
+                                  "or start a new run (another run.name)") from e
             say(f"resuming from {path.name} (step {start_step}, weight version {version})")
         ray.get([a.__ray_ready__.remote() for a in (learner, *generators, *rm_actors.values())],
                 timeout=timeout)
@@ -418,8 +423,8 @@ def _resolve_reward_models(cfg: Config) -> dict[str, Path]:
 
 def _build_reward_models(cfg: Config, folders: dict[str, Path]) -> dict:
     """One ``RewardModelWorker`` Ray actor per reward-model folder (tasks sharing a folder share
-    the actor): one CPU, and on GPU clusters one GPU with the ``mrlhf_reward`` resource when
-    slurm/ray_cluster.sh declares it."""
+    the actor): one CPU, and on GPU clusters one GPU of the generator nodes (the ``mrlhf_generator``
+    resource of slurm/ray_cluster.sh; the placement check counts it beside the vLLM engines)."""
     import ray
 
     from megatron_rlhf.rewards.server import RewardModelWorker
@@ -431,7 +436,7 @@ def _build_reward_models(cfg: Config, folders: dict[str, Path]) -> dict:
             continue
         d = folders[task.name]
         if d not in by_dir:
-            opts = _actor_options("reward", 1)
+            opts = _actor_options("generator", 1)
             by_dir[d] = ray.remote(**opts)(RewardModelWorker).remote(
                 model_dir=str(d), dtype=cfg.model.dtype, batch_size=task.reward.batch_size)
         out[task.name] = by_dir[d]

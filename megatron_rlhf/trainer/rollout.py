@@ -283,7 +283,8 @@ class RolloutProducer:
                     "model almost never gets both a good and a bad answer on this data: use easier "
                     "data (tasks[].data.filter), more samples_per_prompt or a smaller prompts_per_step")
             remaining = {t: q - len(got[t]) for t, q in quotas.items()}
-            draws = allocate_draws(remaining, self.rates, budget)
+            rates = self.rates if self.algo.adaptive_task_draw else {t: 1.0 for t in remaining}
+            draws = allocate_draws(remaining, rates, budget)
             prompts = [p for t, m in draws.items() if m > 0 for p in self.sampler.next(t, m)]
             drawn += len(prompts)
             for t, m in draws.items():
