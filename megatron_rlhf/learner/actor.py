@@ -78,7 +78,7 @@ from megatron_rlhf.learner import parallel
 from megatron_rlhf.learner.batching import padding_fraction, plan_microbatches, row_lengths
 from megatron_rlhf.learner.checkpoint import load_learner_checkpoint, save_learner_checkpoint
 from megatron_rlhf.learner.logprobs import masked_sum as _masked_sum
-from megatron_rlhf.learner.model import build_gpt_model, load_hf_config
+from megatron_rlhf.learner.model import build_gpt_model, check_divisible, load_hf_config
 from megatron_rlhf.learner.optim import build_train_state
 from megatron_rlhf.learner.objectives import (BatchTensors, LossSpec, SliceInputs, assemble,
                                               check_batch, loss_on_slice, microbatch_inputs,
@@ -192,15 +192,8 @@ class MegatronLearner:
 
     # ----------------------------------------------------------------------------- building
     def _check_divisible(self) -> None:
-        h, tp, pp = self.hf_config, self.cfg.tensor_parallel, self.cfg.pipeline_parallel
-        kv = getattr(h, "num_key_value_heads", None) or h.num_attention_heads
-        for what, n, k, key in (("num_attention_heads", h.num_attention_heads, tp, "tensor_parallel"),
-                                ("num_key_value_heads", kv, tp, "tensor_parallel"),
-                                ("intermediate_size", h.intermediate_size, tp, "tensor_parallel"),
-                                ("num_hidden_layers", h.num_hidden_layers, pp, "pipeline_parallel")):
-            if n % k:
-                raise ValueError(f"model {what}={n} is not divisible by learner.{key}={k}; "
-                                 f"choose a divisor of {n}")
+        check_divisible(self.hf_config, tensor_parallel=self.cfg.tensor_parallel,
+                        pipeline_parallel=self.cfg.pipeline_parallel)
 
     def _pipeline_overrides(self) -> dict:
         """PP > 1: ``variable_seq_lengths`` (p2p sends each micro-batch's shape first, so

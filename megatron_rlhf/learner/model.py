@@ -18,11 +18,30 @@ import torch
 
 from megatron_rlhf.convert.llama import align_names, gpt_model_kwargs_from_hf
 
-__all__ = ["load_hf_config", "load_hf_state_dict", "build_gpt_model", "load_mcore_state",
+__all__ = ["check_divisible", "load_hf_config", "load_hf_state_dict", "build_gpt_model", "load_mcore_state",
            "full_mcore_state", "HF_WEIGHT_FILES"]
 
 HF_WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin",
                    "pytorch_model.bin.index.json")
+
+
+def check_divisible(hf_config, *, tensor_parallel: int, pipeline_parallel: int) -> None:
+    """Check that the model splits over the learner layout: attention heads, KV heads and FFN
+    width by ``tensor_parallel``, layers by ``pipeline_parallel`` (megatron shards them evenly).
+
+    Raises:
+        ValueError: names the model field, the learner key and the divisors to choose from.
+    """
+    h = hf_config
+    kv = getattr(h, "num_key_value_heads", None) or h.num_attention_heads
+    for what, n, k, key in (("num_attention_heads", h.num_attention_heads, tensor_parallel, "tensor_parallel"),
+                            ("num_key_value_heads", kv, tensor_parallel, "tensor_parallel"),
+                            ("intermediate_size", h.intermediate_size, tensor_parallel, "tensor_parallel"),
+                            ("num_hidden_layers", h.num_hidden_layers, pipeline_parallel, "pipeline_parallel")):
+        if n % k:
+            divisors = [d for d in range(1, min(n, 16) + 1) if n % d == 0]
+            raise ValueError(f"model {what}={n} is not divisible by learner.{key}={k}; "
+                             f"choose a divisor of {n} (e.g. {divisors})")
 
 
 def load_hf_config(model_dir: str | Path):

@@ -227,11 +227,10 @@ def train(cfg: Config, *, quiet: bool = False, generators: list | None = None) -
     from megatron_rlhf.rollout.pairs import select_pair
 
     run_dir = cfg.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
     say = (lambda *a: None) if quiet else (lambda *a: print("[megatron-rlhf]", *a, flush=True))
     say(f"run folder {run_dir}")
     model_dir = resolve_model_dir(cfg.model)
+    _preflight(cfg, model_dir)
     try:
         sampler, data_counts, pad_id = _load_prompts(cfg, model_dir)
     except (ValueError, FileNotFoundError) as e:   # names tasks[].data.*: a config problem
@@ -242,9 +241,16 @@ def train(cfg: Config, *, quiet: bool = False, generators: list | None = None) -
     if done_before is not None:
         say(f"run already complete at step {cfg.run.num_steps}: nothing to train (raise run.num_steps "
             "to continue it, or pick another run.name for a new run)")
+        saved = run_dir / "config.yaml"
+        if saved.is_file() and _config_differs(cfg, saved):
+            say(f"note: this config differs from the one the run used ({saved}); it was not applied")
         return done_before
     plugins = _import_plugins(cfg)                  # before any actor starts: a bad config stops here
     reward_models = _resolve_reward_models(cfg)
+    for task, folder in reward_models.items():
+        say(f"task {task}: reward model {folder}{_rm_accuracy(folder)}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.yaml")
     needs_math = any(t.kind == "math_verify" for t in cfg.tasks)
     reward = MathVerifyReward(num_workers=1) if needs_math else None
     started_ray = _init_ray(cfg, extra_cpus=len(set(reward_models.values())))
@@ -398,6 +404,46 @@ def _completed_run(cfg: Config, ckpts: CheckpointManager, run_dir: Path) -> RunR
     result = RunResult(json.loads(summary.read_text()))
     result["already_complete"] = True
     return result
+
+
+def _preflight(cfg: Config, model_dir: Path) -> None:
+    """Checks that need the model or the machine, run before any actor starts.
+
+    Raises:
+        ConfigError: the model does not split over ``learner.tensor_parallel`` /
+            ``pipeline_parallel``, or ``generators.transport=nccl`` without a visible CUDA GPU.
+    """
+    import torch
+
+    from megatron_rlhf.learner.model import check_divisible, load_hf_config
+
+    try:
+        check_divisible(load_hf_config(model_dir), tensor_parallel=cfg.learner.tensor_parallel,
+                        pipeline_parallel=cfg.learner.pipeline_parallel)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    if cfg.generators.transport == "nccl" and not torch.cuda.is_available():
+        raise ConfigError("config key 'generators.transport' = 'nccl' needs CUDA GPUs on the learner and "
+                          "the generators (none is visible here); use 'object_store' or 'filesystem'")
+
+
+def _config_differs(cfg: Config, saved: Path) -> bool:
+    """Whether ``cfg`` differs from the config saved at ``saved`` (ignoring unreadable files)."""
+    from megatron_rlhf.config import load_config
+
+    try:
+        return config_to_dict(load_config(saved)) != config_to_dict(cfg)
+    except Exception:  # noqa: BLE001 - a note only
+        return False
+
+
+def _rm_accuracy(folder: Path) -> str:
+    """``"; held-out pairwise accuracy A +- se (n = N)"`` from the folder's ``rm_report.json``, or ``""``."""
+    try:
+        rep = json.loads((Path(folder) / "rm_report.json").read_text())
+        return f"; held-out pairwise accuracy {rep['accuracy']:.3f} +- {rep['se']:.3f} (n = {rep['n_eval']})"
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
 
 
 def _resolve_reward_models(cfg: Config) -> dict[str, Path]:
