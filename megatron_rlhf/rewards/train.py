@@ -218,8 +218,15 @@ def train_reward_model(*, out: str, base: str = "smollm2", data: list[str] | Non
     data = [str(d) for d in (data or [DEFAULT_DATA])]
     base_dir = resolve_base(base, cache_dir)
     tok = AutoTokenizer.from_pretrained(base_dir)
-    trunk = AutoModel.from_pretrained(base_dir, dtype=torch.float32,
-                                      **({"num_hidden_layers": layers} if layers else {})).eval()
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()   # cutting the trunk to `layers` makes transformers list every
+    try:                               # dropped layer's weights as "unexpected": expected here
+        trunk = AutoModel.from_pretrained(base_dir, dtype=torch.float32,
+                                          **({"num_hidden_layers": layers} if layers else {})).eval()
+    finally:
+        hf_logging.set_verbosity(level)
     n_layers = trunk.config.num_hidden_layers
     spec = FeatureSpec(tuple(feature_layers) if feature_layers is not None else (n_layers,), tuple(poolings),
                        reply_embedding_mean, length_feature, length_x_prompt_embedding)
