@@ -7,7 +7,7 @@ frontier as N grows). Here N is ``async.sync_interval``: the generators get new 
 learner batches, so samples are up to N versions old (``async.max_staleness = N``).
 
     # CPU, minutes: tiny random Llama, synthetic vowel-rate reward, real MAWPS prompts
-    python bench/offpolicy_sweep.py --model tiny --steps 16
+    python bench/offpolicy_sweep.py --model tiny            # = --steps 48 --tail 8 --lr 1e-3
     # the demo model on math (SmolLM2-135M, math-verify): hours on 2 cores, see bench/RESULTS.md
     python bench/offpolicy_sweep.py --model smollm2 --steps 32 --losses online_dpo,proximal_rloo
 
@@ -59,7 +59,7 @@ def _config(args, model_dir: str, loss: str, n: int):
             "defaults": str(REPO / "configs" / "ci_tiny.yaml"), "tasks": [TINY_TASK],
             "generators": {"max_new_tokens": 24, "temperature": 1.0},
             "algorithm": {"prompts_per_step": 4, "samples_per_prompt": 4},
-            "learner": {"optimizer": {"lr": args.lr or 1e-4}}}))
+            "learner": {"optimizer": {"lr": args.lr or 1e-3}}}))
         return load_config(recipe, _overrides(args, model_dir, loss, n))
     extra = [f"learner.optimizer.lr={args.lr}"] if args.lr else []
     return load_config(REPO / "configs" / "cpu_demo.yaml",
@@ -96,15 +96,21 @@ def _plot(results: list[dict], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")
-    ap.add_argument("--losses", default="online_dpo,ppo,proximal_rloo")
+    """Run the sweep (see the module docstring); returns the exit status."""
+    class Fmt(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+        pass
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=Fmt)
+    ap.add_argument("--model", choices=("tiny", "smollm2"), default="tiny",
+                    help="tiny random Llama + synthetic reward, or the demo model on math")
+    ap.add_argument("--losses", default="online_dpo,ppo,proximal_rloo", help="comma-separated algorithm.loss values")
     ap.add_argument("--intervals", default="1,2,4,8", help="values of N = async.sync_interval")
-    ap.add_argument("--steps", type=int, default=16, help="learner batches per run")
-    ap.add_argument("--tail", type=int, default=4, help="final reward/KL = mean over the last TAIL steps")
-    ap.add_argument("--lr", type=float, default=None)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "offpolicy_sweep")
+    ap.add_argument("--steps", type=int, default=48, help="learner batches per run")
+    ap.add_argument("--tail", type=int, default=8, help="final reward/KL = mean over the last TAIL steps")
+    ap.add_argument("--lr", type=float, default=None, help="learner.optimizer.lr (None: tiny 1e-3, smollm2 the demo's)")
+    ap.add_argument("--seed", type=int, default=0, help="run.seed of every run")
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "offpolicy_sweep",
+                    help="results folder (runs go to OUT/runs, git-ignored)")
     ap.add_argument("override", nargs="*", help="extra config overrides key=value for every run")
     args = ap.parse_args(argv)
     losses = [x for x in args.losses.split(",") if x]

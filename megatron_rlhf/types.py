@@ -199,6 +199,7 @@ class LearnerBatch:
 
     @property
     def num_pairs(self) -> int:
+        """Rows // 2: the number of pairs of a ``pair`` batch."""
         return int(self.input_ids.shape[0]) // 2
 
     @staticmethod

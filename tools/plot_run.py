@@ -79,6 +79,7 @@ def plot(rows: list[dict], out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """CLI: plot (and optionally tabulate) a run's curves; returns the exit status (2: no metrics)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dir", type=Path)
     ap.add_argument("--out", type=Path, default=None, help="PNG path (default: RUN/curves.png)")

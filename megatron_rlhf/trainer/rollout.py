@@ -59,16 +59,19 @@ class WeightChannel:
         self._closed = False
 
     def publish(self, weights: PublishedWeights) -> None:
+        """Make ``weights`` the latest (ignored if not newer) and wake every waiter."""
         with self._cond:
             if weights.version > self._latest.version:
                 self._latest = weights
             self._cond.notify_all()
 
     def latest(self) -> PublishedWeights:
+        """The newest published weights."""
         with self._cond:
             return self._latest
 
     def close(self) -> None:
+        """Wake every waiter for good (``wait_for`` returns None from now on)."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
