@@ -100,6 +100,23 @@ class RolloutGroup:
         rw = self.rewards
         return max(range(len(rw)), key=lambda i: (rw[i], -i))
 
+    def trained_indices(self, unit: str) -> list[int]:
+        """Indices of the rollouts that become learner rows: the pair ``(chosen, rejected)`` for
+        ``unit='pair'``, the best one for ``'best'``, all K for ``'group'``.
+
+        Raises:
+            ValueError: unknown ``unit``, or ``'pair'`` on a group without a pair.
+        """
+        if unit == "pair":
+            if self.pair is None:
+                raise ValueError(f"group of prompt {self.prompt.index} (task {self.prompt.task}) has no pair")
+            return list(self.pair)
+        if unit == "best":
+            return [self.best_index()]
+        if unit == "group":
+            return list(range(len(self.rollouts)))
+        raise ValueError(f"unit={unit!r}; expected pair, group or best")
+
 
 def _stack(rollouts: list[Rollout], pad_id: int, pad_to_multiple: int):
     """``input_ids [B, S]`` int64, ``loss_mask [B, S]`` and ``sampling_logprobs [B, S]`` float32
@@ -178,14 +195,10 @@ class LearnerBatch:
         gids: list[int] = []
         for g, grp in enumerate(groups):
             rw = grp.rewards
-            if unit == "pair":
-                if grp.pair is None:
-                    raise ValueError(f"LearnerBatch.from_groups: group {g} (task {grp.prompt.task}) has no pair")
-                idx = list(grp.pair)
-            elif unit == "best":
-                idx = [grp.best_index()]
-            else:
-                idx = list(range(len(grp.rollouts)))
+            try:
+                idx = grp.trained_indices(unit)
+            except ValueError as e:
+                raise ValueError(f"LearnerBatch.from_groups: group {g}: {e}") from e
             rows.extend(grp.rollouts[i] for i in idx)
             rewards.extend(float(rw[i]) for i in idx)
             gids.extend([g] * len(idx))
@@ -201,22 +214,3 @@ class LearnerBatch:
     def num_pairs(self) -> int:
         """Rows // 2: the number of pairs of a ``pair`` batch."""
         return int(self.input_ids.shape[0]) // 2
-
-    @staticmethod
-    def from_pairs(pairs: list[PreferencePair], pad_id: int, pad_to_multiple: int = 8) -> "LearnerBatch":
-        """Stack pairs into ``[2P, S]`` tensors (``S`` = longest sequence, rounded up to
-        ``pad_to_multiple``).
-
-        Raises:
-            ValueError: ``pairs`` is empty.
-        """
-        import torch
-
-        if not pairs:
-            raise ValueError("LearnerBatch.from_pairs: no pairs given")
-        rollouts = [r for p in pairs for r in (p.chosen, p.rejected)]
-        ids, mask, slp = _stack(rollouts, pad_id, pad_to_multiple)
-        return LearnerBatch(
-            input_ids=ids, loss_mask=mask, sampling_logprobs=slp,
-            weight_version=min(r.completion.weight_version for r in rollouts),
-            meta={"tasks": [p.chosen.prompt.task for p in pairs]})

@@ -7,7 +7,6 @@ and GRPO in a TP = 2 or DP = 2 group equals one process.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 
@@ -17,7 +16,6 @@ import torch
 from megatron_rlhf.config import AlgorithmConfig, LearnerConfig, OptimizerConfig
 from megatron_rlhf.types import Completion, LearnerBatch, Prompt, Rollout, RolloutGroup
 
-HAVE_CRITIC = importlib.util.find_spec("megatron_rlhf.learner.critic") is not None
 LOSS_NAMES = ["online_dpo", "group_dpo", "grpo", "ppo", "rloo", "proximal_rloo", "best_of_k_sft"]
 KNOBS = {  # non-default knobs so that each loss's optional paths run (KL, entropy, NLL, GRPO part)
     "online_dpo": dict(nll_coef=0.1),
@@ -168,8 +166,6 @@ def test_vocab_parallel_entropy_equals_softmax_entropy_and_ignores_padded_column
 @pytest.mark.parametrize("loss", LOSS_NAMES)
 def test_every_loss_trains_two_steps_with_finite_metrics_and_changes_weights(loss, make_learner,
                                                                              tiny_llama_dir):
-    if loss == "ppo" and not HAVE_CRITIC:
-        pytest.skip("megatron_rlhf/learner/critic.py (the PPO critic) is not there yet")
     learner = make_learner(tiny_llama_dir, loss, **KNOBS[loss])
     batch = _batch(loss, _vocab(tiny_llama_dir))
     before = _params(learner)
@@ -189,8 +185,6 @@ def test_every_loss_trains_two_steps_with_finite_metrics_and_changes_weights(los
 
 @pytest.mark.timeout(120)
 def test_ppo_critic_takes_one_step_per_policy_update_and_its_loss_is_logged(make_learner, tiny_llama_dir):
-    if not HAVE_CRITIC:
-        pytest.skip("megatron_rlhf/learner/critic.py (the PPO critic) is not there yet")
     learner = make_learner(tiny_llama_dir, "ppo", updates_per_batch=2, value_coef=0.5)
     m = learner.train_step(_batch("ppo", _vocab(tiny_llama_dir)))
     assert learner.scheduler.num_steps == 2 and learner.critic.scheduler.num_steps == 2

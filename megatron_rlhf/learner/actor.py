@@ -386,7 +386,7 @@ class MegatronLearner:
 
         Args:
             batch: ``input_ids``/``loss_mask``/``sampling_logprobs`` ``[B, S]``. Its ``unit`` must be
-                ``algorithm.loss``'s (``LearnerBatch.from_pairs`` batches, without ``group_ids``,
+                ``algorithm.loss``'s (batches without ``group_ids``
                 are ``pair`` batches: rows 2i / 2i+1 are pair i's chosen / rejected). Group and
                 best batches carry ``rewards [B]`` and ``group_ids [B]`` (a group's rows adjacent).
         Returns:

@@ -42,11 +42,6 @@ __all__ = ["LossSpec", "BatchTotals", "Prepared", "SliceInputs", "BatchTensors",
            "prepare_batch", "loss_on_slice", "sequence_sums", "assemble", "microbatch_inputs",
            "whole_batch_metrics"]
 
-GROUP_DPO_THRESHOLD = 1.0
-"""Reward ``>=`` this is a correct completion for group_dpo (math-verify gives 1.0 / 0.0);
-``algorithm.group_dpo_threshold`` overrides it when the config has that field."""
-
-
 @dataclass(frozen=True)
 class LossSpec:
     """What ``algorithm.loss`` needs from the learner, derived once from the config.
@@ -156,10 +151,6 @@ def sequence_sums(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (torch.where(m > 0, values.double(), torch.zeros_like(m)) * m).sum(-1).float()
 
 
-def _group_dpo_threshold(algo: AlgorithmConfig) -> float:
-    return float(algo.group_dpo_threshold)
-
-
 def prepare_batch(algo: AlgorithmConfig, *, mask: torch.Tensor, rewards: torch.Tensor | None,
                   group_ids: torch.Tensor | None, ref_logprobs: torch.Tensor | None = None,
                   old_logprobs: torch.Tensor | None = None,
@@ -209,7 +200,7 @@ def prepare_batch(algo: AlgorithmConfig, *, mask: torch.Tensor, rewards: torch.T
         pairs = 0.0
         if name == "group_dpo":
             chosen, _ = adv_fns.group_dpo_pairs(rewards, group_ids,
-                                                correct_threshold=_group_dpo_threshold(algo))
+                                                correct_threshold=algo.group_dpo_threshold)
             pairs = float(chosen.numel())
         return Prepared(totals=BatchTotals(totals.num_sequences, totals.num_tokens, pairs),
                         advantages=adv, metrics=metrics)
@@ -280,7 +271,7 @@ def loss_on_slice(algo: AlgorithmConfig, x: SliceInputs, totals: BatchTotals
         if algo.group_dpo_alpha > 0:
             grpo_opts = dict(kl_beta=algo.kl_beta, **pg)
         return group_dpo_loss(lp, ref, mask, x.rewards, algo.beta, group_ids=x.group_ids,
-                              correct_threshold=_group_dpo_threshold(algo),
+                              correct_threshold=algo.group_dpo_threshold,
                               global_num_pairs=totals.num_pairs, alpha=algo.group_dpo_alpha,
                               old_logprobs=x.old_logprobs, advantages=x.advantages, **grpo_opts)
     if name == "grpo":
@@ -326,7 +317,7 @@ class BatchTensors:
 def check_batch(batch, algo: AlgorithmConfig, *, data_parallel: int = 1) -> BatchTensors:
     """Validate a ``LearnerBatch`` against ``algorithm.loss`` and convert it to CPU tensors.
 
-    A batch without ``group_ids`` (``LearnerBatch.from_pairs``) is a ``pair`` batch.
+    A batch without ``group_ids`` (rows 2i / 2i+1 chosen / rejected, built by hand) is a ``pair`` batch.
 
     Raises:
         ValueError: the batch's unit is not ``algo.unit`` (the message names algorithm.loss),

@@ -41,7 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from megatron_rlhf.generator.weight_sync import PublishedWeights
 from megatron_rlhf.rewards.reward_model import length_normalized_rewards
 from megatron_rlhf.trainer.staleness import trained_rollouts
-from megatron_rlhf.types import PreferencePair, Rollout, RolloutGroup
+from megatron_rlhf.types import Rollout, RolloutGroup
 
 __all__ = ["WeightChannel", "PublishedWeights", "RolloutBatch", "RolloutProducer", "ProducerError"]
 
@@ -117,12 +117,6 @@ class RolloutBatch:
     rng_state: Any
     producer_state: dict = field(default_factory=dict)
     stats: dict = field(default_factory=dict)
-
-    @property
-    def pairs(self) -> tuple[PreferencePair, ...]:
-        """The groups' preference pairs (pair losses only)."""
-        return tuple(PreferencePair(chosen=g.rollouts[g.pair[0]], rejected=g.rollouts[g.pair[1]])
-                     for g in self.groups if g.pair is not None)
 
 
 class RolloutProducer:

@@ -21,11 +21,7 @@ def trained_rollouts(item: PreferencePair | RolloutGroup, unit: str = "pair") ->
     the best one for ``'best'``, all K for ``'group'``."""
     if isinstance(item, PreferencePair):
         return [item.chosen, item.rejected]
-    if unit == "pair":
-        return [item.rollouts[i] for i in item.pair]
-    if unit == "best":
-        return [item.rollouts[item.best_index()]]
-    return list(item.rollouts)
+    return [item.rollouts[i] for i in item.trained_indices(unit)]
 
 
 def split_by_staleness(pairs, learner_version: int, max_staleness: int, unit: str = "pair"
