@@ -259,72 +259,89 @@ class RolloutProducer:
 
     # ------------------------------------------------------------------------------ one batch
     def _make_batch(self, k: int, sync: dict, idle_s: float) -> RolloutBatch:
-        from megatron_rlhf.data.mix import allocate_draws
+        """Batch ``k``: stream requests through the pool until every task holds its quota.
 
+        A free engine gets ``generators.prompts_per_request`` new prompts (split over the tasks
+        still short of their quota by ``allocate_draws``) as soon as its previous request
+        finished; each finished request is scored at once and its trainable groups counted.
+        When the quotas are met, requests still running are waited for (at most one per
+        engine); their groups count as surplus.
+        """
         quotas = self.sampler.quotas(self.algo.prompts_per_step)
-        n = self.algo.samples_per_prompt
-        got: dict[str, list[RolloutGroup]] = {t: [] for t in quotas}
-        per_task = {t: {"drawn": 0, "skipped": 0, "surplus": 0, "rewards": [], "lens": [], "tokens": 0}
-                    for t in quotas}
-        rollouts: list[Rollout] = []
-        drawn = truncated = 0
-        gen_s = reward_s = 0.0
-        versions = set()
-        budget = self.gen_cfg.prompts_per_request * self.pool.num_workers
-        while any(len(got[t]) < q for t, q in quotas.items()):
-            if drawn >= self.algo.max_prompts_per_step:
-                short = {t: f"{len(got[t])}/{q}" for t, q in quotas.items() if len(got[t]) < q}
-                raise RuntimeError(
-                    f"batch {k}: {drawn} prompts gave too few trainable prompts (task: got/quota "
-                    f"{short}; algorithm.max_prompts_per_step={self.algo.max_prompts_per_step}); the "
-                    "model almost never gets both a good and a bad answer on this data: use easier "
-                    "data (tasks[].data.filter), more samples_per_prompt or a smaller prompts_per_step")
-            remaining = {t: q - len(got[t]) for t, q in quotas.items()}
-            rates = self.rates if self.algo.adaptive_task_draw else {t: 1.0 for t in remaining}
-            draws = allocate_draws(remaining, rates, budget)
-            prompts = [p for t, m in draws.items() if m > 0 for p in self.sampler.next(t, m)]
-            drawn += len(prompts)
-            for t, m in draws.items():
-                per_task[t]["drawn"] += m
-            t0 = time.perf_counter()
-            refresh = self.channel.latest if self.gen_cfg.inflight_updates else None
-            groups = self.pool.generate(prompts, n, refresh=refresh)
-            gen_s += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            rewards = self._score(prompts, groups)
-            round_trainable = {t: 0 for t in draws}
-            for prompt, comps, rw in zip(prompts, groups, rewards):
-                task = prompt.task
-                self.normalizer.update(task, rw)
-                group = [Rollout(prompt=prompt, completion=c, reward=r) for c, r in zip(comps, rw)]
-                rollouts.extend(group)
-                truncated += sum(c.finish_reason == "length" for c in comps)
-                versions.update(c.weight_version for c in comps)
-                st = per_task[task]
-                st["rewards"].extend(rw)
-                st["lens"].extend(len(c.token_ids) for c in comps)
-                trainable = self._group(prompt, group)
-                if trainable is None:
-                    st["skipped"] += 1
-                    continue
-                round_trainable[task] += 1
-                if len(got[task]) < quotas[task]:
-                    got[task].append(trainable)
-                else:
-                    st["surplus"] += 1   # beyond the task's quota: shapes stay fixed, so it is dropped
-            for t, m in draws.items():   # adaptive draw: yield estimate per task
-                if m > 0:
-                    self.rates[t] = max(0.02, 0.7 * self.rates[t] + 0.3 * round_trainable[t] / m)
-            reward_s += time.perf_counter() - t0
-        chosen = [g for t in quotas for g in got[t]]
-        stats = self._stats(chosen, rollouts, per_task, quotas, drawn, truncated, gen_s, reward_s,
-                            idle_s, versions)
+        b = _BatchState(quotas)
+        t0 = time.perf_counter()
+        refresh = self.channel.latest if self.gen_cfg.inflight_updates else None
+        for prompts, groups in self.pool.stream(self.algo.samples_per_prompt, lambda: self._draw(k, b), refresh):
+            t1 = time.perf_counter()
+            self._absorb(b, prompts, groups)
+            b.reward_s += time.perf_counter() - t1
+        gen_s = time.perf_counter() - t0 - b.reward_s
+        chosen = [g for t in quotas for g in b.got[t]]
+        stats = self._stats(chosen, b.rollouts, b.per_task, quotas, b.drawn, b.truncated, gen_s, b.reward_s,
+                            idle_s, b.versions)
         stats.update(self.pool.take_stats())
         stats.update(sync)
         producer_state = {"normalizer": self.normalizer.state_dict(), "rates": dict(self.rates)}
-        return RolloutBatch(index=k, weight_version=min(versions), groups=tuple(chosen),
+        return RolloutBatch(index=k, weight_version=min(b.versions), groups=tuple(chosen),
                             sampler_state=self.sampler.state_dict(), rng_state=self.rng.getstate(),
                             producer_state=producer_state, stats=stats)
+
+    def _draw(self, k: int, b: "_BatchState") -> list:
+        """Prompts for one request of a free engine; ``[]`` once every task holds its quota.
+
+        Raises:
+            RuntimeError: ``algorithm.max_prompts_per_step`` prompts drawn and a quota still short.
+        """
+        from megatron_rlhf.data.mix import allocate_draws
+
+        remaining = {t: q - len(b.got[t]) for t, q in b.quotas.items()}
+        if not any(r > 0 for r in remaining.values()):
+            return []
+        if b.drawn >= self.algo.max_prompts_per_step:
+            short = {t: f"{len(b.got[t])}/{q}" for t, q in b.quotas.items() if len(b.got[t]) < q}
+            raise RuntimeError(
+                f"batch {k}: {b.drawn} prompts gave too few trainable prompts (task: got/quota "
+                f"{short}; algorithm.max_prompts_per_step={self.algo.max_prompts_per_step}); the "
+                "model almost never gets both a good and a bad answer on this data: use easier "
+                "data (tasks[].data.filter), more samples_per_prompt or a smaller prompts_per_step")
+        remaining = {t: max(0, r) for t, r in remaining.items()}
+        rates = self.rates if self.algo.adaptive_task_draw else {t: 1.0 for t in remaining}
+        draws = allocate_draws(remaining, rates, self.gen_cfg.prompts_per_request)
+        prompts = [p for t, m in draws.items() if m > 0 for p in self.sampler.next(t, m)]
+        b.drawn += len(prompts)
+        for t, m in draws.items():
+            b.per_task[t]["drawn"] += m
+        return prompts
+
+    def _absorb(self, b: "_BatchState", prompts: list, groups: list) -> None:
+        """Score one finished request and keep its trainable groups (beyond a quota: surplus)."""
+        rewards = self._score(prompts, groups)
+        drawn = {t: 0 for t in b.quotas}
+        trainable = {t: 0 for t in b.quotas}
+        for prompt, comps, rw in zip(prompts, groups, rewards):
+            task = prompt.task
+            drawn[task] += 1
+            self.normalizer.update(task, rw)
+            group = [Rollout(prompt=prompt, completion=c, reward=r) for c, r in zip(comps, rw)]
+            b.rollouts.extend(group)
+            b.truncated += sum(c.finish_reason == "length" for c in comps)
+            b.versions.update(c.weight_version for c in comps)
+            b.versions.update(c.weight_version_last for c in comps)
+            st = b.per_task[task]
+            st["rewards"].extend(rw)
+            st["lens"].extend(len(c.token_ids) for c in comps)
+            unit = self._group(prompt, group)
+            if unit is None:
+                st["skipped"] += 1
+                continue
+            trainable[task] += 1
+            if len(b.got[task]) < b.quotas[task]:
+                b.got[task].append(unit)
+            else:
+                st["surplus"] += 1   # beyond the task's quota: shapes stay fixed, so it is dropped
+        for t, m in drawn.items():   # adaptive draw: yield estimate per task
+            if m > 0:
+                self.rates[t] = max(0.02, 0.7 * self.rates[t] + 0.3 * trainable[t] / m)
 
     def _stats(self, chosen, rollouts, per_task, quotas, drawn, truncated, gen_s, reward_s, idle_s,
                versions) -> dict:
@@ -381,6 +398,25 @@ class RolloutProducer:
                 stats[pre + "rejected_len_mean_tokens"] = mean([len(g.rollouts[g.pair[1]].completion.token_ids)
                                                                 for g in mine])
         return stats
+
+
+@dataclass
+class _BatchState:
+    """What one batch has gathered so far (the producer's bookkeeping while requests stream in)."""
+
+    quotas: dict
+    got: dict = field(default_factory=dict)
+    per_task: dict = field(default_factory=dict)
+    rollouts: list = field(default_factory=list)
+    versions: set = field(default_factory=set)
+    drawn: int = 0
+    truncated: int = 0
+    reward_s: float = 0.0
+
+    def __post_init__(self):
+        self.got = {t: [] for t in self.quotas}
+        self.per_task = {t: {"drawn": 0, "skipped": 0, "surplus": 0, "rewards": [], "lens": [], "tokens": 0}
+                         for t in self.quotas}
 
 
 def _to_rng_state(state: Any) -> tuple:
