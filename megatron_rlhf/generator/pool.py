@@ -2,11 +2,15 @@
 
 Used by the rollout producer (one controller thread; the pool is not thread-safe):
 
-* :meth:`GeneratorPool.generate` spreads one round of prompts over the live workers, balanced by
-  expected tokens (:func:`balance`: cost of a prompt = its tokens + K x the running mean
-  completion length; longest-processing-time-first greedy), sends one request per worker, and
-  waits with ``ray.wait`` (bounded by ``timeout_s`` per request). Results come back in prompt
-  order, each completion stamped with the version of the worker that produced it.
+* :meth:`GeneratorPool.stream` keeps every worker busy while the caller's ``draw()`` gives
+  prompts: a worker whose request finished gets its next prompts at once, and each finished
+  request is yielded (for scoring) as it arrives: no round barrier across workers. Remote waits
+  use ``ray.wait`` (bounded by ``timeout_s`` per request). With a ``refresh`` callable (inflight
+  updates) a newer published version is pushed to every worker as soon as it appears, also to
+  workers whose requests are running (``VLLMGenerator`` loads it between engine steps).
+* :meth:`GeneratorPool.generate` is one balanced round through :meth:`stream` (one request per
+  worker, split by expected tokens: :func:`balance`, cost of a prompt = its tokens + K x the
+  running mean completion length; longest-processing-time-first greedy); results in prompt order.
 * :meth:`GeneratorPool.push` loads a published weight version on every worker through the
   transport (``weight_sync``), records bytes / seconds / GB/s, and, with
   ``generators.check_weight_sync``, compares every worker's probe logprobs with the learner's.
@@ -14,7 +18,7 @@ Used by the rollout producer (one controller thread; the pool is not thread-safe
   ``ActorUnavailableError`` while it restarts) or exceeds ``timeout_s`` (then it is killed with
   ``ray.kill(no_restart=False)``) is restarted by Ray (``max_restarts``): the pool waits until it
   answers again, pushes the current weights to it (the version the pool's workers hold), and
-  re-sends its unfinished prompts to it. A worker that answers with another weight version than
+  re-sends its unfinished prompts to it. A worker that answers with an older weight version than
   the pool gave it (Ray restarted it between requests and ran the request on the fresh engine)
   is treated the same way, so no batch is silently generated with base weights. Each restart
   prints a line and counts in
@@ -22,10 +26,12 @@ Used by the rollout producer (one controller thread; the pool is not thread-safe
   ``generators.max_restarts`` is exceeded, :class:`GeneratorDiedError` stops the run.
 
 Metrics (:meth:`GeneratorPool.take_stats`, per batch): ``generator/<i>/tokens_per_s`` (completion
-tokens / seconds of its requests), ``generator/<i>/idle_s`` (seconds worker i waited inside
-generate rounds for the slowest worker), ``generator/<i>/prompts``, ``generator/<i>/weight_version``,
-``generator/restarts`` (cumulative), ``sync/inflight_pushes`` / ``sync/inflight_s`` (pushes made
-between requests of this batch, their seconds).
+tokens / seconds of its requests), ``generator/<i>/idle_s`` (seconds worker i had no request
+while the batch still needed prompts; see :meth:`GeneratorPool.stream`), ``generator/<i>/prompts``,
+``generator/<i>/weight_version``, ``generator/restarts`` (cumulative), ``sync/inflight_pushes`` /
+``sync/inflight_s`` (pushes made during this batch's generation, their seconds),
+``sync/midrequest_pushes`` (worker loads among them that happened while the worker had requests
+running), ``sync/inflight_check_max_abs_diff`` (nats; the probe check after those pushes, when on).
 
 Sources: Ray docs "Fault tolerance -> Actor fault tolerance" (``max_restarts``,
 ``RayActorError``, ``ActorUnavailableError``, ``ActorDiedError``); Graham 1969 (LPT scheduling).
@@ -199,12 +205,13 @@ class GeneratorPool:
             return []
         costs = [len(p.token_ids) + n * self.expected_len for p in prompts]
         parts = [idx for idx in balance(costs, self.num_workers) if idx]
-        where = {id(prompts[i]): i for idx in parts for i in idx}
         chunks = [[prompts[i] for i in idx] for idx in parts]
+        where = {id(c): idx for c, idx in zip(chunks, parts)}   # stream yields draw()'s own list
+        todo = list(chunks)
         out: list[list[Completion] | None] = [None] * len(prompts)
-        for ps, groups in self.stream(n, lambda: chunks.pop(0) if chunks else [], refresh):
-            for p, g in zip(ps, groups):
-                out[where[id(p)]] = g
+        for ps, groups in self.stream(n, lambda: todo.pop(0) if todo else [], refresh):
+            for i, g in zip(where[id(ps)], groups):
+                out[i] = g
         return out  # type: ignore[return-value]
 
     def _fill(self, free: dict, pending: dict, n: int, draw: Callable[[], list[Prompt]]) -> None:
@@ -212,7 +219,7 @@ class GeneratorPool:
         for w in self.workers:
             if w.index not in free:
                 continue
-            prompts = list(draw())
+            prompts = draw()   # yielded back as this very list
             now = time.perf_counter()
             if not prompts:   # nothing needed now: this wait is not idle time
                 for i in free:
