@@ -57,7 +57,7 @@ class _FakeGenerator:
         if self.held and not self.gate.wait(timeout=120):
             raise TimeoutError("never released")
         return [[Completion(token_ids=(7,), logprobs=(-0.5,), finish_reason="stop", text=self.name,
-                            weight_version=0) for _ in range(n)] for _ in prompts]
+                            weight_version=0) for j in range(n)] for _ in prompts]
 
     def release(self):
         self.gate.set()
@@ -202,3 +202,46 @@ def test_real_engine_keeps_generating_while_another_engine_is_busy(engine):
     assert order.index("slow") >= 2 and len(order) == 4
     stats = pool.take_stats()
     assert stats["generator/0/prompts"] == 3 and stats["generator/0/tokens_per_s"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_producer_fills_a_batch_from_the_free_engine_while_the_other_is_held(ray_cluster):
+    """The rollout producer over the streaming pool: batch 0 (2 pairs) is filled from the fast
+    engine's requests, scored as each finishes, while the slow engine's request is held."""
+    import queue
+
+    import ray
+
+    from megatron_rlhf.config import AlgorithmConfig
+    from megatron_rlhf.data.mix import MultiTaskSampler
+    from megatron_rlhf.generator.weight_sync import PublishedWeights
+    from megatron_rlhf.rollout.pairs import select_pair
+    from megatron_rlhf.trainer.rollout import RolloutProducer, WeightChannel
+
+    actor = ray.remote(num_cpus=0, max_concurrency=2)(_FakeGenerator)
+    fast, slow = actor.remote("fast"), actor.remote("slow", held=True)
+    pool = _pool([fast, slow], GeneratorConfig())
+    scored = []
+
+    def reward(prompts, texts):   # sample j of every prompt: 1.0 for even j -> a pair per prompt
+        scored.append(texts[0])
+        if texts[0] == "fast" and scored.count("fast") == 2:
+            ray.get(slow.release.remote())   # the batch is full: let the held request finish
+        return [float(j % 2 == 0) for j in range(len(texts))]
+
+    out: queue.Queue = queue.Queue(maxsize=1)
+    prod = RolloutProducer(
+        pool=pool, sampler=MultiTaskSampler({"t": _prompts(20)}, {"t": 1.0}, seed=0), reward_fns={"t": reward},
+        pair_fn=select_pair, channel=WeightChannel(PublishedWeights(version=0)), out_queue=out,
+        algorithm_cfg=AlgorithmConfig(samples_per_prompt=2, prompts_per_step=2),
+        generator_cfg=GeneratorConfig(prompts_per_request=1), staleness_bound=1, first_batch=0,
+        num_batches=1, min_version=0, seed=0, timeout_s=60)
+    prod.run()
+    batch = out.get(timeout=5)
+    assert not isinstance(batch, BaseException), batch
+    # the fast engine's first two requests filled the batch while the slow one was held; a free
+    # engine is refilled before its result is scored, so the fast one also took a third request
+    # (then nothing was needed); both late requests were waited for and their pairs are surplus
+    assert scored[:2] == ["fast", "fast"] and sorted(scored[2:]) == ["fast", "slow"]
+    assert len(batch.groups) == 2 and batch.stats["pairs/surplus_dropped"] == 2
+    assert batch.stats["generator/0/prompts"] == 3 and batch.stats["generator/1/prompts"] == 1
