@@ -1,0 +1,175 @@
+"""Reliability (issue 16): nothing trains on garbage, nothing is written twice or outside the run
+folder, and every failure names its cause. Unit-level tests (no Ray, no vLLM); the end-to-end
+ones are in ``tests/test_reliability_loop.py``.
+
+Bad-input tests are tables: a new case is one line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import queue
+import threading
+from pathlib import Path
+
+import pytest
+
+from megatron_rlhf.config import AlgorithmConfig, ConfigError, GeneratorConfig, load_config
+from megatron_rlhf.data.mix import MultiTaskSampler
+from megatron_rlhf.generator.weight_sync import PublishedWeights
+from megatron_rlhf.rollout.pairs import select_pair
+from megatron_rlhf.trainer.rollout import RewardError, RolloutProducer, WeightChannel
+from tests.test_producer import FakePool, _prompts
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.timeout(120)
+
+
+# ------------------------------------------------------------------------- config (failures 3, 6)
+BAD_CONFIG = [  # (override, what the error must say)
+    ("run.name=..", r"'run\.name' = '\.\.'.*plain folder name"),
+    ("run.name=.", r"'run\.name' = '\.'.*plain folder name"),
+    ("run.name=a/b", r"'run\.name'.*plain folder name"),
+    ("run.name=", r"'run\.name'.*plain folder name"),
+    ("learner.optimizer.lr=.inf", r"'learner\.optimizer\.lr' = inf must be a finite number"),
+    ("learner.optimizer.lr=.nan", r"'learner\.optimizer\.lr' = nan must be a finite number"),
+    ("learner.optimizer.lr=0", r"'learner\.optimizer\.lr'.*> 0"),
+    ("algorithm.kl_beta=-.inf", r"'algorithm\.kl_beta' = -inf must be a finite number"),
+    ("async.timeout_s=.inf", r"'async\.timeout_s' = inf must be a finite number"),
+    ("algorithm.max_prompts_per_step=1", r"'algorithm\.max_prompts_per_step' = 1.*prompts_per_step \(2\)"),
+    ("learner.max_skipped_steps=0", r"'learner\.max_skipped_steps'"),
+    ("algorithm.invalid_rewards=ignore", r"'algorithm\.invalid_rewards'.*error or skip"),
+    ("logging.warn_token_mult_prob_error=0.5", r"'logging\.warn_token_mult_prob_error'"),
+]
+
+
+@pytest.mark.parametrize("override, message", BAD_CONFIG, ids=[c[0] for c in BAD_CONFIG])
+def test_bad_config_values_are_refused_naming_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(REPO / "configs" / "ci_tiny.yaml", [override])
+
+
+# ------------------------------------------------------------------------- rewards (failures 1, 7)
+def _nan_for_odd(ps, texts):
+    return [float("nan") if i % 2 else 1.0 for i in range(len(texts))]
+
+
+def _inf_once(ps, texts):
+    return [float("inf")] + [0.0] * (len(texts) - 1)
+
+
+def _none_rewards(ps, texts):
+    return [None] * len(texts)
+
+
+def _string_rewards(ps, texts):
+    return ["1.0"] * len(texts)
+
+
+def _one_short(ps, texts):
+    return [1.0] * (len(texts) - 1)
+
+
+def _a_float(ps, texts):
+    return 1.0
+
+
+def _raises(ps, texts):
+    raise ZeroDivisionError("the scorer divided by zero")
+
+
+def _huge(ps, texts):   # finite but huge, two values per group so every loss can train
+    return [1e300 * (1 + i % 2) * (-1) ** (i // 2) for i in range(len(texts))]
+
+
+BAD_REWARDS = [  # (reward function, algorithm.loss, what the error must say)
+    (_nan_for_odd, "grpo", r"reward of task 'math' \(nan_for_odd\) failed: reward 1 = nan is not finite"),
+    (_nan_for_odd, "rloo", r"reward of task 'math' \(nan_for_odd\) failed: reward 1 = nan is not finite"),
+    (_nan_for_odd, "online_dpo", r"reward of task 'math' \(nan_for_odd\) failed: reward 1 = nan"),
+    (_inf_once, "ppo", r"reward of task 'math' \(inf_once\) failed: reward 0 = inf is not finite"),
+    (_none_rewards, "group_dpo", r"reward of task 'math' \(none_rewards\) failed: reward 0 = None is not a number"),
+    (_string_rewards, "best_of_k_sft", r"reward of task 'math' \(string_rewards\) failed: reward 0 = '1\.0' is not a number"),
+    (_one_short, "grpo", r"reward of task 'math' \(one_short\) failed: it returned 15 rewards for 16 completions"),
+    (_a_float, "grpo", r"reward of task 'math' \(a_float\) failed: it returned float 1\.0, not a list"),
+    (_raises, "proximal_rloo", r"reward of task 'math' \(raises\) failed: ZeroDivisionError: the scorer divided"),
+]
+
+
+def _producer(fn, loss="grpo", num_batches=1, **algo):
+    fn.reward_name = fn.__name__.lstrip("_")
+    sampler = MultiTaskSampler({"math": _prompts("math", 40)}, {"math": 1.0}, seed=0)
+    out: queue.Queue = queue.Queue(maxsize=1)
+    prod = RolloutProducer(
+        pool=FakePool(), sampler=sampler, reward_fns={"math": fn}, pair_fn=select_pair,
+        channel=WeightChannel(PublishedWeights(version=0)), out_queue=out,
+        algorithm_cfg=AlgorithmConfig(loss=loss, samples_per_prompt=4, prompts_per_step=4, **algo),
+        generator_cfg=GeneratorConfig(prompts_per_request=4), staleness_bound=100, first_batch=0,
+        num_batches=num_batches, min_version=0, seed=0, timeout_s=60)
+    threading.Thread(target=prod.run, daemon=True).start()
+    return [out.get(timeout=60) for _ in range(num_batches)]
+
+
+@pytest.mark.parametrize("fn, loss, message", BAD_REWARDS, ids=[f"{f.__name__}-{l}" for f, l, _ in BAD_REWARDS])
+def test_invalid_rewards_stop_the_run_naming_task_function_and_value(fn, loss, message):
+    (item,) = _producer(fn, loss)
+    assert isinstance(item, RewardError), item
+    assert "generation" not in str(item)
+    with pytest.raises(RewardError, match=message):
+        raise item
+
+
+def test_invalid_rewards_skip_mode_skips_and_counts_those_prompts():
+    def half_nan(ps, texts):   # the prompts with an even index get one NaN completion
+        return [float("nan") if p.index % 2 == 0 and i % 4 == 0 else float(len(t) % 2 + i % 2)
+                for i, (p, t) in enumerate(zip(ps, texts))]
+
+    (batch,) = _producer(half_nan, "grpo", invalid_rewards="skip", skip_uniform_groups=False)
+    assert not isinstance(batch, BaseException), batch
+    assert batch.stats["reward/invalid_prompts"] >= 1
+    assert batch.stats["reward/invalid_completions"] == batch.stats["reward/invalid_prompts"]
+    assert batch.stats["pairs/skipped_prompts"] >= batch.stats["reward/invalid_prompts"]
+    assert all(g.prompt.index % 2 == 1 for g in batch.groups)
+    assert all(math.isfinite(r.reward) for g in batch.groups for r in g.rollouts)
+    assert math.isfinite(batch.stats["reward/mean"])
+
+
+@pytest.mark.parametrize("loss", ["online_dpo", "grpo", "rloo", "ppo"])
+def test_huge_finite_rewards_never_overflow_the_normaliser(loss):
+    (batch,) = _producer(_huge, loss)
+    assert not isinstance(batch, BaseException), batch
+    for key in ("reward/mean", "task/math/reward_norm_mean", "task/math/reward_per_token"):
+        assert math.isfinite(batch.stats[key]), (key, batch.stats[key])
+    for g in batch.groups:
+        assert all(math.isfinite(r) for r in (g.loss_rewards or g.rewards))
+
+
+def test_normaliser_statistics_of_1e300_rewards_are_exact_and_finite():
+    from megatron_rlhf.rewards.reward_model import RunningRewardNormalizer
+
+    n = RunningRewardNormalizer()
+    n.update("t", [1e300, 3e300])
+    n.update("t", [-1e300, 1e300])
+    count, mean, std = n.stats("t")
+    assert count == 4 and mean == pytest.approx(1e300) and std == pytest.approx(math.sqrt(2) * 1e300)
+    z = n.normalize("t", [1e300, 3e300, -1.7e308])
+    assert z[0] == pytest.approx(0.0, abs=1e-12) and z[1] == pytest.approx(math.sqrt(2))
+    assert all(math.isfinite(v) for v in z)
+    m = RunningRewardNormalizer()
+    m.load_state_dict(json.loads(json.dumps(n.state_dict())))
+    assert m.stats("t") == n.stats("t")
+
+
+# ------------------------------------------------------------------------- data (failure 8)
+def test_invalid_utf8_lines_are_skipped_and_counted_never_altered(tmp_path):
+    from megatron_rlhf.data.jsonrecords import read_json_records
+
+    f = tmp_path / "d.jsonl"
+    f.write_bytes(b'{"input": "Caf\xe9 has 0 cr\xe8mes", "target": "1"}\n'
+                  b'{"input": "Caf\xc3\xa9 has 2", "target": "2"}\n')
+    recs, bad = read_json_records(f)
+    assert bad == 1 and recs[0] is None and recs[1] == {"input": "Café has 2", "target": "2"}
+    arr = tmp_path / "d.json"
+    arr.write_bytes(b'[\n{"input": "ok"},\n{"input": "cr\xe8me"}\n]')
+    with pytest.raises(ValueError, match="line 3 is not valid UTF-8"):
+        read_json_records(arr)
