@@ -173,3 +173,91 @@ def test_invalid_utf8_lines_are_skipped_and_counted_never_altered(tmp_path):
     arr.write_bytes(b'[\n{"input": "ok"},\n{"input": "cr\xe8me"}\n]')
     with pytest.raises(ValueError, match="line 3 is not valid UTF-8"):
         read_json_records(arr)
+
+
+# ------------------------------------------------------------------------- metrics (failure 2)
+CRASHES = [  # (rows on disk when the driver died, step of the last complete checkpoint, rows after the resumed run)
+    ([1, 2, 3], 2, [1, 2, 3]),                    # killed after row 3, before its checkpoint
+    ([1, 2, 3, 4, 5], 3, [1, 2, 3, 4, 5, 6]),     # checkpoint.interval=3, killed after row 5
+    ([1, 2, 3, 3, 4], 4, [1, 2, 3, 4, 5, 6]),     # a duplicate left by an older version
+    ([1, 2], 0, [1, 2, 3]),                       # no checkpoint yet: the run starts over
+]
+
+
+def _row(step, tag):
+    from megatron_rlhf.trainer.metrics import REQUIRED_KEYS
+
+    return {**{k: 0.0 for k in REQUIRED_KEYS}, "step": step, "weight_version": step, "tag": tag,
+            "time/step_s": 1.0}
+
+
+@pytest.mark.parametrize("on_disk, ckpt_step, after", CRASHES)
+def test_metrics_hold_one_row_per_step_after_crash_and_resume(tmp_path, on_disk, ckpt_step, after):
+    from megatron_rlhf.config import LoggingConfig
+    from megatron_rlhf.trainer.metrics import MetricsLogger, summarize
+
+    lines = [json.dumps(_row(s, "old")) for s in on_disk]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 9, "torn')
+    logger = MetricsLogger(tmp_path, LoggingConfig(), resume_step=ckpt_step)
+    for s in range(ckpt_step + 1, after[-1] + 1):
+        logger.log(_row(s, "new"))
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == after
+    assert [r["tag"] for r in rows] == ["old"] * ckpt_step + ["new"] * (len(after) - ckpt_step)
+    (aside,) = tmp_path.glob(f"metrics.crash-resumed_at_step_{ckpt_step}-*.jsonl")
+    moved = aside.read_text().splitlines()
+    assert len(moved) == len(on_disk) - ckpt_step + 1 and moved[-1] == '{"step": 9, "torn'
+    assert summarize(logger.rows, 1.0)["steps"] == len(after) == len(logger.rows)
+
+
+# ------------------------------------------------------------------------- folders and disk (failure 5)
+def _fails_like_a_full_disk(tmp):
+    (tmp / "learner").mkdir()
+    with open("/dev/full", "wb") as f:          # the kernel answers ENOSPC
+        f.write(b"x" * 4096)
+        f.flush()
+
+
+def _iostream_error(tmp):
+    (tmp / "learner").mkdir()
+    (tmp / "learner" / "part.distcp").write_bytes(b"x" * 10)
+    raise RuntimeError("basic_ios::clear: iostream error")
+
+
+SAVE_FAILURES = [  # (what is in the way or fails, disk free bytes seen after the failure, message)
+    ("step_file", None, r"step_2 is a file, not a checkpoint folder"),
+    ("enospc", None, r"cannot save checkpoint step 2 into .*\.tmp-step_2-\d+: no space left on device"),
+    ("iostream", 1024, r"cannot save checkpoint step 2 into .*: no space left on device \(0\.0 MiB free"),
+    ("iostream", None, r"cannot save checkpoint step 2 into .*: RuntimeError: basic_ios::clear"),
+]
+
+
+@pytest.mark.parametrize("case, free, message", SAVE_FAILURES)
+def test_failed_save_names_path_and_cause_and_keeps_the_last_checkpoint(tmp_path, monkeypatch, case,
+                                                                         free, message):
+    import shutil
+    from collections import namedtuple
+
+    from megatron_rlhf.trainer.checkpoint import CheckpointError, CheckpointManager
+
+    ckpts = CheckpointManager(tmp_path / "checkpoints", keep_last=2)
+    ckpts.save(1, {"step": 1}, lambda tmp: (tmp / "learner").mkdir())
+    if case == "step_file":
+        (tmp_path / "checkpoints" / "step_2").write_text("not a checkpoint")
+    if free is not None:
+        usage = namedtuple("usage", "total used free")
+        monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 10**9 - free, free))
+    write = _fails_like_a_full_disk if case == "enospc" else _iostream_error if case == "iostream" else None
+    with pytest.raises(CheckpointError, match=message):
+        ckpts.save(2, {"step": 2}, write or (lambda tmp: None))
+    path, state = ckpts.latest()
+    assert path.name == "step_1" and state == {"step": 1}
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
+
+
+def test_a_file_where_the_checkpoint_folder_goes_is_named(tmp_path):
+    from megatron_rlhf.trainer.checkpoint import CheckpointError, CheckpointManager
+
+    (tmp_path / "checkpoints").write_text("")
+    with pytest.raises(CheckpointError, match=r"checkpoint folder .*checkpoints.*a file is in the way"):
+        CheckpointManager(tmp_path / "checkpoints")
