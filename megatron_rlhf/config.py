@@ -367,8 +367,9 @@ class AlgorithmConfig:
     """KL to the reference: grpo adds ``kl_beta * k3`` to the loss; ppo/rloo/proximal_rloo put
     ``-kl_beta * (log pi_old - log pi_ref)`` into the reward (Ouyang et al. 2022 eq. 2)."""
     tis_cap: float | None = 2.0
-    """Truncated importance sampling cap of ``pi_old / pi_generator`` per token (policy-gradient
-    losses); None disables."""
+    """Truncated importance sampling cap of ``pi_old / pi_generator`` per token (grpo, ppo,
+    proximal_rloo; plain rloo, which has no pi_old, weights by ``pi_theta / pi_generator``); it
+    corrects stale (asynchronous) samples and vLLM's numerics. None disables."""
     loss_agg: str | None = None
     """``sequence_sum`` (no length normalisation), ``sequence_token_mean`` or ``token_mean``;
     None: the loss's default (grpo/rloo: sequence_sum, ppo/best_of_k_sft: token_mean)."""

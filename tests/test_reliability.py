@@ -20,6 +20,7 @@ from megatron_rlhf.data.mix import MultiTaskSampler
 from megatron_rlhf.generator.weight_sync import PublishedWeights
 from megatron_rlhf.rollout.pairs import select_pair
 from megatron_rlhf.trainer.rollout import RewardError, RolloutProducer, WeightChannel
+from tests.test_learner_losses import _groups, _params, _vocab, make_learner  # noqa: F401 - fixture
 from tests.test_producer import FakePool, _prompts
 
 REPO = Path(__file__).resolve().parents[1]
@@ -261,3 +262,52 @@ def test_a_file_where_the_checkpoint_folder_goes_is_named(tmp_path):
     (tmp_path / "checkpoints").write_text("")
     with pytest.raises(CheckpointError, match=r"checkpoint folder .*checkpoints.*a file is in the way"):
         CheckpointManager(tmp_path / "checkpoints")
+
+
+# ------------------------------------------------------------------------- rloo with stale samples
+def test_rloo_weights_each_token_by_the_truncated_ratio_to_the_generator():
+    import torch
+
+    from megatron_rlhf.losses.rloo import rloo_loss
+
+    lp = torch.tensor([[-1.0, -2.0], [-0.5, -1.5]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    gen = lp.detach() - torch.log(torch.tensor([[1.5, 0.5], [3.0, 1.0]]))  # pi/pi_gen = 1.5, 0.5, 3 -> cap 2
+    adv = torch.tensor([1.0, -2.0])
+    loss, m = rloo_loss(lp, adv, mask, generator_logprobs=gen, tis_cap=2.0)
+    w = torch.tensor([[1.5, 0.5], [2.0, 0.0]])
+    expect = (-(1.0 * (1.5 * -1.0 + 0.5 * -2.0)) - (-2.0 * 2.0 * -0.5)) / 2   # sequence_sum / N
+    assert float(loss) == pytest.approx(expect)
+    loss.backward()
+    torch.testing.assert_close(lp.grad, -adv[:, None] * w / 2)
+    assert float(m["tis/capped_frac"]) == pytest.approx(1 / 3)
+    on_policy, _ = rloo_loss(lp, adv, mask, generator_logprobs=lp.detach(), tis_cap=2.0)
+    plain, _ = rloo_loss(lp, adv, mask)
+    assert float(on_policy) == pytest.approx(float(plain))   # fresh samples: weight 1, plain RLOO
+
+
+# ------------------------------------------------------------------------- learner (failure 1)
+@pytest.mark.timeout(180)
+def test_learner_skips_a_step_with_a_nonfinite_loss_and_leaves_weights_unchanged(make_learner, tiny_llama_dir):
+    """Rewards of 1e300 are finite in Python but inf in the learner's float32: GRPO's advantages
+    and loss become NaN. The update is skipped (no optimizer step), counted, and the next, finite
+    batch trains normally."""
+    import dataclasses
+
+    import torch
+
+    from megatron_rlhf.types import LearnerBatch
+
+    vocab = _vocab(tiny_llama_dir)
+    learner = make_learner(tiny_llama_dir, "grpo")
+    groups = _groups(vocab, num_prompts=2)
+    huge = [dataclasses.replace(g, loss_rewards=tuple(1e300 * (i % 2) for i in range(len(g.rollouts))))
+            for g in groups]
+    before = _params(learner)
+    m = learner.train_step(LearnerBatch.from_groups(huge, "group", pad_id=1, pad_to_multiple=4))
+    assert m["train/skipped_nonfinite"] == 1.0 and m["train/update_ok"] == 0.0
+    assert math.isnan(m["grad/norm"]) and learner.weight_version == 1
+    assert all(torch.equal(before[n], p) for n, p in _params(learner).items())
+    m = learner.train_step(LearnerBatch.from_groups(groups, "group", pad_id=1, pad_to_multiple=4))
+    assert m["train/skipped_nonfinite"] == 0.0 and math.isfinite(m["grad/norm"])
+    assert any(not torch.equal(before[n], p) for n, p in _params(learner).items())
