@@ -1,6 +1,6 @@
 """Reliability (issue 16): nothing trains on garbage, nothing is written twice or outside the run
-folder, and every failure names its cause. Unit-level tests (no Ray, no vLLM); the end-to-end
-ones are in ``tests/test_reliability_loop.py``.
+folder, and every failure names its cause. Unit-level tests (no Ray, no vLLM; the learner
+in-process); the end-to-end ones are in ``tests/test_reliability_loop.py``.
 
 Bad-input tests are tables: a new case is one line.
 """
@@ -118,6 +118,24 @@ def test_invalid_rewards_stop_the_run_naming_task_function_and_value(fn, loss, m
     assert "generation" not in str(item)
     with pytest.raises(RewardError, match=message):
         raise item
+
+
+def test_loop_reports_a_reward_failure_as_the_reward_of_the_task_not_as_generation():
+    """The loop turns what the producer put on its queue into ProducerError: a reward failure keeps
+    the producer's message (task and reward function), anything else is a generation failure."""
+    from megatron_rlhf.trainer.loop import _take
+    from megatron_rlhf.trainer.rollout import ProducerError
+
+    stop = type("Stop", (), {"requested": False})()
+    for item, message in [
+            (RewardError("the reward of task 'math' (tests.plugins:x) failed: reward 1 = nan is not finite"),
+             r"^the reward of task 'math' \(tests\.plugins:x\) failed: reward 1 = nan"),
+            (RuntimeError("engine died"), r"^generation failed: RuntimeError: engine died")]:
+        q: queue.Queue = queue.Queue()
+        q.put(item)
+        with pytest.raises(ProducerError, match=message) as info:
+            _take(q, 5.0, stop)
+        assert info.value.__cause__ is item
 
 
 def test_invalid_rewards_skip_mode_skips_and_counts_those_prompts():
@@ -311,3 +329,102 @@ def test_learner_skips_a_step_with_a_nonfinite_loss_and_leaves_weights_unchanged
     m = learner.train_step(LearnerBatch.from_groups(groups, "group", pad_id=1, pad_to_multiple=4))
     assert m["train/skipped_nonfinite"] == 0.0 and math.isfinite(m["grad/norm"])
     assert any(not torch.equal(before[n], p) for n, p in _params(learner).items())
+
+
+# ------------------------------------------------------------------------- pre-flight (failures 3, 5, 6)
+def _copy_model(src: Path, dst: Path, skip=lambda name: False) -> Path:
+    import shutil
+
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.is_file() and not skip(f.name):
+            shutil.copy(f, dst / f.name)
+    return dst
+
+
+def _empty(src, dst):
+    dst.mkdir()
+    return dst, []
+
+
+def _config_only(src, dst):
+    return _copy_model(src, dst, lambda n: n.endswith(".safetensors")), []
+
+
+def _gpt2(src, dst):
+    d = _copy_model(src, dst)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(model_type="gpt2", architectures=["GPT2LMHeadModel"], n_embd=128, n_layer=2, n_head=4)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d, []
+
+
+def _no_tokenizer(src, dst):
+    return _copy_model(src, dst, lambda n: "token" in n or n in ("vocab.json", "merges.txt")), []
+
+
+def _truncated_weights(src, dst):
+    d = _copy_model(src, dst)
+    f = next(d.glob("*.safetensors"))
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    return d, []
+
+
+def _plugin(code: str):
+    def make(src, dst):
+        pkg = dst.parent / "plugins_pf"
+        pkg.mkdir(exist_ok=True)
+        (pkg / "bad_reward.py").write_text(code)
+        return src, [f"tasks.0.reward=bad_reward:score"]
+    return make
+
+
+def _file_at(rel: str, key: str):
+    def make(src, dst):
+        out = dst.parent / "out"
+        target = out / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text("I am a file")
+        return src, [f"run.output_dir={out / key}", "run.name=r"]
+    return make
+
+
+PREFLIGHT = [  # (how the model folder / config is broken, what the error must say)
+    (_empty, r"'model\.source'.*has no config\.json, so it is no Hugging Face model folder"),
+    (_config_only, r"'model\.source'.*has config\.json but no \*\.safetensors"),
+    (_gpt2, r"'model\.source'.*model_type='gpt2' is not supported.*llama"),
+    (_no_tokenizer, r"'model\.source'.*no usable tokenizer in"),
+    (_truncated_weights, r"'model\.source'.*weights file .*\.safetensors is corrupt or truncated"),
+    (lambda s, d: (s, ["generators.max_model_len=4096"]),
+     r"'generators\.max_model_len' = 4096.*max_position_embeddings=1024 \(1024 positions"),
+    (_plugin("def score(:\n"), r"'tasks\[math\]\.reward'.*SyntaxError.*bad_reward\.py, line 1"),
+    (_plugin("raise RuntimeError('no GPU here')\n"), r"'tasks\[math\]\.reward'.*RuntimeError: no GPU here"),
+    (_plugin("import sys\nsys.exit(3)\n"), r"'tasks\[math\]\.reward'.*SystemExit"),
+    (_plugin("score = 0.5\n"), r"bad_reward\.score is a float, not a function"),
+    (_plugin("other = 1\n"), r"module 'bad_reward' has no 'score'"),
+    (_file_at("x", "x"), r"'run\.output_dir'.*out/x is a file, but the run needs a folder"),
+    (_file_at("o/r", "o"), r"'run\.name'.*o/r is a file, but the run needs a folder"),
+    (_file_at("o/r/checkpoints", "o"), r"checkpoints is a file, but the run needs a folder"),
+    (_file_at("x", "x/deeper"), r"'run\.output_dir': cannot write the run folder .*Not a directory"),
+]
+
+
+@pytest.mark.parametrize("breaks, message", PREFLIGHT, ids=[str(i) for i in range(len(PREFLIGHT))])
+def test_preflight_stops_before_any_actor_naming_key_and_cause(tiny_llama_dir, tmp_path, monkeypatch,
+                                                               breaks, message):
+    import sys
+
+    import ray
+
+    from megatron_rlhf.trainer.run import Run
+
+    monkeypatch.syspath_prepend(str(tmp_path / "plugins_pf"))
+    sys.modules.pop("bad_reward", None)
+    model, overrides = breaks(tiny_llama_dir, tmp_path / "model")
+    cfg = load_config(REPO / "configs" / "ci_tiny.yaml", [
+        f"model.source={model}", f"run.output_dir={tmp_path / 'runs'}", "logging.progress=false",
+        "tasks.0.reward=tests.plugins:char_parity", *overrides])
+    with pytest.raises(ConfigError, match=message):
+        Run.open(cfg, quiet=True)
+    assert not ray.is_initialized()
+    sys.modules.pop("bad_reward", None)

@@ -81,13 +81,16 @@ class CheckpointManager:
         path = ckpts[-1][1]
         return path, json.loads((path / "trainer_state.json").read_text())
 
-    def save(self, step: int, trainer_state: dict, write_fn: Callable[[Path], None]) -> Path:
+    def save(self, step: int, trainer_state: dict, write_fn: Callable[[Path], None], *,
+             passthrough: tuple[type[BaseException], ...] = ()) -> Path:
         """Write checkpoint ``step_<step>`` atomically.
 
         Args:
             step: 1-based step number (learner batches finished).
             trainer_state: JSON-serialisable state (step, weight_version, sampler position, ...).
             write_fn: called with the temporary folder; writes the learner's files into it.
+            passthrough: exception types of ``write_fn`` re-raised as they are (after the cleanup),
+                not wrapped in :class:`CheckpointError` (errors that already name their cause).
         Returns:
             The final ``step_<step>`` path.
         Raises:
@@ -117,6 +120,9 @@ class CheckpointManager:
                 shutil.rmtree(final)
             os.rename(tmp, final)
             _fsync_dir(self.root)
+        except passthrough:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         except Exception as e:
             cause = _cause(e, self.root)   # before the cleanup frees the space
             shutil.rmtree(tmp, ignore_errors=True)

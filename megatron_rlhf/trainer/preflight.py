@@ -102,13 +102,24 @@ def check_model_folder(cfg: Config, model_dir: Path) -> None:
                         pipeline_parallel=cfg.learner.pipeline_parallel)
     except ValueError as e:
         raise ConfigError(str(e)) from e
-    positions = getattr(hf, "max_position_embeddings", None)
-    if positions and not getattr(hf, "rope_scaling", None) and cfg.generators.max_model_len > positions:
+    positions = _max_positions(hf)
+    if positions and cfg.generators.max_model_len > positions:
         raise ConfigError(f"config key 'generators.max_model_len' = {cfg.generators.max_model_len} is "
-                          f"invalid: the model ({model_dir}) has max_position_embeddings={positions}; "
+                          f"invalid: the model ({model_dir}) has max_position_embeddings="
+                          f"{hf.max_position_embeddings} ({positions} positions with its RoPE scaling); "
                           f"set it to at most {positions}")
     _check_tokenizer(key, model_dir)
     _check_safetensors(key, model_dir)
+
+
+def _max_positions(hf) -> int | None:
+    """The context the model supports: ``max_position_embeddings`` times the RoPE scaling factor
+    of a scaled RoPE (``rope_type`` other than ``default``), as vLLM derives it."""
+    positions = getattr(hf, "max_position_embeddings", None)
+    scaling = getattr(hf, "rope_scaling", None) or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    factor = float(scaling.get("factor", 1.0)) if kind not in ("default", None) else 1.0
+    return int(positions * factor) if positions else None
 
 
 def _check_tokenizer(key: str, model_dir: Path) -> None:

@@ -210,8 +210,12 @@ class Run:
     def publish(self, version: int) -> None:
         """Export the learner's weights of ``version`` through the transport and publish them to
         the producer, which pushes them to the engines."""
-        with _learner_guard(f"the weight publish of version {version}", self.ckpts):
+        what = f"the weight publish of version {version}"
+        with _learner_guard(what, self.ckpts):
             weights = self.transport.publish(self.learner, version, self.timeout, self.probe)
+        # the object-store transport only waits for the export's ref, which is ready (as an error)
+        # when the learner died: a call queued behind the export confirms it, cheaply
+        self.call(self.learner.get_weight_version.remote(), what)
         self.channel.publish(weights)
 
     def save(self, step: int, version: int, batch) -> int:
@@ -219,7 +223,8 @@ class Run:
         state = {"step": step, "weight_version": version, "sampler_state": batch.sampler_state,
                  "rng_state": batch.rng_state, "producer_state": batch.producer_state, "time": time.time()}
         self.ckpts.save(step, state, lambda tmp: self.call(
-            self.learner.save_checkpoint.remote(str(tmp / "learner")), f"checkpoint save of step {step}"))
+            self.learner.save_checkpoint.remote(str(tmp / "learner")), f"checkpoint save of step {step}"),
+            passthrough=(LearnerDiedError,))
         return step
 
     def finish(self, done: int, wall_s: float, stopped_early: bool) -> RunResult:
