@@ -143,9 +143,12 @@ class GeneratorPool:
                ) -> Iterator[tuple[list[Prompt], list[list[Completion]]]]:
         """Keep every worker busy while ``draw`` gives prompts; yield each request as it finishes.
 
-        No round barrier: a worker whose request finished gets its next prompts (``draw()``) at
-        once, before its completions are handed to the caller (who scores them while the workers
-        keep generating). Ends when nothing runs and ``draw()`` gave no prompt to any free worker.
+        No round barrier: each finished request is handed to the caller at once (who scores it
+        while the other workers keep generating), and right after that the free worker gets its
+        next prompts if ``draw()`` still has any. Refilling after the caller's turn, not before,
+        lets ``draw()`` see the finished request's scores: a request that completes the batch
+        does not start another one that would only be waited for. Ends when nothing runs and
+        ``draw()`` gave no prompt to any free worker.
 
         Args:
             n: completions per prompt (K).
@@ -165,7 +168,8 @@ class GeneratorPool:
         ``generator/<i>/idle_s`` counts the seconds worker i had no request while ``draw()``
         still gave prompts: from when its result was seen (or, for a result found ready when
         the caller handed control back, from when the pool yielded: an upper bound) to its next
-        submission. Time with nothing to draw (batch complete, staleness handshake) is not idle.
+        submission, so it includes the caller's scoring of that result. Time with nothing to
+        draw (batch complete, staleness handshake) is not idle.
         """
         import ray
 
@@ -188,7 +192,6 @@ class GeneratorPool:
             if groups is None:
                 continue
             free[w.index] = yielded_at if yielded_at is not None else time.perf_counter()
-            self._fill(free, pending, n, draw)
             t_yield = time.perf_counter()
             yield prompts, groups
             yielded_at = t_yield
