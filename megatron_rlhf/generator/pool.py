@@ -3,8 +3,8 @@
 Used by the rollout producer (one controller thread; the pool is not thread-safe):
 
 * :meth:`GeneratorPool.stream` keeps every worker busy while the caller's ``draw()`` gives
-  prompts: a worker whose request finished gets its next prompts at once, and each finished
-  request is yielded (for scoring) as it arrives: no round barrier across workers. Remote waits
+  prompts: each finished request is yielded (for scoring) as it arrives, and its worker gets its
+  next prompts right after: no round barrier across workers. Remote waits
   use ``ray.wait`` (bounded by ``timeout_s`` per request). With a ``refresh`` callable (inflight
   updates) a newer published version is pushed to every worker as soon as it appears, also to
   workers whose requests are running (``VLLMGenerator`` loads it between engine steps).

@@ -335,9 +335,9 @@ class RolloutProducer:
     def _make_batch(self, k: int, sync: dict, idle_s: float) -> RolloutBatch:
         """Batch ``k``: stream requests through the pool until every task holds its quota.
 
-        A free engine gets ``generators.prompts_per_request`` new prompts (split over the tasks
-        still short of their quota by ``allocate_draws``) as soon as its previous request
-        finished; each finished request is scored at once and its trainable groups counted.
+        Each finished request is scored at once and its trainable groups counted; right after,
+        its engine gets ``generators.prompts_per_request`` new prompts (split over the tasks
+        still short of their quota by ``allocate_draws``) if a quota is still short.
         When the quotas are met, requests still running are waited for (at most one per
         engine); their groups count as surplus.
         """
