@@ -298,7 +298,9 @@ class LearnerConfig:
     micro_batch_size: int = 2
     """Sequences per forward/backward (a DPO pair is 2 sequences)."""
     distributed_optimizer: bool = False
-    """Shard fp32 master weights and Adam state over DP ranks (megatron-core DistributedOptimizer)."""
+    """Shard fp32 master weights and Adam state over DP ranks (megatron-core DistributedOptimizer);
+    checkpoints save the sharded state with dist_checkpointing and resume at another
+    data_parallel (same tensor_parallel and pipeline_parallel)."""
     sequence_parallel: bool = True
     """Megatron sequence parallelism when tensor_parallel > 1."""
     recompute: str = "none"

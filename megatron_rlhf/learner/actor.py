@@ -710,13 +710,11 @@ class MegatronLearner:
     # ----------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, path: str) -> None:
         """Save policy and reference (megatron ``dist_checkpointing``, torch_dist format, under
-        ``path/policy`` and ``path/reference``: every rank writes its own shards) and the
-        optimizer, LR scheduler, RNG states and ``weight_version`` (``torch.save``: rank 0 to
-        ``path/learner_state.pt``, rank r > 0 to ``path/learner_state.rank<r>.pt``). ``path`` is
-        created. Collective over all ranks.
-
-        Raises:
-            NotImplementedError: with ``learner.distributed_optimizer=true`` (not supported yet).
+        ``path/policy`` and ``path/reference``: every rank writes its own shards), the optimizer
+        (with ``learner.distributed_optimizer``: its sharded state under ``path/policy_optimizer``,
+        else in the state file), LR scheduler, RNG states and ``weight_version`` (``torch.save``:
+        rank 0 to ``path/learner_state.pt``, rank r > 0 to ``path/learner_state.rank<r>.pt``).
+        ``path`` is created. Collective over all ranks (:mod:`megatron_rlhf.learner.checkpoint`).
         """
         save_learner_checkpoint(self, Path(path))
 
@@ -725,6 +723,9 @@ class MegatronLearner:
 
         Raises:
             FileNotFoundError: ``path`` is not a complete learner checkpoint.
+            ValueError: the checkpoint's layout cannot be resumed by this learner (a TP/PP
+                change, a DP change without the distributed optimizer; see
+                :func:`megatron_rlhf.learner.checkpoint.load_learner_checkpoint`).
         """
         self.weight_version = load_learner_checkpoint(self, Path(path))
         return self.weight_version
