@@ -17,7 +17,7 @@ from megatron_rlhf.placement import PlacementConfig, check_layout
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = {  # checked-in script -> (recipe, job name)
     "online-dpo-llama3.1-8b-2n8g.sbatch": "online-dpo-llama3.1-8b-2n8g.yaml",
-    "online-dpo-llama3.1-70b-8n8g-tp8pp4.sbatch": "online-dpo-llama3.1-70b-8n8g-tp8pp4.yaml",
+    "online-dpo-llama3.1-70b-8n8g-tp8pp2.sbatch": "online-dpo-llama3.1-70b-8n8g-tp8pp2.yaml",
     "online-dpo-qwen2.5-7b-math-chat-2n8g.sbatch": "online-dpo-qwen2.5-7b-math-chat-2n8g.yaml",
     "cpu-ci-1n0g.sbatch": "ci_slurm.yaml",
 }
