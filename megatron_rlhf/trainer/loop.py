@@ -411,7 +411,9 @@ def _preflight(cfg: Config, model_dir: Path) -> None:
 
     Raises:
         ConfigError: the model does not split over ``learner.tensor_parallel`` /
-            ``pipeline_parallel``, or ``generators.transport=nccl`` without a visible CUDA GPU.
+            ``pipeline_parallel``, a vLLM engine would not fit its device
+            (``platform.engine_args.check_engines``), or ``generators.transport=nccl`` without a
+            visible CUDA GPU.
     """
     import torch
 
@@ -422,6 +424,9 @@ def _preflight(cfg: Config, model_dir: Path) -> None:
                         pipeline_parallel=cfg.learner.pipeline_parallel)
     except ValueError as e:
         raise ConfigError(str(e)) from e
+    from megatron_rlhf.platform.engine_args import check_engines
+
+    check_engines(cfg, model_dir)   # vLLM could not build the engine: KV below one sequence, weights too big
     if cfg.generators.transport == "nccl" and not torch.cuda.is_available():
         raise ConfigError("config key 'generators.transport' = 'nccl' needs CUDA GPUs on the learner and "
                           "the generators (none is visible here); use 'object_store' or 'filesystem'")
