@@ -71,6 +71,11 @@ def _recipe(recipe: str, tmp_path: Path, *overrides: str):
     return load_config(REPO / "configs" / recipe, [f"model.source={model}", *overrides]), model
 
 
+def test_every_recipe_in_configs_has_its_expected_engine_args():
+    recipes = {p.name for p in (REPO / "configs").glob("*.yaml")} - {"base_cluster.yaml"}   # a base, not a run
+    assert recipes == set(EXPECTED), "add the new recipe's engine arguments to EXPECTED"
+
+
 @pytest.mark.timeout(60)
 def test_every_generator_key_is_either_an_engine_key_or_read_elsewhere():
     fields = {f.name for f in dataclasses.fields(GeneratorConfig)}

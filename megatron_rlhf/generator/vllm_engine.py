@@ -186,7 +186,11 @@ class VLLMGenerator:
                 of Ray ``ObjectRef`` s of such dicts (resolved here one at a time with
                 ``ray.get``, so the push does not pass through the driver), or a list of
                 ``.safetensors`` file paths (the filesystem transport; read lazily with
-                ``safe_open``; other strings are rejected). All buckets are streamed through one ``reload_weights`` call.
+                ``safe_open``; other strings are rejected). All buckets are streamed through one
+                ``reload_weights`` call. With ``tensor_parallel > 1`` every bucket is checked here
+                (path buckets by their headers) before the engine is touched, dict / ObjectRef
+                buckets are spooled to safetensors files on this node, and each worker process
+                streams the files itself (:func:`reload_safetensors_in_worker`).
             version: the learner's weight version of these weights (>= 0); stamped on every
                 completion generated afterwards.
         Returns:
@@ -197,9 +201,9 @@ class VLLMGenerator:
             FileNotFoundError: a safetensors path does not exist.
             ValueError: ``version < 0``, no tensor given, or a tensor name/shape that is not in
                 the checkpoint of ``model_dir``. Plain-dict buckets are checked before anything
-                is loaded (the engine stays usable); a bad tensor inside an ObjectRef bucket is
-                only seen mid-reload, which leaves the engine unusable (later calls raise
-                RuntimeError: build a new generator).
+                is loaded (the engine stays usable); at TP = 1 a bad tensor inside an ObjectRef
+                or path bucket is only seen mid-reload, which leaves the engine unusable (later
+                calls raise RuntimeError: build a new generator).
             RuntimeError: the prefix cache could not be reset, or the engine is unusable.
         """
         self._check_usable()
