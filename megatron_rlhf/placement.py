@@ -345,11 +345,11 @@ class ActorPlacement:
                               f"resources now: {ray.available_resources()}")
 
     @staticmethod
-    def _strategy(pg, index: int = 0):
+    def _strategy(pg, index: int = 0, capture: bool = False):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index,
-                                                placement_group_capture_child_tasks=True)
+                                                placement_group_capture_child_tasks=capture)
 
     def learner_options(self, rank: int) -> dict:
         """Ray options of learner rank ``rank``: one GPU and one CPU of bundle ``rank // g``."""
@@ -363,7 +363,7 @@ class ActorPlacement:
         tp = self.layout.engines[i]
         if self.engine_backend == "mp" or tp == 1:
             return {"num_cpus": 1, "num_gpus": tp, "scheduling_strategy": self._strategy(self.engine_pgs[i])}
-        return {"num_cpus": 0, "num_gpus": 0, "scheduling_strategy": self._strategy(self.engine_pgs[i])}
+        return {"num_cpus": 0, "num_gpus": 0, "scheduling_strategy": self._strategy(self.engine_pgs[i], capture=True)}
 
     def reward_options(self, j: int) -> dict:
         """Ray options of reward model ``j``: one GPU on a generator node."""
