@@ -32,21 +32,9 @@ def _cfg(tp=1, dp=1, **kw) -> LearnerConfig:
 
 
 def adam_state(learner) -> dict[str, dict[str, torch.Tensor]]:
-    """This rank's distributed-optimizer state by policy parameter name: ``{"start": int,
-    "fp32_param"/"exp_avg"/"exp_avg_sq": flat fp32 tensor of the range [start, start+n)}`` of the
-    parameter's flattened elements this DP rank owns (megatron-core DistributedOptimizer internals:
-    ``_get_model_param_range_map``, ``_get_main_param_and_optimizer_states``)."""
-    opt = learner.optimizer
-    opt = getattr(opt, "chained_optimizers", [opt])[0]
-    out = {}
-    for name, p in learner.policy.named_parameters():
-        if p not in opt.model_param_gbuf_map:
-            continue
-        rng = opt._get_model_param_range_map(p)["param"]
-        st = opt._get_main_param_and_optimizer_states(p)
-        out[name] = {"start": rng.start, **{k: st[k].detach().clone().flatten()
-                                            for k in ("param", "exp_avg", "exp_avg_sq")}}
-    return out
+    from megatron_rlhf.learner.checkpoint import distributed_optimizer_state
+
+    return distributed_optimizer_state(learner.optimizer, learner.policy)
 
 
 def _params(learner) -> dict[str, torch.Tensor]:
