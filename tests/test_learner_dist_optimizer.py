@@ -170,6 +170,26 @@ def test_tp2_dp2_checkpoint_resumes_exactly_and_selective_recompute_keeps_gradie
         assert sel["attention_calls"] == 2 * none["attention_calls"] > 0
 
 
+@pytest.mark.timeout(120)
+def test_a_save_before_the_first_step_leaves_training_unchanged(tiny_llama_dir, tmp_path):
+    """Saving a never-stepped distributed optimizer primes its state: that must equal a fresh Adam."""
+    from megatron_rlhf.learner.actor import MegatronLearner
+
+    kw = dict(model_dir=str(tiny_llama_dir), learner_cfg=_cfg(), algorithm_cfg=AlgorithmConfig(), total_steps=4)
+    a, b = MegatronLearner(**kw), MegatronLearner(**kw)
+    try:
+        a.save_checkpoint(str(tmp_path / "ck0"))
+        for learner in (a, b):
+            learner.train_step(_batch(seed=0))
+        pa, pb = _params(a), _params(b)
+        assert max((pa[k] - pb[k]).abs().max().item() for k in pa) == 0.0
+        assert b.load_checkpoint(str(tmp_path / "ck0")) == 0   # and it loads (step 0, zero moments)
+        assert all(s["exp_avg"].abs().max() == 0 for s in adam_state(b).values())
+    finally:
+        b.close()
+        a.close()
+
+
 @pytest.mark.timeout(30)
 def test_resume_rules_allow_a_dp_change_only_with_the_distributed_optimizer_and_map_state_files():
     from types import SimpleNamespace as NS

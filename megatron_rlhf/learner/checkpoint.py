@@ -95,14 +95,22 @@ def _prime_empty_state(optimizer) -> None:
     ``DistributedOptimizer.state_dict()`` reads the step from the per-parameter state and asserts
     one exists (megatron-core 0.16.1 to 0.19 ``distrib_optimizer.py``), so a fresh optimizer
     cannot build its loading state dict; Megatron-LM never hits it because it loads into TE's
-    FusedAdam, whose step lives in the param groups. The real tensors and step are overwritten by
-    the checkpoint right after."""
+    FusedAdam, whose step lives in the param groups. ``load_state_dict`` allocates the moments with
+    ``torch.empty``; they are zeroed here, so the primed state is exactly a fresh Adam state (step 0,
+    zero moments) and training on after a save at step 0 is unchanged. On load the checkpoint
+    overwrites it."""
     for opt in _distributed_optimizers(optimizer):
         if len(opt.optimizer.state):
             continue
         groups = [{k: v for k, v in g.items() if k != "params"} | {"step": 0}
                   for g in opt.optimizer.state_dict()["param_groups"]]
-        opt.load_state_dict({"optimizer": {"param_groups": groups}})
+        with torch.no_grad():
+            opt.load_state_dict({"optimizer": {"param_groups": groups}})
+            for st in opt.optimizer.state.values():
+                for k, v in st.items():
+                    if torch.is_tensor(v) and k != "step":
+                        v.zero_()
+    _unshare_steps(optimizer)
 
 
 def _save_optimizer(optimizer, model, groups, folder: Path) -> None:
