@@ -316,6 +316,10 @@ class OptimizerConfig:
                self.lr_decay, "one of constant, linear, cosine")
 
 
+RECOMPUTE_MODULES = ("core_attn", "mlp")
+"""``learner.recompute_modules`` choices: megatron's selective-recompute modules of a dense model."""
+
+
 @dataclass(kw_only=True)
 class LearnerConfig:
     """The Megatron learner group (policy + frozen reference + optimizer)."""
@@ -332,7 +336,20 @@ class LearnerConfig:
     sequence_parallel: bool = True
     """Megatron sequence parallelism when tensor_parallel > 1."""
     recompute: str = "none"
-    """Activation recomputation: ``none`` or ``full`` (every layer, uniform)."""
+    """Activation recomputation (megatron ``recompute_granularity``): ``none``, ``full`` (every
+    layer recomputed from its input, uniform) or ``selective`` (only ``recompute_modules``)."""
+    recompute_modules: list[str] = field(default_factory=lambda: ["core_attn"])
+    """With ``recompute: selective``: the layer parts recomputed in backward (megatron
+    ``recompute_modules``, dense models): ``core_attn`` (attention scores/softmax; refused with TE's
+    fused attention, which keeps no score matrix) and ``mlp`` (the whole SwiGLU MLP). Megatron's
+    ``layernorm`` is not offered: with the TE spec the norms are fused into the next linear, and
+    without TE megatron-core 0.16-0.19's ``CheckpointWithoutOutput`` takes its fp8 branch and
+    fails. Default megatron's ``["core_attn"]``."""
+    max_tokens_per_microbatch: int = 0
+    """Token budget of a micro-batch (0 = off: ``micro_batch_size`` sequences each). When set,
+    sequences sorted by length are packed into micro-batches of at most this many tokens
+    (rows x padded length; pairs and groups kept whole where the loss needs them, a unit longer
+    than the budget gets a micro-batch of its own); ``micro_batch_size`` then only caps the rows."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     ref_sync_interval: int = 0
     """Copy policy -> reference every r learner batches (0 = never; Lanchantin et al. 2025)."""
@@ -346,7 +363,14 @@ class LearnerConfig:
                "an integer >= 1")
         for k in ("tensor_parallel", "pipeline_parallel", "data_parallel", "micro_batch_size"):
             _check(getattr(self, k) >= 1, f"learner.{k}", getattr(self, k), "an integer >= 1")
-        _check(self.recompute in ("none", "full"), "learner.recompute", self.recompute, "none or full")
+        _check(self.recompute in ("none", "full", "selective"), "learner.recompute", self.recompute,
+               "none, full or selective")
+        bad = sorted(set(self.recompute_modules) - set(RECOMPUTE_MODULES))
+        _check(not bad and (self.recompute_modules or self.recompute != "selective"),
+               "learner.recompute_modules", self.recompute_modules,
+               f"a non-empty subset of {list(RECOMPUTE_MODULES)} (megatron's dense-model choices)")
+        _check(self.max_tokens_per_microbatch >= 0, "learner.max_tokens_per_microbatch",
+               self.max_tokens_per_microbatch, "0 (off) or a token budget >= 1")
         _check(self.ref_sync_interval >= 0, "learner.ref_sync_interval", self.ref_sync_interval, ">= 0")
 
 

@@ -35,7 +35,7 @@ HF_CONFIGS = {
 }
 CLUSTER = {  # recipe -> its model
     "online-dpo-llama3.1-8b-2n8g.yaml": "llama3.1-8b",
-    "online-dpo-llama3.1-70b-8n8g-tp8pp4.yaml": "llama3.1-70b",
+    "online-dpo-llama3.1-70b-8n8g-tp8pp2.yaml": "llama3.1-70b",
     "online-dpo-qwen2.5-7b-math-chat-2n8g.yaml": "qwen2.5-7b",
 }
 CPU_RECIPES = ("cpu_demo.yaml", "ci_tiny.yaml", "ci_slurm.yaml")
@@ -44,7 +44,7 @@ GPU_COMMON = {"dtype": "bfloat16", "seed": 0, "max_model_len": 2048, "max_num_se
               "logprobs_mode": "processed_logprobs", "gpu_memory_utilization": 0.9, "enforce_eager": False}
 EXPECTED = {  # recipe -> exact LLM(...) keyword arguments of each engine (model path aside)
     "online-dpo-llama3.1-8b-2n8g.yaml": {**GPU_COMMON, "tensor_parallel_size": 1},
-    "online-dpo-llama3.1-70b-8n8g-tp8pp4.yaml": {**GPU_COMMON, "tensor_parallel_size": 4,
+    "online-dpo-llama3.1-70b-8n8g-tp8pp2.yaml": {**GPU_COMMON, "tensor_parallel_size": 4,
                                                  "distributed_executor_backend": "mp"},
     "online-dpo-qwen2.5-7b-math-chat-2n8g.yaml": {**GPU_COMMON, "tensor_parallel_size": 1},
     "cpu_demo.yaml": {"dtype": "float32", "seed": 0, "max_model_len": 512, "tensor_parallel_size": 1,
@@ -160,7 +160,7 @@ def test_llama8b_engine_numbers_match_hand_calculation(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_70b_engine_on_one_gpu_is_refused_with_the_numbers(tmp_path):
-    cfg, model = _recipe("online-dpo-llama3.1-70b-8n8g-tp8pp4.yaml", tmp_path, "generators.tensor_parallel=1")
+    cfg, model = _recipe("online-dpo-llama3.1-70b-8n8g-tp8pp2.yaml", tmp_path, "generators.tensor_parallel=1")
     with pytest.raises(ConfigError, match=r"weights 131\.\d\d GiB .* exceed the 72\.00 GiB.*generators\.tensor_parallel"):
         ea.check_engines(cfg, model)
 
@@ -220,7 +220,7 @@ def test_plan_memory_reads_the_engine_args_and_reports_the_same_kv_room(tmp_path
         row = pm.plan(shape, None, gen, gpu_mem_gib=mem)["generator"]
         assert row["kv_capacity_seqs"] == ea.check_engines(cfg, model).full_sequences
         assert row["fits"] and not row["problems"]
-    cfg, model = _recipe("online-dpo-llama3.1-70b-8n8g-tp8pp4.yaml", tmp_path, "generators.tensor_parallel=1")
+    cfg, model = _recipe("online-dpo-llama3.1-70b-8n8g-tp8pp2.yaml", tmp_path, "generators.tensor_parallel=1")
     shape, _lay, gen, mem = pm.layouts_from_config(cfg)
     row = pm.plan(shape, None, gen, gpu_mem_gib=mem)["generator"]
     assert not row["fits"] and "weights 131." in row["problems"][0]

@@ -133,7 +133,7 @@ class MegatronLearner:
     Raises:
         ValueError: ``world_size`` differs from the configured layout, the model cannot be
             split (heads / query groups / FFN not divisible by TP, layers not by PP), or
-            ``learner.recompute=full`` on CPU, or ``temperature <= 0``.
+            ``learner.recompute`` modules the platform refuses, or ``temperature <= 0``.
     Attributes:
         weight_version: number of batches trained (restored by ``load_checkpoint``).
         critic: the PPO critic (``algorithm.loss=ppo``), else None.
@@ -207,12 +207,7 @@ class MegatronLearner:
         """TransformerConfig fields for GPU-only kernels: fused SwiGLU (megatron's jit
         ``bias_swiglu_impl``), TE's fused RoPE when TE imports, activation recomputation.
         Empty on CPU except recomputation. TE itself comes in through ``platform.layer_spec``."""
-        out = {}
-        if self.cfg.recompute == "full":
-            if self.platform.is_cpu:  # tensor_parallel.checkpoint saves/restores CUDA RNG states
-                raise ValueError("learner.recompute=full needs a GPU (megatron's activation "
-                                 "checkpointing saves CUDA RNG states); use recompute=none on CPU")
-            out.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        out = self.platform.recompute_overrides(self.cfg.recompute, self.cfg.recompute_modules)
         if self.platform.is_cpu:
             return out
         from megatron_rlhf.platform.gpu import have_transformer_engine
