@@ -80,6 +80,7 @@ class CheckpointManager:
         final = self.root / f"step_{step}"
         tmp.mkdir(parents=True)
         try:
+            _test_delay()
             write_fn(tmp)
             (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
             (tmp / "COMPLETE").write_text(f"step {step}\n")
@@ -94,6 +95,17 @@ class CheckpointManager:
         for _, old in self.complete_checkpoints()[:-self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
         return final
+
+
+def _test_delay() -> None:
+    """Tests only: ``MRLHF_TEST_SLOW_SAVE_S`` seconds of sleep at the start of every save (before the
+    learner writes its files), to make a save outlast a signal or to
+    kill the driver mid-save. Unset in real runs."""
+    delay = float(os.environ.get("MRLHF_TEST_SLOW_SAVE_S") or 0)
+    if delay > 0:
+        import time
+
+        time.sleep(delay)
 
 
 def _fsync_dir(path: Path) -> None:

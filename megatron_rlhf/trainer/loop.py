@@ -102,24 +102,42 @@ class _StopFlag:
             signal.signal(sig, old)
 
 
-def _init_ray(cfg: Config, extra_cpus: int = 0):
+def _init_ray(cfg: Config, run_dir: Path, extra_cpus: int = 0):
+    """Connect to Ray: the cluster at ``RAY_ADDRESS`` (slurm/ray_cluster.sh), the one this process
+    already joined (tests), or a local head started here in its own session (``LocalRayHead``), so
+    that a signal to the driver's process group does not stop Ray under the final checkpoint.
+
+    Returns:
+        ``None``: this process had already joined a cluster (left as it is); ``False``: connected
+        to ``RAY_ADDRESS`` (disconnect at the end); else the
+        :class:`~megatron_rlhf.runtime.LocalRayHead` to stop at the end.
+    """
     import ray
 
-    from megatron_rlhf.runtime import process_env
+    from megatron_rlhf.runtime import LocalRayHead, process_env
 
     if ray.is_initialized():
-        return False
+        return None
     env = process_env()
     address = os.environ.get("RAY_ADDRESS")
     kw = dict(include_dashboard=False, log_to_driver=True, runtime_env={"env_vars": env},
               logging_level="WARNING")
     if address:
         ray.init(address=address, **kw)
-    else:
-        lc = cfg.learner  # one CPU per generator engine and per learner rank
-        ranks = lc.tensor_parallel * lc.pipeline_parallel * lc.data_parallel
-        ray.init(num_cpus=max(2, cfg.generators.num_workers + ranks + extra_cpus), **kw)
-    return True
+        return False
+    lc = cfg.learner  # one CPU per generator engine and per learner rank
+    ranks = lc.tensor_parallel * lc.pipeline_parallel * lc.data_parallel
+    head = LocalRayHead(num_cpus=max(2, cfg.generators.num_workers + ranks + extra_cpus),
+                        log_path=run_dir / "logs" / "ray-head.log")
+    try:
+        kw.pop("include_dashboard")
+        ray.init(address=head.address, **kw)
+    except BaseException:
+        head.stop()
+        raise
+    print(f"[megatron-rlhf] local Ray head pid {head.proc.pid} (own session; log "
+          f"{head.log_path})", flush=True)
+    return head
 
 
 def _actor_options(role: str, gpus: int) -> dict:
@@ -253,7 +271,7 @@ def train(cfg: Config, *, quiet: bool = False, generators: list | None = None) -
     save_config(cfg, run_dir / "config.yaml")
     needs_math = any(t.kind == "math_verify" for t in cfg.tasks)
     reward = MathVerifyReward(num_workers=1) if needs_math else None
-    started_ray = _init_ray(cfg, extra_cpus=len(set(reward_models.values())))
+    ray_head = _init_ray(cfg, run_dir, extra_cpus=len(set(reward_models.values())))
     timeout = cfg.async_.timeout_s
     learner, transport, channel, producer, rm_actors = None, None, None, None, {}
     shared_generators, generators = list(generators or []), []
@@ -373,8 +391,10 @@ def train(cfg: Config, *, quiet: bool = False, generators: list | None = None) -
                 ray.kill(actor)
         if transport is not None:
             transport.close()
-        if started_ray:
+        if ray_head is not None:   # we connected or started the cluster: leave it
             ray.shutdown()
+            if ray_head:
+                ray_head.stop()
 
 
 def _export_final(learner, run_dir: Path, model_dir: Path, timeout: float) -> None:
