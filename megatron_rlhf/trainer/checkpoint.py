@@ -24,6 +24,8 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
+from megatron_rlhf.testing.faults import kill_point
+
 __all__ = ["CheckpointManager"]
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
@@ -82,6 +84,7 @@ class CheckpointManager:
         try:
             _test_delay()
             write_fn(tmp)
+            kill_point("save", step)
             (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
             (tmp / "COMPLETE").write_text(f"step {step}\n")
             _fsync_dir(tmp)
