@@ -17,8 +17,9 @@
 #      `resources={"mrlhf_learner": 1}` therefore land on learner nodes only, so learners and vLLM
 #      engines never share a GPU. One log per node: <run>/logs/ray-<node>-<job>.log. Each `ray start`
 #      runs under `python -m megatron_rlhf.runtime guard`, in a session of its own, with SIGTERM and
-#      SIGINT ignored: a signal SLURM sends to every step of the job (`scancel --signal=TERM [--full]`,
-#      `#SBATCH --signal=TERM@N` without `B:`) does not stop Ray under the trainer's checkpoint;
+#      SIGINT ignored, and each srun client in a session of its own (`setsid`: srun ends its step when
+#      it gets SIGTERM): a signal SLURM sends to every step of the job (`scancel --signal=TERM
+#      [--full]`, `#SBATCH --signal=TERM@N` without `B:`) does not stop Ray under the checkpoint;
 #   4. waits until all nodes have joined (MRLHF_RAY_JOIN_TIMEOUT_S, default 300 s), then runs
 #      `MRLHF_TRAIN_CMD --config CONFIG key=value ...` (default `python train.py`) with
 #      RAY_ADDRESS=<head ip>:<port>, as `cmd & wait` (a bash trap runs only after the foreground
@@ -141,7 +142,9 @@ GPU_STEP=(); [ "$GPUS" -gt 0 ] && GPU_STEP=(--gpus-per-node="$GPUS")
 echo "nodes: ${NODES[*]} (learner nodes $LEARNER_NODES, generator nodes $GENERATOR_NODES, shared=$SHARED); $GPUS GPUs, $CPUS CPUs per node; RAY_ADDRESS=$RAY_ADDRESS"
 
 SRUN_PIDS=()
-srun --overlap --nodes=1 --ntasks=1 -w "$HEAD" "${GPU_STEP[@]}" --kill-on-bad-exit=0 \
+# `setsid`: the srun clients live in a session of their own, so a signal to the whole batch step
+# (`scancel --full`) does not reach them (srun ends its step on SIGTERM: "forcing job termination")
+setsid srun --overlap --nodes=1 --ntasks=1 -w "$HEAD" "${GPU_STEP[@]}" --kill-on-bad-exit=0 \
      --output="$LOG_DIR/ray-%N-$JOB.log" --open-mode=append \
   "$PY" -m megatron_rlhf.runtime guard -- "$RAY_BIN" start --head --block --node-ip-address="$HEAD_IP" --port="$PORT" \
      --num-cpus="$CPUS" --num-gpus="$GPUS" --resources="$(role_resources 0)" \
@@ -149,7 +152,7 @@ srun --overlap --nodes=1 --ntasks=1 -w "$HEAD" "${GPU_STEP[@]}" --kill-on-bad-ex
      --temp-dir="${MRLHF_RAY_TMPDIR:-/tmp/ray_mrlhf_$JOB}" "${EXTRA[@]}" &
 SRUN_PIDS+=($!)
 for ((i = 1; i < NNODES; i++)); do
-  srun --overlap --nodes=1 --ntasks=1 -w "${NODES[$i]}" "${GPU_STEP[@]}" --kill-on-bad-exit=0 \
+  setsid srun --overlap --nodes=1 --ntasks=1 -w "${NODES[$i]}" "${GPU_STEP[@]}" --kill-on-bad-exit=0 \
        --output="$LOG_DIR/ray-%N-$JOB.log" --open-mode=append \
     "$PY" -m megatron_rlhf.runtime guard -- "$RAY_BIN" start --block --address="$RAY_ADDRESS" --num-cpus="$CPUS" --num-gpus="$GPUS" \
        --resources="$(role_resources "$i")" --disable-usage-stats "${EXTRA[@]}" &

@@ -186,9 +186,9 @@ def test_sbatch_runs_ci_config_to_the_end_and_resumes_after_term_and_requeue(slu
 
 @pytest.mark.timeout(1500)
 def test_sbatch_whole_step_sigterm_checkpoints_exits_0_and_resubmit_resumes(slurm_env, tiny_llama_dir, tmp_path):
-    """``scancel --signal=TERM --full``: SLURM signals every process of every step of the job (the
-    batch shell, train.py, the log's tee, the srun steps running Ray). The Ray steps ignore it (their
-    guard), train.py finishes its step and writes a checkpoint (made slow here, 20 s, by the test
+    """``scancel --signal=TERM --full`` (every process of the batch step: the batch shell, train.py,
+    the log's tee, the srun clients) and ``scancel --signal=TERM JOB.0`` (the step running the Ray
+    head). The Ray step ignores it (its guard), the srun clients never see it (own session), train.py finishes its step and writes a checkpoint (made slow here, 20 s, by the test
     hook), the job exits 0 with no Ray process left, and a resubmitted job resumes and finishes."""
     env = dict(slurm_env, MRLHF_TEST_SLOW_SAVE_S="20")
     runs = tmp_path / "runs"
@@ -203,6 +203,7 @@ def test_sbatch_whole_step_sigterm_checkpoints_exits_0_and_resubmit_resumes(slur
         assert _job(env, jid).get("JobState") not in DONE_STATES, log.read_text()[-3000:]
         time.sleep(0.2)
     subprocess.run(["scancel", "--signal=TERM", "--full", jid], env=env, check=True)
+    subprocess.run(["scancel", "--signal=TERM", f"{jid}.0"], env=env, check=True)   # step 0: the Ray head
     info = _wait(env, jid, DONE_STATES, 600, log)
     driver_log = (run / "logs" / f"driver-{jid}.log").read_text()
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, driver_log[-3000:])
