@@ -73,7 +73,10 @@ class PlacementConfig:
     enough to finish a step and write a checkpoint (SLURM may send it up to 60 s early)."""
     network_interface: str = ""
     """NCCL/gloo network interface (``NCCL_SOCKET_IFNAME``, ``GLOO_SOCKET_IFNAME``), e.g. ``ib0``
-    or ``eth0``; empty = NCCL chooses (the environment variable wins when set)."""
+    or ``eth0``, or ``auto``: the interface holding the batch node's address (``hostname -I``,
+    resolved by ``slurm/ray_cluster.sh``; the same name is used on every node). Required for GPU
+    jobs (always multi-node): gloo groups (megatron creates them beside NCCL's) would otherwise
+    bind loopback and hang across nodes. The environment variable wins when set."""
     dist_timeout_s: int = 1800
     """torch.distributed collective timeout the learners use (exported as MRLHF_DIST_TIMEOUT_S)."""
     ray_port: int = 6379
@@ -151,7 +154,7 @@ def check_layout(placement: PlacementConfig, *, learner_world_size: int,
         reward_models: reward-model actors (distinct ``tasks[].reward.reward_model`` folders); each
             takes one GPU of the generator nodes.
     Raises:
-        ConfigError: learner ranks != learner GPUs (an idle or missing GPU is a config mistake),
+        ConfigError: a multi-node GPU job without ``placement.network_interface``, learner ranks != learner GPUs (an idle or missing GPU is a config mistake),
             or the engines need more GPUs than the generator nodes have, or a learner or engine
             TP group would span nodes (TP traffic needs NVLink). No check on CPU nodes (``gpus_per_node == 0``),
             where ranks are processes.
@@ -159,6 +162,11 @@ def check_layout(placement: PlacementConfig, *, learner_world_size: int,
     g = placement.gpus_per_node
     if g == 0:
         return
+    if not placement.network_interface and placement.num_nodes > 1:
+        _fail("placement.network_interface", placement.network_interface,
+              f"set for a {placement.num_nodes}-node job: the interface the nodes reach each other "
+              "on (e.g. ib0, eth0), or auto (the interface of the batch node's address); "
+              "without it gloo groups default to loopback and hang across nodes")
     if learner_world_size != placement.learner_gpus:
         _fail("learner.tensor_parallel*pipeline_parallel*data_parallel", learner_world_size,
               f"equal to the learner GPUs, placement.learner_nodes ({placement.learner_nodes}) x "

@@ -48,7 +48,10 @@ score matrix)::
 
 Without sequence parallelism the 8h term is not divided by t. With full recomputation
 (``--recompute full``) a layer keeps only its input, ``2*s*b*h/t``, and one layer's A_layer is
-live while it is recomputed. Under the 1F1B pipeline schedule stage i keeps the activations of
+live while it is recomputed. Selective recomputation (``--recompute selective``, megatron
+``recompute_modules``): ``mlp`` drops the 6f term (the MLP keeps only its input, already in 8h);
+``core_attn`` saves nothing here, since flash attention keeps no s*s score matrix (its inputs
+and output stay for the projections around it). Under the 1F1B pipeline schedule stage i keeps the activations of
 ``p - i`` micro-batches in flight (Narayanan et al. 2021, sec. 2.2), so stage 0 holds p of them.
 The last stage also holds the logits for the log-probabilities: bf16 logits plus their fp32 copy
 for the (vocab-parallel) log-softmax, ``6*s*b*V/t``. The reference forward runs without grad
@@ -177,7 +180,9 @@ class LearnerLayout:
     sequence_parallel: bool = True
     """Megatron sequence parallelism (only matters when tp > 1)."""
     recompute: str = "none"
-    """``none`` or ``full`` activation recomputation."""
+    """``none``, ``full`` or ``selective`` activation recomputation."""
+    recompute_modules: tuple[str, ...] = ("core_attn",)
+    """With ``selective``: the recomputed modules (``core_attn``, ``mlp``)."""
     reference: bool = True
     """Keep the frozen reference model on the learner GPUs."""
 
@@ -224,7 +229,8 @@ def layer_activation_bytes(shape: ModelShape, lay: LearnerLayout) -> float:
     hq, hkv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     t, sb = lay.tp, lay.seq_len * lay.micro_batch
     sp = lay.sequence_parallel or t == 1
-    return sb * (8 * h / (t if sp else 1) + (4 * hq + 4 * hkv + 6 * f) / t)
+    mlp = 0 if lay.recompute == "selective" and "mlp" in lay.recompute_modules else 6 * f
+    return sb * (8 * h / (t if sp else 1) + (4 * hq + 4 * hkv + mlp) / t)
 
 
 def learner_memory(shape: ModelShape, lay: LearnerLayout) -> dict:
@@ -236,8 +242,8 @@ def learner_memory(shape: ModelShape, lay: LearnerLayout) -> dict:
     Raises:
         ValueError: bad layout (see :func:`stage_params`; ``recompute`` not none/full).
     """
-    if lay.recompute not in ("none", "full"):
-        raise ValueError(f"recompute={lay.recompute!r}: use none or full")
+    if lay.recompute not in ("none", "full", "selective"):
+        raise ValueError(f"recompute={lay.recompute!r}: use none, full or selective")
     a_layer = layer_activation_bytes(shape, lay)
     t, s, b = lay.tp, lay.seq_len, lay.micro_batch
     sp = lay.sequence_parallel or t == 1
@@ -317,7 +323,9 @@ def format_plan(p: dict, lay: LearnerLayout | None, gen: GeneratorLayout | None)
         r = p["learner"]
         lines += [f"learner GPU (TP={lay.tp} PP={lay.pp} DP={lay.dp}, distributed optimizer "
                   f"{'on' if lay.distributed_optimizer else 'off'}, micro-batch {lay.micro_batch} x "
-                  f"{lay.seq_len} tokens, recompute {lay.recompute}; worst stage {r['stage']}, "
+                  f"{lay.seq_len} tokens, recompute {lay.recompute}"
+                  + (f" {'+'.join(lay.recompute_modules)}" if lay.recompute == "selective" else "")
+                  + f"; worst stage {r['stage']}, "
                   f"{r['params'] / 1e9:.3f} B params):"]
         for k in ("weights", "grads", "optimizer", "reference", "activations", "logits"):
             lines.append(f"  {k:<12} {r[k]:8.2f} GiB")
@@ -341,7 +349,7 @@ def layouts_from_config(cfg) -> tuple[ModelShape, LearnerLayout, GeneratorLayout
     """Shape and layouts from a loaded :class:`megatron_rlhf.config.Config` (a cluster recipe).
 
     Reads model.source (HF folder), learner.{tensor,pipeline,data}_parallel, micro_batch_size,
-    distributed_optimizer, sequence_parallel, recompute; generators.{tensor_parallel,
+    distributed_optimizer, sequence_parallel, recompute, recompute_modules; generators.{tensor_parallel,
     max_model_len, max_num_seqs, max_num_batched_tokens, gpu_memory_utilization};
     placement.gpu_memory_gib.
     """
@@ -350,7 +358,8 @@ def layouts_from_config(cfg) -> tuple[ModelShape, LearnerLayout, GeneratorLayout
     lay = LearnerLayout(tp=ln.tensor_parallel, pp=ln.pipeline_parallel, dp=ln.data_parallel,
                         micro_batch=ln.micro_batch_size, seq_len=gn.max_model_len,
                         distributed_optimizer=ln.distributed_optimizer,
-                        sequence_parallel=ln.sequence_parallel, recompute=ln.recompute)
+                        sequence_parallel=ln.sequence_parallel, recompute=ln.recompute,
+                        recompute_modules=tuple(ln.recompute_modules))
     gen = GeneratorLayout(tp=gn.tensor_parallel, max_model_len=gn.max_model_len,
                           concurrent_seqs=gn.max_num_seqs, max_batched_tokens=gn.max_num_batched_tokens,
                           gpu_memory_utilization=gn.gpu_memory_utilization)
@@ -370,7 +379,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (prompt + completion)")
     ap.add_argument("--no-distributed-optimizer", action="store_true")
     ap.add_argument("--no-sequence-parallel", action="store_true")
-    ap.add_argument("--recompute", choices=("none", "full"), default="none")
+    ap.add_argument("--recompute", choices=("none", "full", "selective"), default="none")
+    ap.add_argument("--recompute-modules", default="core_attn",
+                    help="with --recompute selective: comma-separated core_attn,mlp")
     ap.add_argument("--no-reference", action="store_true", help="reference model not on learner GPUs")
     ap.add_argument("--gen-tp", type=int, default=1)
     ap.add_argument("--gen-max-model-len", type=int, default=None, help="default: --seq-len")
@@ -397,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
             lay = LearnerLayout(tp=args.tp, pp=args.pp, dp=args.dp, micro_batch=args.micro_batch,
                                 seq_len=args.seq_len, distributed_optimizer=not args.no_distributed_optimizer,
                                 sequence_parallel=not args.no_sequence_parallel, recompute=args.recompute,
+                                recompute_modules=tuple(args.recompute_modules.split(",")),
                                 reference=not args.no_reference)
             gen = GeneratorLayout(tp=args.gen_tp, max_model_len=args.gen_max_model_len or args.seq_len,
                                   concurrent_seqs=args.gen_concurrent_seqs,

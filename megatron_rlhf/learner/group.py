@@ -145,7 +145,11 @@ class LearnerGroup:
         """:meth:`MegatronLearner.train_step` on every rank; the reporting rank's metrics
         (over the whole batch) plus ``time/group_train_s`` (wall time including the fan-out)."""
         t0 = time.perf_counter()
-        out = dict(self._all_with_shared_arg("train_step", batch)[self._report])
+        outs = self._all_with_shared_arg("train_step", batch)
+        skipped = [o.get("train/skipped_nonfinite") for o in outs]
+        if len(set(skipped)) > 1:   # the flag is all-reduced: ranks can only agree
+            raise RuntimeError(f"learner ranks disagree on skipping a non-finite update: {skipped}")
+        out = dict(outs[self._report])
         out["time/group_train_s"] = time.perf_counter() - t0
         return out
 

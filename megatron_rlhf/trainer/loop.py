@@ -45,10 +45,16 @@ def train(cfg: Config, *, quiet: bool = False, generators: list | None = None) -
 
     Raises:
         ConfigError: a bad config or model folder (before any actor starts).
-        ProducerError: generation failed (cause attached: e.g. ``GeneratorDiedError`` when a
+        ProducerError: a task's reward failed (the message names the task and the reward function:
+            it raised or returned a non-finite value, see ``algorithm.invalid_rewards``), or
+            generation failed (cause attached: e.g. ``GeneratorDiedError`` when a
             generator worker died beyond ``generators.max_restarts``, ``WeightSyncError`` when
             ``generators.check_weight_sync`` found a worker with other weights than the learner).
         LearnerDiedError: the learner died (the last complete checkpoint is intact).
+        NonFiniteTrainingError: ``learner.max_skipped_steps`` steps in a row were skipped for a
+            non-finite loss or gradient.
+        CheckpointError: a checkpoint could not be written (path and cause named; the last
+            complete one is intact).
         TimeoutError: a remote wait exceeded ``async.timeout_s``.
     """
     run = Run.open(cfg, quiet=quiet, generators=generators)

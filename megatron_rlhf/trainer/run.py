@@ -12,6 +12,7 @@ are left running). The verbs the loop calls (:meth:`train_step`, :meth:`publish`
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import queue
@@ -25,14 +26,19 @@ from megatron_rlhf.generator.pool import GeneratorPool
 from megatron_rlhf.generator.weight_sync import PublishedWeights, make_transport
 from megatron_rlhf.trainer.checkpoint import CheckpointManager
 from megatron_rlhf.trainer.metrics import MetricsLogger, summarize
-from megatron_rlhf.trainer.rollout import ProducerError, RolloutProducer, WeightChannel
+from megatron_rlhf.trainer.preflight import check_model_source, preflight
+from megatron_rlhf.trainer.rollout import ProducerError, RewardError, RolloutProducer, WeightChannel
 from megatron_rlhf.trainer.watchdog import HangWatchdog, dump_actor_stacks
 
-__all__ = ["Run", "RunResult", "LearnerDiedError", "resolve_model_dir"]
+__all__ = ["Run", "RunResult", "LearnerDiedError", "NonFiniteTrainingError", "resolve_model_dir"]
 
 
 class LearnerDiedError(RuntimeError):
     """The learner actor died; the run stops (the last complete checkpoint is left intact)."""
+
+
+class NonFiniteTrainingError(RuntimeError):
+    """``learner.max_skipped_steps`` steps in a row had a non-finite loss or gradient."""
 
 
 class RunResult(dict):
@@ -66,6 +72,7 @@ class Run:
         self.ray_head = None   # see _init_ray
         self._calls: dict[str, float] = {}   # learner calls in flight -> start (monotonic s)
         self.stacks_dir = self.watchdog = None
+        self.skipped_in_row = 0
 
     @classmethod
     def open(cls, cfg: Config, *, quiet: bool = False, generators: list | None = None) -> "Run | RunResult":
@@ -92,8 +99,9 @@ class Run:
         """Everything before any actor starts: model, pre-flight checks, data, plug-ins, folder."""
         cfg, say, run_dir = self.cfg, self.say, self.run_dir
         say(f"run folder {run_dir}")
+        check_model_source(cfg.model)
         self.model_dir = resolve_model_dir(cfg.model)
-        _preflight(cfg, self.model_dir)
+        self.plugins = preflight(cfg, self.model_dir)    # before any actor starts: a bad config stops here
         try:
             self.sampler, self.data_counts, self.pad_id = _load_prompts(cfg, self.model_dir)
         except (ValueError, FileNotFoundError) as e:   # names tasks[].data.*: a config problem
@@ -109,7 +117,6 @@ class Run:
             if saved.is_file() and _config_differs(cfg, saved):
                 say(f"note: this config differs from the one the run used ({saved}); it was not applied")
             return done_before
-        self.plugins = _import_plugins(cfg)             # before any actor starts: a bad config stops here
         self.reward_models = _resolve_reward_models(cfg)
         for task, folder in self.reward_models.items():
             say(f"task {task}: reward model {folder}{_rm_accuracy(folder)}")
@@ -156,15 +163,17 @@ class Run:
                                   "or start a new run (another run.name)") from e
             self.say(f"resuming from {path.name} (step {self.start_step}, weight version {self.version}"
                      f"{_pending_note(self.pending)})")
-        ray.get([a.__ray_ready__.remote() for a in (self.learner, *self.generators, *self.rm_actors.values())],
-                timeout=timeout)
-        if hasattr(self.transport, "setup"):   # nccl: form the broadcast group
-            self.transport.setup(self.learner, self.generators, timeout)
+        with _learner_guard("start-up", self.ckpts):
+            ray.get([a.__ray_ready__.remote() for a in (self.learner, *self.generators, *self.rm_actors.values())],
+                    timeout=timeout)
+            if hasattr(self.transport, "setup"):   # nccl: form the broadcast group
+                self.transport.setup(self.learner, self.generators, timeout)
         self.channel = WeightChannel(PublishedWeights(version=0))
         if self.version > 0:  # the generators start from the base weights: hand them the resumed ones
             self.publish(self.version)
         elif self.shared_generators:  # reused actors hold an earlier run's weights: reset to version 0
-            start = self.transport.publish(self.learner, 0, timeout, None)
+            with _learner_guard("the export of the starting weights", self.ckpts):
+                start = self.transport.publish(self.learner, 0, timeout, None)
             ray.get([self.transport.push(g, start) for g in self.shared_generators], timeout=timeout)
         self.pool = GeneratorPool(self.generators, transport=self.transport, generator_cfg=cfg.generators,
                                   timeout_s=timeout, probe=self.probe,
@@ -178,7 +187,11 @@ class Run:
             min_version=self.version,
             rng_state=rng_state, producer_state=producer_state, seed=cfg.run.seed, timeout_s=timeout)
         self.thread = threading.Thread(target=self.producer.run, name="rollout-producer", daemon=True)
-        self.metrics = MetricsLogger(self.run_dir, cfg.logging, config_to_dict(cfg))
+        self.metrics = MetricsLogger(self.run_dir, cfg.logging, config_to_dict(cfg),
+                                     resume_step=self.start_step)
+        if self.metrics.aside is not None:
+            self.say(f"metrics rows after step {self.start_step} (training lost in a crash) moved to "
+                     f"{self.metrics.aside.name}")
         self.watchdog = HangWatchdog(
             factor=cfg.async_.watchdog_factor, min_steps=cfg.async_.watchdog_min_steps,
             pending_calls=self.pending_calls, dump_stacks=lambda: dump_actor_stacks(self.stacks_dir),
@@ -206,13 +219,33 @@ class Run:
         return out
 
     def train_step(self, learner_batch, step: int) -> dict:
-        """One learner update on ``learner_batch`` (step ``step``, 1-based); returns its metrics."""
-        return self.call(self.learner.train_step.remote(learner_batch), f"train_step of step {step}")
+        """One learner update on ``learner_batch`` (step ``step``, 1-based); returns its metrics.
+
+        Raises:
+            NonFiniteTrainingError: this is the ``learner.max_skipped_steps``-th step in a row
+                that the learner skipped for a non-finite loss or gradient.
+        """
+        out = self.call(self.learner.train_step.remote(learner_batch), f"train_step of step {step}")
+        self.skipped_in_row = self.skipped_in_row + 1 if out.get("train/skipped_nonfinite") else 0
+        limit = self.cfg.learner.max_skipped_steps
+        if self.skipped_in_row >= limit:
+            raise NonFiniteTrainingError(
+                f"steps {step - limit + 1}..{step}: the loss or gradient was not finite "
+                f"{limit} steps in a row (learner.max_skipped_steps={limit}); no update was applied "
+                f"(grad/norm {out.get('grad/norm')}, loss {out.get('loss/total')}): check the rewards' "
+                "scale, the learning rate and learner.optimizer.clip_grad")
+        return out
 
     def publish(self, version: int) -> None:
         """Export the learner's weights of ``version`` through the transport and publish them to
         the producer, which pushes them to the engines."""
-        self.channel.publish(self.transport.publish(self.learner, version, self.timeout, self.probe))
+        what = f"the weight publish of version {version}"
+        with _learner_guard(what, self.ckpts):
+            weights = self.transport.publish(self.learner, version, self.timeout, self.probe)
+        # the object-store transport only waits for the export's ref, which is ready (as an error)
+        # when the learner died: a call queued behind the export confirms it, cheaply
+        self.call(self.learner.get_weight_version.remote(), what)
+        self.channel.publish(weights)
 
     def save(self, step: int, version: int, batch, pending: tuple = ()) -> int:
         """Write ``checkpoints/step_<step>``: the learner's state, and what the producer had made
@@ -233,7 +266,7 @@ class Run:
                 save_batch(b, tmp / "batches")
             self.call(self.learner.save_checkpoint.remote(str(tmp / "learner")), f"checkpoint save of step {step}")
 
-        self.ckpts.save(step, state, write)
+        self.ckpts.save(step, state, write, passthrough=(LearnerDiedError,))
         return step
 
     def next_batch(self, stop) -> "object | None":
@@ -262,7 +295,7 @@ class Run:
         if not stopped_early and cfg.checkpoint.export_hf and (done > self.start_step or not (
                 run_dir / "hf_final" / "config.json").is_file()):
             _export_final(self, run_dir, self.model_dir)
-        result = RunResult(summarize(self.metrics.rows, wall_s))
+        result = RunResult(summarize(self.metrics.rows, wall_s + self.metrics.adopted_wall_s))
         result.update(run_dir=str(run_dir), stopped_early=stopped_early, resumed_from_step=self.start_step,
                       data=self.data_counts, prompts_too_long=self.too_long,
                       generator_restarts=self.pool.restarts)
@@ -309,10 +342,20 @@ def _learner_call(ref, what: str, timeout: float, ckpts: CheckpointManager):
         ray.exceptions.GetTimeoutError: no answer within ``async.timeout_s``.
     """
     import ray
+
+    with _learner_guard(what, ckpts):
+        return ray.get(ref, timeout=timeout)
+
+
+@contextlib.contextmanager
+def _learner_guard(what: str, ckpts: CheckpointManager):
+    """Every learner call (train_step, checkpoint save, weight publish, final export) runs inside
+    this: an actor death (``RayActorError``, also when raised by the transport's own ``ray.get``)
+    becomes :class:`LearnerDiedError` naming ``what`` and the last complete checkpoint."""
     from ray.exceptions import RayActorError
 
     try:
-        return ray.get(ref, timeout=timeout)
+        yield
     except RayActorError as e:
         latest = ckpts.latest()
         where = (f"the last complete checkpoint {latest[0]} is intact: rerun the same command to resume "
@@ -349,6 +392,8 @@ def _poll(batches: queue.Queue) -> object | None:
 
 
 def _checked(item):
+    if isinstance(item, RewardError):   # names the task and its reward function
+        raise ProducerError(str(item)) from item
     if isinstance(item, BaseException):
         raise ProducerError(f"generation failed: {type(item).__name__}: {item}") from item
     return item
@@ -478,7 +523,7 @@ def _build_actors(cfg: Config, model_dir: Path, generators: list | None = None):
     lc = cfg.learner
     kw = dict(model_dir=str(model_dir), learner_cfg=lc, algorithm_cfg=cfg.algorithm,
               dtype=cfg.model.dtype, seed=cfg.run.seed, total_steps=cfg.run.num_steps,
-              temperature=cfg.generators.temperature if cfg.algorithm.is_policy_gradient else 1.0,
+              temperature=cfg.generators.temperature,   # the learner picks each loss's own
               cpu_core=pin + cfg.generators.num_workers if pin >= 0 else -1)
     if lc.tensor_parallel * lc.pipeline_parallel * lc.data_parallel == 1:
         learner = ray.remote(**_actor_options("learner", 1))(MegatronLearner).remote(**kw)
@@ -562,27 +607,6 @@ def _completed_run(cfg: Config, ckpts: CheckpointManager, run_dir: Path) -> RunR
     return result
 
 
-def _preflight(cfg: Config, model_dir: Path) -> None:
-    """Checks that need the model or the machine, run before any actor starts.
-
-    Raises:
-        ConfigError: the model does not split over ``learner.tensor_parallel`` /
-            ``pipeline_parallel``, or ``generators.transport=nccl`` without a visible CUDA GPU.
-    """
-    import torch
-
-    from megatron_rlhf.learner.model import check_divisible, load_hf_config
-
-    try:
-        check_divisible(load_hf_config(model_dir), tensor_parallel=cfg.learner.tensor_parallel,
-                        pipeline_parallel=cfg.learner.pipeline_parallel)
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
-    if cfg.generators.transport == "nccl" and not torch.cuda.is_available():
-        raise ConfigError("config key 'generators.transport' = 'nccl' needs CUDA GPUs on the learner and "
-                          "the generators (none is visible here); use 'object_store' or 'filesystem'")
-
-
 def _config_differs(cfg: Config, saved: Path) -> bool:
     """Whether ``cfg`` differs from the config saved at ``saved`` (ignoring unreadable files)."""
     from megatron_rlhf.config import load_config
@@ -645,25 +669,6 @@ def _build_reward_models(cfg: Config, folders: dict[str, Path]) -> dict:
     return out
 
 
-def _import_plugins(cfg: Config) -> dict:
-    """Task name -> the imported ``module:function`` reward plug-in of every plug-in task.
-
-    Raises:
-        ConfigError: a plug-in that cannot be imported (named by its task).
-    """
-    import importlib
-
-    out = {}
-    for task in cfg.tasks:
-        if task.kind == "plugin":
-            mod, _, fn = task.reward.partition(":")
-            try:
-                out[task.name] = getattr(importlib.import_module(mod), fn)
-            except (ImportError, AttributeError) as e:
-                raise ConfigError(f"tasks[{task.name}].reward = {task.reward!r} cannot be imported: {e}") from e
-    return out
-
-
 def _reward_fns(cfg: Config, math_reward, rm_actors: dict, plugins: dict, timeout: float) -> dict:
     """Task name -> ``(prompts, completions) -> rewards``: math-verify against the prompt's gold
     answer (process pool), a reward-model actor scoring (prompt text, completion), or a
@@ -674,10 +679,13 @@ def _reward_fns(cfg: Config, math_reward, rm_actors: dict, plugins: dict, timeou
     for task in cfg.tasks:
         if task.kind == "math_verify":
             fns[task.name] = lambda ps, texts, f=math_reward: f(texts, [p.answer for p in ps])
+            fns[task.name].reward_name = "math_verify"
         elif task.kind == "reward_model":
             fns[task.name] = lambda ps, texts, a=rm_actors[task.name]: ray.get(
                 a.score.remote([p.text for p in ps], list(texts)), timeout=timeout)
+            fns[task.name].reward_name = f"reward model {task.reward.reward_model}"
         else:
             fns[task.name] = lambda ps, texts, f=plugins[task.name]: f(list(texts), [p.answer for p in ps])
+            fns[task.name].reward_name = task.reward
     return fns
 
