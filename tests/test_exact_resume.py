@@ -24,7 +24,8 @@ pytestmark = [pytest.mark.integration]
 REPO = Path(__file__).resolve().parents[1]
 NUM_STEPS = 4
 # each entry: a kill -9 of the driver, then a re-run; one line per point (megatron_rlhf.testing.faults)
-KILLS = ["generation:3",   # mid-generation of step 3's batch (checkpoint 1 holds batch 2 untrained)
+KILLS = ["generation:3",   # mid-generation of step 3's batch (on the tiny model: while checkpoint 1 is
+                           # still being written, so this re-run starts over; rows moved aside)
          "row:3",          # after step 3's metrics row, before its checkpoint
          "save:3"]         # mid-save of checkpoint 3 (learner files written, no COMPLETE marker)
 # what must be equal, step by step: staleness, prompts, rewards, loss (and what they follow from)
