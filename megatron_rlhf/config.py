@@ -199,13 +199,28 @@ class GeneratorConfig:
     num_workers: int = 1
     """vLLM engines (Ray actors)."""
     tensor_parallel: int = 1
-    """GPUs per vLLM engine (vLLM ``tensor_parallel_size``); 1 on CPU."""
+    """Devices per vLLM engine (vLLM ``tensor_parallel_size``): GPUs on a GPU node (one engine
+    never spans nodes); on CPU, worker processes bound to one core each
+    (``VLLM_CPU_OMP_THREADS_BIND``, cores ``cpu_core + i*tensor_parallel + r``)."""
     gpu_memory_utilization: float = 0.9
-    """GPU only: share of each engine GPU vLLM may use (weights + activations + KV cache)."""
+    """GPU only: share of each engine GPU vLLM may use (weights + activations + KV cache); the KV
+    cache gets what is left (``megatron_rlhf.platform.engine_args.engine_fit``)."""
     max_num_seqs: int = 256
-    """vLLM ``max_num_seqs``: sequences an engine runs at once (sizes the KV cache estimate)."""
+    """vLLM ``max_num_seqs``: sequences an engine runs at once."""
     max_num_batched_tokens: int = 8192
-    """vLLM ``max_num_batched_tokens``: tokens per engine step (prefill chunk)."""
+    """vLLM ``max_num_batched_tokens``: tokens per engine step (prefill chunk); must be >=
+    ``max_model_len`` unless vLLM's chunked prefill splits prompts (it does, in vLLM V1)."""
+    enforce_eager: bool = False
+    """GPU only: ``true`` turns CUDA graphs off (vLLM ``enforce_eager``; slower decoding, faster
+    start, less memory). CPU engines always run eagerly (no CUDA graphs there)."""
+    enable_prefix_caching: bool = True
+    """vLLM ``enable_prefix_caching``: reuse the KV of shared prompt prefixes (the K samples of a
+    prompt). Reset after every weight push, so no KV of old weights is reused."""
+    distributed_executor_backend: str = "mp"
+    """How a ``tensor_parallel > 1`` engine runs its workers (vLLM ``distributed_executor_backend``):
+    ``mp`` (worker processes on the engine actor's node, inside its Ray bundle) or ``ray`` (vLLM
+    places Ray workers itself, into the engine's placement group; GPU only: vllm-cpu has no Ray
+    executor). Unused at ``tensor_parallel: 1`` (the engine runs in-process)."""
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 192
@@ -215,7 +230,9 @@ class GeneratorConfig:
     prompts_per_request: int = 8
     """Prompts sent to the engine per generate call (each sampled K times)."""
     kv_cache_gib: float = 0.25
-    """KV-cache size on CPU (vLLM needs it given explicitly there)."""
+    """CPU only: KV-cache size per engine worker (GiB; vLLM ``kv_cache_memory_bytes``, which CPU
+    engines need given explicitly). GPU engines size their KV cache from
+    ``gpu_memory_utilization`` instead. Must hold at least one ``max_model_len`` sequence."""
     transport: str = "object_store"
     """Weight-sync transport (``megatron_rlhf.generator.weight_sync``): ``object_store`` (HF-named
     buckets through Ray's object store; CPU and small models), ``filesystem`` (safetensors shards
@@ -255,8 +272,19 @@ class GeneratorConfig:
                self.max_num_batched_tokens, ">= 1")
         _check(self.prompts_per_request >= 1, "generators.prompts_per_request",
                self.prompts_per_request, "an integer >= 1")
+        _check(self.kv_cache_gib > 0, "generators.kv_cache_gib", self.kv_cache_gib, "a number of GiB > 0")
+        _check(self.distributed_executor_backend in ("mp", "ray"), "generators.distributed_executor_backend",
+               self.distributed_executor_backend, "mp or ray")
         _check(self.transport in ("object_store", "filesystem", "nccl"), "generators.transport",
                self.transport, "one of: object_store, filesystem, nccl")
+        if self.tensor_parallel > 1 and self.distributed_executor_backend == "ray":
+            # a TP engine's workers take only file paths (VLLMGenerator._reload_in_workers): object-
+            # store buckets are spooled on the engine actor's node, which Ray workers may not share
+            _check(self.transport != "object_store", "generators.transport", self.transport,
+                   "not object_store when generators.tensor_parallel > 1 and "
+                   "generators.distributed_executor_backend=ray (the buckets are spooled to files on "
+                   "the engine actor's node; vLLM's Ray workers may run elsewhere): set "
+                   "generators.distributed_executor_backend=mp or generators.transport=filesystem")
         _check(self.check_weight_sync_tol > 0, "generators.check_weight_sync_tol",
                self.check_weight_sync_tol, "a number > 0 (nats)")
         _check(self.max_restarts >= 0, "generators.max_restarts", self.max_restarts, "an integer >= 0")

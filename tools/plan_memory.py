@@ -66,6 +66,12 @@ Generator GPU (one vLLM engine spans g GPUs; everything sharded by g)::
                        (peak of one layer's QKV, fc1 output and residual for T =
                        max_num_batched_tokens tokens, plus fp32 sampler logits)
 
+The per-token KV and activation formulas, the KV cache vLLM gets (``gpu_memory_utilization x GPU
+- weights - activations - overhead``) and the start-up verdict (the KV cache must hold one
+``max_model_len`` sequence) are ``megatron_rlhf.platform.engine_args`` (``engine_fit``): the same
+numbers the trainer's pre-flight check refuses a recipe with. With ``--config`` the generator layout
+is read from the engine arguments the run would pass to vLLM (``engine_kwargs``).
+
 Both GPU kinds also pay ``--overhead-gib`` (CUDA context, NCCL buffers, allocator fragmentation,
 CUDA graphs; default 3 GiB). These are estimates: a real run adds allocator slack; leave 5-10%.
 """
@@ -78,6 +84,12 @@ import math
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+_REPO = str(Path(__file__).resolve().parents[1])
+if _REPO not in sys.path:  # this checkout's package, whatever else is installed
+    sys.path.insert(0, _REPO)
+
+from megatron_rlhf.platform import engine_args  # noqa: E402  (after the path set-up)
 
 GiB = 2**30
 
@@ -281,15 +293,26 @@ def generator_memory(shape: ModelShape, gen: GeneratorLayout) -> dict:
     g = gen.tp
     if shape.num_heads % g:
         raise ValueError(f"gen tp={g} must divide the {shape.num_heads} query heads")
-    h, f, d = shape.hidden_size, shape.ffn_size, shape.head_dim
-    hq, hkv = shape.num_heads * d, shape.num_kv_heads * d
-    kv_heads = max(1, shape.num_kv_heads // g)
-    per_token = 2 * shape.num_layers * kv_heads * d * 2
+    numbers = _engine_shape(shape)
+    per_token = engine_args.kv_bytes_per_token(numbers, g, 2)
     kv = gen.concurrent_seqs * gen.max_model_len * per_token
-    act = gen.max_batched_tokens * 2 * ((hq + 2 * hkv) / g + 2 * f / g + 2 * h) + 4 * gen.concurrent_seqs * shape.vocab_size
+    act = engine_args.activation_bytes(numbers, g, gen.max_batched_tokens, gen.concurrent_seqs, 2)
     weights = 2 * shape.total_params() / g
     return {"weights": weights, "kv_cache": kv, "kv_bytes_per_token": per_token, "activations": act,
             "total": weights + kv + act}
+
+
+def _engine_shape(shape: ModelShape) -> dict:
+    """The numbers ``megatron_rlhf.platform.engine_args`` works with."""
+    return {**asdict(shape), "num_params": shape.total_params()}
+
+
+def _engine_fit(shape: ModelShape, gen: GeneratorLayout, gpu_mem_gib: float, overhead_gib: float):
+    """``engine_args.engine_fit`` of one bf16 GPU engine of layout ``gen``."""
+    kw = {"tensor_parallel_size": gen.tp, "max_model_len": gen.max_model_len, "max_num_seqs": gen.concurrent_seqs,
+          "max_num_batched_tokens": gen.max_batched_tokens, "gpu_memory_utilization": gen.gpu_memory_utilization}
+    return engine_args.engine_fit(kw, device="cuda", shape=_engine_shape(shape), dtype_bytes=2,
+                                  device_memory_gib=gpu_mem_gib, overhead_gib=overhead_gib)
 
 
 def plan(shape: ModelShape, lay: LearnerLayout | None, gen: GeneratorLayout | None, *,
@@ -307,10 +330,11 @@ def plan(shape: ModelShape, lay: LearnerLayout | None, gen: GeneratorLayout | No
         m = generator_memory(shape, gen)
         row = {k: (v / GiB if k != "kv_bytes_per_token" else v) for k, v in m.items()}
         row["total"] += overhead_gib
-        row["budget"] = gen.gpu_memory_utilization * gpu_mem_gib
-        free_for_kv = row["budget"] - overhead_gib - row["weights"] - row["activations"]
-        row["kv_capacity_seqs"] = max(0, int(free_for_kv * GiB // (m["kv_bytes_per_token"] * gen.max_model_len)))
-        row["fits"] = row["total"] <= row["budget"]
+        fit = _engine_fit(shape, gen, gpu_mem_gib, overhead_gib)
+        row["budget"] = fit.budget / GiB
+        row["kv_capacity_seqs"] = fit.full_sequences
+        row["problems"] = fit.problems()   # what would stop vLLM from starting the engine
+        row["fits"] = row["total"] <= row["budget"] and not row["problems"]
         out["generator"] = row
     out["fits"] = all(out[k]["fits"] for k in ("learner", "generator") if k in out)
     return out
@@ -342,6 +366,7 @@ def format_plan(p: dict, lay: LearnerLayout | None, gen: GeneratorLayout | None)
         lines.append(f"  {'total':<12} {r['total']:8.2f} GiB of {r['budget']:.1f} "
                      f"(gpu_memory_utilization x GPU)  " + ("OK" if r["fits"] else "EXCEEDS")
                      + f"; KV room for {r['kv_capacity_seqs']} full-length sequences")
+        lines += [f"  vLLM would refuse to start: {p}" for p in r["problems"]]
     return "\n".join(lines)
 
 
@@ -360,9 +385,11 @@ def layouts_from_config(cfg) -> tuple[ModelShape, LearnerLayout, GeneratorLayout
                         distributed_optimizer=ln.distributed_optimizer,
                         sequence_parallel=ln.sequence_parallel, recompute=ln.recompute,
                         recompute_modules=tuple(ln.recompute_modules))
-    gen = GeneratorLayout(tp=gn.tensor_parallel, max_model_len=gn.max_model_len,
-                          concurrent_seqs=gn.max_num_seqs, max_batched_tokens=gn.max_num_batched_tokens,
-                          gpu_memory_utilization=gn.gpu_memory_utilization)
+    kw = engine_args.engine_kwargs(gn, model=cfg.model.source, dtype=cfg.model.dtype, seed=cfg.run.seed,
+                                   device="cuda")   # what each GPU engine gets
+    gen = GeneratorLayout(tp=kw["tensor_parallel_size"], max_model_len=kw["max_model_len"],
+                          concurrent_seqs=kw["max_num_seqs"], max_batched_tokens=kw["max_num_batched_tokens"],
+                          gpu_memory_utilization=kw["gpu_memory_utilization"])
     return shape, lay, gen, cfg.placement.gpu_memory_gib
 
 
@@ -395,9 +422,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         if args.config:
-            repo = str(Path(__file__).resolve().parents[1])
-            if repo not in sys.path:  # this checkout's package, whatever else is installed
-                sys.path.insert(0, repo)
             from megatron_rlhf.config import load_config
 
             shape, lay, gen, mem = layouts_from_config(load_config(args.config, args.overrides))

@@ -6,6 +6,8 @@
     platform.seed(seed)
     model = GPTModel(config, transformer_layer_spec=platform.layer_spec(config), ...)
 
+``platform/engine_args.py`` turns the ``generators`` config into vLLM engine arguments
+(:func:`engine_kwargs`, :func:`engine_env`) and checks that an engine fits (:func:`engine_fit`).
 ``platform/cpu.py`` holds all CPU shims, ``platform/gpu.py`` the TE/GPU spec; the GPU module is
 never imported on CPU and the CPU module (which imports megatron) only when a CPU platform is used.
 Importing this package has no side effects.
@@ -15,7 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Platform", "get_platform"]
+from megatron_rlhf.platform.engine_args import engine_env, engine_fit, engine_kwargs
+
+__all__ = ["Platform", "get_platform", "engine_kwargs", "engine_env", "engine_fit"]
 
 
 @dataclass(frozen=True)

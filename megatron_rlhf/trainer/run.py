@@ -65,7 +65,7 @@ class Run:
         self.cfg, self.say, self.run_dir = cfg, say, cfg.run_dir
         self.timeout = cfg.async_.timeout_s
         self.learner = self.transport = self.channel = self.producer = self.thread = None
-        self.pool = self.metrics = self.reward = None
+        self.pool = self.metrics = self.reward = self.placement = None
         self.rm_actors: dict = {}
         self.generators: list = []
         self.shared_generators: list = []
@@ -139,9 +139,11 @@ class Run:
         self.ray_head = _init_ray(cfg, self.run_dir, self.stacks_dir,
                                   extra_cpus=len(set(self.reward_models.values())))
         self.shared_generators = list(generators or [])
-        self.rm_actors = _build_reward_models(cfg, self.reward_models)
+        self.placement = _placement(cfg, len(set(self.reward_models.values())), timeout)
+        self.rm_actors = _build_reward_models(cfg, self.reward_models, self.placement)
         reward_fns = _reward_fns(cfg, self.reward, self.rm_actors, self.plugins, timeout)
-        self.learner, self.generators = _build_actors(cfg, self.model_dir, self.shared_generators)
+        self.learner, self.generators = _build_actors(cfg, self.model_dir, self.shared_generators,
+                                                      self.placement)
         self.transport = make_transport(cfg.generators, self.run_dir)
         self.probe = (_probe_tokens(self.sampler, cfg.generators.max_model_len)
                       if cfg.generators.check_weight_sync else None)
@@ -320,6 +322,8 @@ class Run:
                 ray.kill(actor)
         if self.transport is not None:
             self.transport.close()
+        if self.placement is not None:
+            self.placement.remove()
         if self.ray_head is not None:   # this run connected to (or started) the cluster
             ray.shutdown()
             if self.ray_head:
@@ -514,42 +518,64 @@ def _actor_options(role: str, gpus: int) -> dict:
     return opts
 
 
-def _build_actors(cfg: Config, model_dir: Path, generators: list | None = None):
+def _placement(cfg: Config, reward_models: int, timeout: float):
+    """Ray placement groups for a GPU cluster run (``placement.gpus_per_node > 0`` and GPUs in the
+    Ray cluster): :class:`megatron_rlhf.placement.ActorPlacement`, reserved before any actor starts
+    (a shortfall raises ``ConfigError``); ``None`` on CPU and local runs."""
+    import ray
+
+    from megatron_rlhf.placement import ActorPlacement, BundleLayout
+
+    if cfg.placement.gpus_per_node == 0 or ray.cluster_resources().get("GPU", 0) == 0:
+        return None
+    return ActorPlacement(BundleLayout.from_config(cfg, reward_models), timeout_s=timeout,
+                          engine_backend=cfg.generators.distributed_executor_backend)
+
+
+def _build_actors(cfg: Config, model_dir: Path, generators: list | None = None, placement=None):
+    """The learner (one rank, or a ``LearnerGroup`` coordinator of one actor per rank) and the
+    generators; with ``placement``, every rank and engine in its placement-group bundle."""
     import ray
 
     from megatron_rlhf.learner.actor import MegatronLearner
 
-    pin = cfg.generators.cpu_core
+    pin, g = cfg.generators.cpu_core, cfg.generators
     lc = cfg.learner
+    world = lc.tensor_parallel * lc.pipeline_parallel * lc.data_parallel
     kw = dict(model_dir=str(model_dir), learner_cfg=lc, algorithm_cfg=cfg.algorithm,
               dtype=cfg.model.dtype, seed=cfg.run.seed, total_steps=cfg.run.num_steps,
               temperature=cfg.generators.temperature,   # the learner picks each loss's own
-              cpu_core=pin + cfg.generators.num_workers if pin >= 0 else -1)
-    if lc.tensor_parallel * lc.pipeline_parallel * lc.data_parallel == 1:
-        learner = ray.remote(**_actor_options("learner", 1))(MegatronLearner).remote(**kw)
+              cpu_core=pin + g.num_workers * g.tensor_parallel if pin >= 0 else -1)
+    rank_opts = ([{"max_restarts": 0, **placement.learner_options(r)} for r in range(world)] if placement
+                 else [_actor_options("learner", 1)] * world)
+    if world == 1:
+        learner = ray.remote(**rank_opts[0])(MegatronLearner).remote(**kw)
     else:  # a coordinator actor (no CPU/GPU of its own) driving one actor per learner rank
         from megatron_rlhf.learner.group import LearnerGroup
 
         learner = ray.remote(num_cpus=0, max_restarts=0)(LearnerGroup).remote(
-            rank_actor_options=_actor_options("learner", 1), timeout_s=cfg.async_.timeout_s, **kw)
-    return learner, (list(generators) if generators else _build_generators(cfg, model_dir))
+            rank_actor_options=rank_opts, timeout_s=cfg.async_.timeout_s, **kw)
+    return learner, (list(generators) if generators else _build_generators(cfg, model_dir, placement))
 
 
-def _build_generators(cfg: Config, model_dir: Path) -> list:
+def _build_generators(cfg: Config, model_dir: Path, placement=None) -> list:
     """``generators.num_workers`` VLLMGenerator actors: worker i has engine seed ``run.seed + i``
-    (distinct samples), is pinned to core ``cpu_core + i`` (CPU, unless -1) and is restarted by
-    Ray up to ``generators.max_restarts`` times when its process dies."""
+    (distinct samples), is pinned to core ``cpu_core + i`` (CPU, TP 1, unless -1; TP > 1: its
+    workers bind cores ``cpu_core + i*TP + r``), sits in its placement-group bundle on GPU clusters,
+    and is restarted by Ray up to ``generators.max_restarts`` times when its process dies."""
     import ray
 
     from megatron_rlhf.generator.vllm_engine import VLLMGenerator
 
     g = cfg.generators
-    opts = _actor_options("generator", g.tensor_parallel)
-    opts["max_restarts"] = g.max_restarts
-    gen_cls = ray.remote(**opts)(VLLMGenerator)
-    return [gen_cls.remote(model_dir=str(model_dir), generator_cfg=g, dtype=cfg.model.dtype,
-                           seed=cfg.run.seed + i, cpu_core=g.cpu_core + i if g.cpu_core >= 0 else -1)
-            for i in range(g.num_workers)]
+    out = []
+    for i in range(g.num_workers):
+        opts = placement.engine_options(i) if placement else _actor_options("generator", g.tensor_parallel)
+        opts["max_restarts"] = g.max_restarts
+        out.append(ray.remote(**opts)(VLLMGenerator).remote(
+            model_dir=str(model_dir), generator_cfg=g, dtype=cfg.model.dtype, seed=cfg.run.seed + i,
+            cpu_core=g.cpu_core + i if g.cpu_core >= 0 else -1, engine_index=i))
+    return out
 
 
 def _load_prompts(cfg: Config, model_dir: Path):
@@ -647,10 +673,11 @@ def _resolve_reward_models(cfg: Config) -> dict[str, Path]:
     return out
 
 
-def _build_reward_models(cfg: Config, folders: dict[str, Path]) -> dict:
+def _build_reward_models(cfg: Config, folders: dict[str, Path], placement=None) -> dict:
     """One ``RewardModelWorker`` Ray actor per reward-model folder (tasks sharing a folder share
-    the actor): one CPU, and on GPU clusters one GPU of the generator nodes (the ``mrlhf_generator``
-    resource of slurm/ray_cluster.sh; the placement check counts it beside the vLLM engines)."""
+    the actor): one CPU, and on GPU clusters one GPU of the generator nodes (its placement-group
+    bundle, or the ``mrlhf_generator`` resource of slurm/ray_cluster.sh; the placement check counts
+    it beside the vLLM engines)."""
     import ray
 
     from megatron_rlhf.rewards.server import RewardModelWorker
@@ -662,7 +689,7 @@ def _build_reward_models(cfg: Config, folders: dict[str, Path]) -> dict:
             continue
         d = folders[task.name]
         if d not in by_dir:
-            opts = _actor_options("generator", 1)
+            opts = placement.reward_options(len(by_dir)) if placement else _actor_options("generator", 1)
             by_dir[d] = ray.remote(**opts)(RewardModelWorker).remote(
                 model_dir=str(d), dtype=cfg.model.dtype, batch_size=task.reward.batch_size)
         out[task.name] = by_dir[d]
