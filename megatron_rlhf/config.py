@@ -199,13 +199,28 @@ class GeneratorConfig:
     num_workers: int = 1
     """vLLM engines (Ray actors)."""
     tensor_parallel: int = 1
-    """GPUs per vLLM engine (vLLM ``tensor_parallel_size``); 1 on CPU."""
+    """Devices per vLLM engine (vLLM ``tensor_parallel_size``): GPUs on a GPU node (one engine
+    never spans nodes); on CPU, worker processes bound to one core each
+    (``VLLM_CPU_OMP_THREADS_BIND``, cores ``cpu_core + i*tensor_parallel + r``)."""
     gpu_memory_utilization: float = 0.9
-    """GPU only: share of each engine GPU vLLM may use (weights + activations + KV cache)."""
+    """GPU only: share of each engine GPU vLLM may use (weights + activations + KV cache); the KV
+    cache gets what is left (``megatron_rlhf.platform.engine_args.engine_fit``)."""
     max_num_seqs: int = 256
-    """vLLM ``max_num_seqs``: sequences an engine runs at once (sizes the KV cache estimate)."""
+    """vLLM ``max_num_seqs``: sequences an engine runs at once."""
     max_num_batched_tokens: int = 8192
-    """vLLM ``max_num_batched_tokens``: tokens per engine step (prefill chunk)."""
+    """vLLM ``max_num_batched_tokens``: tokens per engine step (prefill chunk); must be >=
+    ``max_model_len`` unless vLLM's chunked prefill splits prompts (it does, in vLLM V1)."""
+    enforce_eager: bool = False
+    """GPU only: ``true`` turns CUDA graphs off (vLLM ``enforce_eager``; slower decoding, faster
+    start, less memory). CPU engines always run eagerly (no CUDA graphs there)."""
+    enable_prefix_caching: bool = True
+    """vLLM ``enable_prefix_caching``: reuse the KV of shared prompt prefixes (the K samples of a
+    prompt). Reset after every weight push, so no KV of old weights is reused."""
+    distributed_executor_backend: str = "mp"
+    """How a ``tensor_parallel > 1`` engine runs its workers (vLLM ``distributed_executor_backend``):
+    ``mp`` (worker processes on the engine actor's node, inside its Ray bundle) or ``ray`` (vLLM
+    places Ray workers itself, into the engine's placement group; GPU only: vllm-cpu has no Ray
+    executor). Unused at ``tensor_parallel: 1`` (the engine runs in-process)."""
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 192
@@ -215,7 +230,9 @@ class GeneratorConfig:
     prompts_per_request: int = 8
     """Prompts sent to the engine per generate call (each sampled K times)."""
     kv_cache_gib: float = 0.25
-    """KV-cache size on CPU (vLLM needs it given explicitly there)."""
+    """CPU only: KV-cache size per engine worker (GiB; vLLM ``kv_cache_memory_bytes``, which CPU
+    engines need given explicitly). GPU engines size their KV cache from
+    ``gpu_memory_utilization`` instead. Must hold at least one ``max_model_len`` sequence."""
     transport: str = "object_store"
     """Weight-sync transport (``megatron_rlhf.generator.weight_sync``): ``object_store`` (HF-named
     buckets through Ray's object store; CPU and small models), ``filesystem`` (safetensors shards
@@ -257,8 +274,19 @@ class GeneratorConfig:
                self.max_num_batched_tokens, ">= 1")
         _check(self.prompts_per_request >= 1, "generators.prompts_per_request",
                self.prompts_per_request, "an integer >= 1")
+        _check(self.kv_cache_gib > 0, "generators.kv_cache_gib", self.kv_cache_gib, "a number of GiB > 0")
+        _check(self.distributed_executor_backend in ("mp", "ray"), "generators.distributed_executor_backend",
+               self.distributed_executor_backend, "mp or ray")
         _check(self.transport in ("object_store", "filesystem", "nccl"), "generators.transport",
                self.transport, "one of: object_store, filesystem, nccl")
+        if self.tensor_parallel > 1 and self.distributed_executor_backend == "ray":
+            # a TP engine's workers take only file paths (VLLMGenerator._reload_in_workers): object-
+            # store buckets are spooled on the engine actor's node, which Ray workers may not share
+            _check(self.transport != "object_store", "generators.transport", self.transport,
+                   "not object_store when generators.tensor_parallel > 1 and "
+                   "generators.distributed_executor_backend=ray (the buckets are spooled to files on "
+                   "the engine actor's node; vLLM's Ray workers may run elsewhere): set "
+                   "generators.distributed_executor_backend=mp or generators.transport=filesystem")
         _check(self.check_weight_sync_tol > 0, "generators.check_weight_sync_tol",
                self.check_weight_sync_tol, "a number > 0 (nats)")
         _check(self.max_restarts >= 0, "generators.max_restarts", self.max_restarts, "an integer >= 0")
@@ -290,6 +318,10 @@ class OptimizerConfig:
                self.lr_decay, "one of constant, linear, cosine")
 
 
+RECOMPUTE_MODULES = ("core_attn", "mlp")
+"""``learner.recompute_modules`` choices: megatron's selective-recompute modules of a dense model."""
+
+
 @dataclass(kw_only=True)
 class LearnerConfig:
     """The Megatron learner group (policy + frozen reference + optimizer)."""
@@ -306,7 +338,23 @@ class LearnerConfig:
     sequence_parallel: bool = True
     """Megatron sequence parallelism when tensor_parallel > 1."""
     recompute: str = "none"
-    """Activation recomputation: ``none`` or ``full`` (every layer, uniform)."""
+    """Activation recomputation (megatron ``recompute_granularity``): ``none``, ``full`` (every
+    layer recomputed from its input, uniform) or ``selective`` (only ``recompute_modules``)."""
+    recompute_modules: list[str] = field(default_factory=lambda: ["core_attn"])
+    """With ``recompute: selective``: the layer parts recomputed in backward (megatron
+    ``recompute_modules``, dense models): ``core_attn`` (attention scores/softmax; refused with TE's
+    fused attention, which keeps no score matrix) and ``mlp`` (the whole SwiGLU MLP). Megatron's
+    ``layernorm`` is not offered: with the TE spec the norms are fused into the next linear, and
+    without TE megatron-core 0.16-0.19's ``CheckpointWithoutOutput`` takes its fp8 branch and
+    fails. Default megatron's ``["core_attn"]``."""
+    max_tokens_per_microbatch: int = 0
+    """Token budget of a micro-batch (0 = off: ``micro_batch_size`` sequences each). When set it
+    replaces ``micro_batch_size``: sequences sorted by length are packed into micro-batches of at
+    most this many token slots (rows x the micro-batch's padded length; pairs and groups kept whole
+    where the loss needs them, a unit over the budget runs alone), so short completions share a
+    micro-batch and long ones do not run out of memory. The loss keeps whole-batch denominators:
+    the gradient equals the one-micro-batch gradient (tests/test_token_budget.py). Padded
+    micro-batches (no THD packing: that needs Transformer Engine's attention, GPU only, not done)."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     ref_sync_interval: int = 0
     """Copy policy -> reference every r learner batches (0 = never; Lanchantin et al. 2025)."""
@@ -320,7 +368,14 @@ class LearnerConfig:
                "an integer >= 1")
         for k in ("tensor_parallel", "pipeline_parallel", "data_parallel", "micro_batch_size"):
             _check(getattr(self, k) >= 1, f"learner.{k}", getattr(self, k), "an integer >= 1")
-        _check(self.recompute in ("none", "full"), "learner.recompute", self.recompute, "none or full")
+        _check(self.recompute in ("none", "full", "selective"), "learner.recompute", self.recompute,
+               "none, full or selective")
+        bad = sorted(set(self.recompute_modules) - set(RECOMPUTE_MODULES))
+        _check(not bad and (self.recompute_modules or self.recompute != "selective"),
+               "learner.recompute_modules", self.recompute_modules,
+               f"a non-empty subset of {list(RECOMPUTE_MODULES)} (megatron's dense-model choices)")
+        _check(self.max_tokens_per_microbatch >= 0, "learner.max_tokens_per_microbatch",
+               self.max_tokens_per_microbatch, "0 (off) or a token budget >= 1")
         _check(self.ref_sync_interval >= 0, "learner.ref_sync_interval", self.ref_sync_interval, ">= 0")
 
 
@@ -474,6 +529,12 @@ class AsyncConfig:
     reaches s."""
     timeout_s: float = 1800.0
     """Upper bound of any single remote wait (seconds); nothing waits forever."""
+    watchdog_factor: float = 5.0
+    """Hang watchdog (``trainer/watchdog.py``): when a step has run more than this many times the
+    median finished step, log the pending remote calls and every process's Python stack, once per
+    step, and go on waiting until ``timeout_s``. 0 turns it off."""
+    watchdog_min_steps: int = 3
+    """Finished steps the watchdog needs before it judges a step (the median of fewer is noise)."""
 
     def __post_init__(self):
         _check(self.max_staleness >= 0, "async.max_staleness", self.max_staleness, ">= 0")
@@ -487,6 +548,9 @@ class AsyncConfig:
                    f">= async.sync_interval ({self.sync_interval}): weights arrive only every "
                    "sync_interval batches, so a smaller bound would wait forever")
         _check(self.timeout_s > 0, "async.timeout_s", self.timeout_s, "> 0")
+        _check(self.watchdog_factor == 0 or self.watchdog_factor > 1, "async.watchdog_factor",
+               self.watchdog_factor, "0 (off) or a number > 1 (times the median step)")
+        _check(self.watchdog_min_steps >= 1, "async.watchdog_min_steps", self.watchdog_min_steps, ">= 1")
 
     @property
     def staleness_bound(self) -> int:

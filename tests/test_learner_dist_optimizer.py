@@ -7,7 +7,8 @@ DPO step with ``learner.distributed_optimizer=true``, save a checkpoint (megatro
 learner on the same ranks loads the checkpoint: its fp32 master weights and Adam moments must equal
 the saved run's after step 1, and after the same second step its weights and moments must equal the
 uninterrupted run's (1e-6). The DP=2 checkpoint also resumes in one process at DP=1 (megatron's
-format reshards over DP), with the full moments assembled from the two DP shards.
+format reshards over DP), with the full moments assembled from the two DP shards. The TP=2 x DP=2
+ranks also check ``learner.recompute=selective``: gradients equal ``recompute=none``.
 """
 
 from __future__ import annotations
@@ -24,27 +25,16 @@ TOL = 1e-6
 LR, EPS = 1e-2, 1e-3
 
 
-def _cfg(tp=1, dp=1) -> LearnerConfig:
-    return LearnerConfig(tensor_parallel=tp, data_parallel=dp, micro_batch_size=2, distributed_optimizer=True,
-                         optimizer=OptimizerConfig(lr=LR, adam_eps=EPS, clip_grad=1.0, weight_decay=0.01))
+def _cfg(tp=1, dp=1, **kw) -> LearnerConfig:
+    kw.setdefault("distributed_optimizer", True)
+    return LearnerConfig(tensor_parallel=tp, data_parallel=dp, micro_batch_size=2,
+                         optimizer=OptimizerConfig(lr=LR, adam_eps=EPS, clip_grad=1.0, weight_decay=0.01), **kw)
 
 
 def adam_state(learner) -> dict[str, dict[str, torch.Tensor]]:
-    """This rank's distributed-optimizer state by policy parameter name: ``{"start": int,
-    "fp32_param"/"exp_avg"/"exp_avg_sq": flat fp32 tensor of the range [start, start+n)}`` of the
-    parameter's flattened elements this DP rank owns (megatron-core DistributedOptimizer internals:
-    ``_get_model_param_range_map``, ``_get_main_param_and_optimizer_states``)."""
-    opt = learner.optimizer
-    opt = getattr(opt, "chained_optimizers", [opt])[0]
-    out = {}
-    for name, p in learner.policy.named_parameters():
-        if p not in opt.model_param_gbuf_map:
-            continue
-        rng = opt._get_model_param_range_map(p)["param"]
-        st = opt._get_main_param_and_optimizer_states(p)
-        out[name] = {"start": rng.start, **{k: st[k].detach().clone().flatten()
-                                            for k in ("param", "exp_avg", "exp_avg_sq")}}
-    return out
+    from megatron_rlhf.learner.checkpoint import distributed_optimizer_state
+
+    return distributed_optimizer_state(learner.optimizer, learner.policy)
 
 
 def _params(learner) -> dict[str, torch.Tensor]:
@@ -71,9 +61,32 @@ def _worker(rank: int, world: int, tp: int, model_dir: str, init_method: str, ou
         res["loaded"] = adam_state(b)
         b.train_step(_batch(seed=1))
         res.update(resumed_state=adam_state(b), resumed_params=_params(b))
-        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+        if tp > 1:   # while b holds the process group (a re-init on the same port can fail)
+            res["recompute"] = {rc: _grads_with_recompute(kw, rc) for rc in ("none", "selective")}
     finally:
         b.close()
+    torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def _grads_with_recompute(kw: dict, recompute: str) -> dict:
+    """HF-named gradients of one Online DPO step and the number of core-attention forward calls
+    (selective recompute of core_attn runs it again in backward)."""
+    from megatron_rlhf.learner.actor import MegatronLearner
+    from megatron_rlhf.platform.cpu import SDPACoreAttention
+
+    cfg = kw["learner_cfg"]
+    learner = MegatronLearner(**dict(kw, learner_cfg=_cfg(cfg.tensor_parallel, cfg.data_parallel,
+                                                          distributed_optimizer=False, recompute=recompute,
+                                                          recompute_modules=["core_attn", "mlp"])))
+    calls = [0]
+    for m in learner.policy.modules():
+        if isinstance(m, SDPACoreAttention):
+            m.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    try:
+        learner.train_step(_batch(seed=0))
+        return {"grads": learner.gradients_hf(), "attention_calls": calls[0]}
+    finally:
+        learner.close()
 
 
 def _close(a: dict, b: dict, what: str) -> None:
@@ -140,11 +153,41 @@ def test_dp2_checkpoint_restores_adam_moments_and_next_step_then_resumes_at_dp1(
 
 
 @pytest.mark.timeout(300)
-def test_tp2_dp2_checkpoint_restores_adam_moments_and_next_step(tiny_llama_dir, tmp_path):
+def test_tp2_dp2_checkpoint_resumes_exactly_and_selective_recompute_keeps_gradients(tiny_llama_dir, tmp_path):
     ranks = _spawn(4, 2, tiny_llama_dir, tmp_path)
     assert sorted((r["layout"]["tp_rank"], r["layout"]["dp_rank"]) for r in ranks) == \
         [(0, 0), (0, 1), (1, 0), (1, 1)]
     _check_resume(ranks)
+    # learner.recompute=selective (core_attn + mlp) at TP=2: same gradients as recompute=none, and
+    # the attention really ran again in backward
+    reporting = [r for r in ranks if r["recompute"]["none"]["grads"]]   # gradients_hf: DP rank 0
+    assert reporting
+    for r in reporting:
+        none, sel = r["recompute"]["none"], r["recompute"]["selective"]
+        assert set(none["grads"]) == set(sel["grads"])
+        err = max((none["grads"][k] - sel["grads"][k]).abs().max().item() for k in none["grads"])
+        assert err <= TOL, f"selective recompute changed the gradients by {err}"
+        assert sel["attention_calls"] == 2 * none["attention_calls"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_a_save_before_the_first_step_leaves_training_unchanged(tiny_llama_dir, tmp_path):
+    """Saving a never-stepped distributed optimizer primes its state: that must equal a fresh Adam."""
+    from megatron_rlhf.learner.actor import MegatronLearner
+
+    kw = dict(model_dir=str(tiny_llama_dir), learner_cfg=_cfg(), algorithm_cfg=AlgorithmConfig(), total_steps=4)
+    a, b = MegatronLearner(**kw), MegatronLearner(**kw)
+    try:
+        a.save_checkpoint(str(tmp_path / "ck0"))
+        for learner in (a, b):
+            learner.train_step(_batch(seed=0))
+        pa, pb = _params(a), _params(b)
+        assert max((pa[k] - pb[k]).abs().max().item() for k in pa) == 0.0
+        assert b.load_checkpoint(str(tmp_path / "ck0")) == 0   # and it loads (step 0, zero moments)
+        assert all(s["exp_avg"].abs().max() == 0 for s in adam_state(b).values())
+    finally:
+        b.close()
+        a.close()
 
 
 @pytest.mark.timeout(30)

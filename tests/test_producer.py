@@ -56,6 +56,15 @@ class FakePool:
                 return
             yield prompts, self.generate(prompts, n)
 
+    def reseed(self, seed, batch_index):
+        self.reseeds = getattr(self, "reseeds", []) + [(seed, batch_index)]
+
+    def state_dict(self):
+        return {"expected_len": 1.0, "seen_completions": 0}
+
+    def load_state_dict(self, state):
+        pass
+
     def generate(self, prompts, n, refresh=None):
         self.calls.append([p.task for p in prompts])
         out = []

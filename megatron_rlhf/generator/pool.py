@@ -47,7 +47,7 @@ from typing import Any, Callable, Iterator
 from megatron_rlhf.generator.weight_sync import PublishedWeights, WeightTransport, compare_probe
 from megatron_rlhf.types import Completion, Prompt
 
-__all__ = ["GeneratorPool", "GeneratorDiedError", "balance"]
+__all__ = ["GeneratorPool", "GeneratorDiedError", "balance", "batch_seed"]
 
 
 class GeneratorDiedError(RuntimeError):
@@ -75,6 +75,15 @@ def balance(costs: list[float], num_bins: int) -> list[list[int]]:
         bins[b].append(i)
         loads[b] += costs[i]
     return [sorted(b) for b in bins]
+
+
+def batch_seed(seed: int, batch_index: int, worker: int) -> int:
+    """Engine seed of ``worker`` for batch ``batch_index`` of a run seeded ``seed``: a 31-bit
+    number from ``random.Random`` seeded with the string ``"seed/batch/worker"`` (SHA-512 based,
+    the same in every process and Python run)."""
+    import random
+
+    return random.Random(f"{seed}/{batch_index}/{worker}").getrandbits(31)
 
 
 @dataclass
@@ -122,6 +131,7 @@ class GeneratorPool:
         self.batch_index = -1   # set by the producer; only used in messages
         self._inflight_pushes, self._inflight_sync_s, self._midrequest_pushes = 0, 0.0, 0
         self._inflight_check: float | None = None
+        self._pending: tuple[dict, int] = ({}, 0)   # generate requests in flight (the watchdog's view)
 
     @property
     def num_workers(self) -> int:
@@ -136,6 +146,31 @@ class GeneratorPool:
         import ray
 
         return ray.get([w.handle.pid.remote() for w in self.workers], timeout=self.timeout_s)
+
+    def reseed(self, seed: int, batch_index: int) -> None:
+        """Reseed every worker's engine for batch ``batch_index``: worker i gets
+        :func:`batch_seed` ``(seed, batch_index, i)``, so each batch samples the same completions
+        whenever it is generated (an uninterrupted run or a resumed one)."""
+        import ray
+
+        ray.get([w.handle.reseed.remote(batch_seed(seed, batch_index, w.index)) for w in self.workers],
+                timeout=self.timeout_s)
+
+    def pending_calls(self) -> list[str]:
+        """The generate requests in flight, one line each (for the hang watchdog; any thread)."""
+        pending, n = self._pending
+        now = time.perf_counter()
+        return [f"generator {w.index}: generate({len(ps)} prompts x {n} samples, batch {self.batch_index}, "
+                f"weight version {w.version}) for {now - t0:.0f} s" for w, ps, t0, _ in list(pending.values())]
+
+    def state_dict(self) -> dict:
+        """What the prompt split depends on: the running mean completion length (JSON-plain)."""
+        return {"expected_len": self.expected_len, "seen_completions": self._seen_completions}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`."""
+        self.expected_len = float(state["expected_len"])
+        self._seen_completions = int(state["seen_completions"])
 
     # ------------------------------------------------------------------------------ generate
     def stream(self, n: int, draw: Callable[[], list[Prompt]],
@@ -175,6 +210,7 @@ class GeneratorPool:
 
         free = {w.index: time.perf_counter() for w in self.workers}   # worker -> free since
         pending: dict = {}
+        self._pending = (pending, n)
         yielded_at: float | None = None   # set while checking what finished during the caller's turn
         while True:
             self._refresh(refresh)

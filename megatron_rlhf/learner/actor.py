@@ -29,7 +29,8 @@ Per batch (``train_step``; per-loss glue in :mod:`megatron_rlhf.learner.objectiv
 
 1. Check ``batch.unit`` against ``algorithm.loss`` (``pair`` for online_dpo, ``group`` for
    group_dpo / grpo / ppo / rloo / proximal_rloo, ``best`` for best_of_k_sft).
-2. Micro-batches of ``learner.micro_batch_size`` rows, sorted by length; a pair (online_dpo) or
+2. Micro-batches of ``learner.micro_batch_size`` rows, or of at most
+   ``learner.max_tokens_per_microbatch`` token slots, sorted by length; a pair (online_dpo) or
    a prompt group (group_dpo) stays in one micro-batch, other losses' rows are independent (their
    advantages are computed over the whole batch first); units are dealt over DP ranks.
 3. Reference token logprobs, forward only (every loss: DPO log-ratios, the GRPO KL term, the KL
@@ -133,7 +134,7 @@ class MegatronLearner:
     Raises:
         ValueError: ``world_size`` differs from the configured layout, the model cannot be
             split (heads / query groups / FFN not divisible by TP, layers not by PP), or
-            ``learner.recompute=full`` on CPU, or ``temperature <= 0``.
+            ``learner.recompute`` modules the platform refuses, or ``temperature <= 0``.
     Attributes:
         weight_version: number of batches trained (restored by ``load_checkpoint``).
         critic: the PPO critic (``algorithm.loss=ppo``), else None.
@@ -207,12 +208,7 @@ class MegatronLearner:
         """TransformerConfig fields for GPU-only kernels: fused SwiGLU (megatron's jit
         ``bias_swiglu_impl``), TE's fused RoPE when TE imports, activation recomputation.
         Empty on CPU except recomputation. TE itself comes in through ``platform.layer_spec``."""
-        out = {}
-        if self.cfg.recompute == "full":
-            if self.platform.is_cpu:  # tensor_parallel.checkpoint saves/restores CUDA RNG states
-                raise ValueError("learner.recompute=full needs a GPU (megatron's activation "
-                                 "checkpointing saves CUDA RNG states); use recompute=none on CPU")
-            out.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        out = self.platform.recompute_overrides(self.cfg.recompute, self.cfg.recompute_modules)
         if self.platform.is_cpu:
             return out
         from megatron_rlhf.platform.gpu import have_transformer_engine
@@ -291,7 +287,7 @@ class MegatronLearner:
         pad = self.groups.tp if self.sequence_parallel else 1
         return [plan_microbatches(lengths, rows_per_microbatch=self.cfg.micro_batch_size,
                                   dp_rank=d, dp_size=self.groups.dp, pairs=False, pad_multiple=pad,
-                                  units=units)
+                                  units=units, max_tokens=self.cfg.max_tokens_per_microbatch)
                 for d in range(self.groups.dp)]
 
     def _gather_dp(self, obj) -> list:

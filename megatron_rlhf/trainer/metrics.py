@@ -78,9 +78,13 @@ class MetricsLogger:
         if missing:
             raise ValueError(f"metrics row for step {row.get('step')} lacks {missing}")
         row = {k: _plain(v) for k, v in row.items()}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-            f.flush()
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+        except OSError as e:   # e.g. a full disk: name the file and the cause
+            raise OSError(e.errno, f"cannot append step {row['step']}'s metrics to {self.path}: "
+                                   f"{e.strerror}", str(self.path)) from e
         self.rows.append(row)
         err = row.get("logprobs/token_mult_prob_error")
         if err is not None and err > self.warn_mismatch:

@@ -12,6 +12,8 @@ actors started:
 * ``generators.max_model_len`` at most the model's ``max_position_embeddings``.
 * The model splits over ``learner.tensor_parallel`` / ``pipeline_parallel``;
   ``generators.transport=nccl`` needs a CUDA GPU.
+* A vLLM engine fits its device (``platform.engine_args.check_engines``): its weights fit the memory
+  vLLM may use and its KV cache holds at least one ``generators.max_model_len`` sequence.
 * Reward plug-ins (``tasks[].reward: module:function``) import (any error at import, a
   ``SyntaxError`` included, is reported with its task) and are callable.
 * The run folder ``<run.output_dir>/<run.name>`` can be created and written (no file in the way of
@@ -69,7 +71,10 @@ def preflight(cfg: Config, model_dir: Path) -> dict:
     """
     import torch
 
+    from megatron_rlhf.platform.engine_args import check_engines
+
     check_model_folder(cfg, model_dir)
+    check_engines(cfg, model_dir)   # vLLM could not start the engine: weights too big, KV < one sequence
     if cfg.generators.transport == "nccl" and not torch.cuda.is_available():
         raise ConfigError("config key 'generators.transport' = 'nccl' needs CUDA GPUs on the learner and "
                           "the generators (none is visible here); use 'object_store' or 'filesystem'")

@@ -8,6 +8,7 @@ vLLM workers, streamed requests, restarts of dead workers):
     for k in batches:                                   # k = 0-based batch index
         wait until a weight version >= k - staleness_bound is published   (the handshake)
         if a newer version than the workers' is published: push it to every worker
+        reseed every engine for batch k (``generator.pool.batch_seed``: exact resume)
         stream requests through the pool (no round barrier): whenever an engine is free and a
             task is still short of its quota, it gets prompts_per_request prompts (adaptive
             split over the short tasks); each request is scored as soon as it finishes
@@ -44,6 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from megatron_rlhf.generator.weight_sync import PublishedWeights
 from megatron_rlhf.rewards.reward_model import length_normalized_rewards
+from megatron_rlhf.testing.faults import kill_point
 from megatron_rlhf.trainer.staleness import trained_rollouts
 from megatron_rlhf.types import Rollout, RolloutGroup
 
@@ -171,7 +173,7 @@ class RolloutBatch:
         sampler_state: data-sampler position after the last prompt this batch consumed.
         rng_state: pair-selection RNG state after this batch.
         producer_state: the rest of the producer's resumable state (reward normaliser, yield
-            estimates), JSON-plain.
+            estimates, the pool's completion-length estimate), JSON-plain.
         stats: per-batch numbers for the metrics row (``time/gen_s``, ``reward/mean``, ...).
     """
 
@@ -209,7 +211,7 @@ class RolloutProducer:
         min_version: the version the run (re)starts from (batch k needs >= max(min_version, k - bound)).
         rng_state: pair-selection RNG state to resume from (``None``: seeded with ``seed``).
         producer_state: :attr:`RolloutBatch.producer_state` to resume from (``None``: fresh).
-        seed: seed of the pair-selection RNG.
+        seed: run seed: of the pair-selection RNG and of the engines per batch (``pool.reseed``).
         timeout_s: bound of every wait.
     """
 
@@ -225,6 +227,7 @@ class RolloutProducer:
         self.algo, self.gen_cfg = algorithm_cfg, generator_cfg
         self.bound, self.first_batch, self.num_batches = staleness_bound, first_batch, num_batches
         self.min_version, self.timeout_s = min_version, timeout_s
+        self.seed = seed
         self.rng = random.Random(seed)
         if rng_state is not None:
             self.rng.setstate(_to_rng_state(rng_state))
@@ -233,7 +236,10 @@ class RolloutProducer:
         if producer_state:
             self.normalizer.load_state_dict(producer_state["normalizer"])
             self.rates.update(producer_state.get("rates", {}))
+            if "pool" in producer_state:
+                pool.load_state_dict(producer_state["pool"])
         self.stop_event = threading.Event()
+        self.phase = "not started"   # what run() is doing (the hang watchdog's report)
 
     # ------------------------------------------------------------------------------ loop
     def run(self) -> None:
@@ -244,6 +250,7 @@ class RolloutProducer:
                     return
                 t_wait = time.perf_counter()
                 need = max(self.min_version, k - self.bound)
+                self.phase = f"batch {k}: waiting for weight version >= {need}"
                 weights = self.channel.wait_for(need, self.timeout_s)
                 if weights is None:
                     return
@@ -251,8 +258,12 @@ class RolloutProducer:
                 sync = {"time/sync_s": 0.0, "sync/bytes": 0, "sync/export_s": 0.0}
                 self.pool.batch_index = k
                 if weights.version > min(self.pool.versions()):
+                    self.phase = f"batch {k}: pushing weight version {weights.version} to the engines"
                     sync.update(self.pool.push(weights, only_stale=True))
+                self.pool.reseed(self.seed, k)   # batch k samples alike in a resumed run
+                self.phase = f"batch {k}: generating and scoring"
                 batch = self._make_batch(k, sync, idle_s)
+                self.phase = f"batch {k}: ready, waiting for the learner to take it"
                 t_put = time.perf_counter()
                 while not self.stop_event.is_set():
                     try:
@@ -345,9 +356,13 @@ class RolloutProducer:
         b = _BatchState(quotas)
         t0 = time.perf_counter()
         refresh = self.channel.latest if self.gen_cfg.inflight_updates else None
-        for prompts, groups in self.pool.stream(self.algo.samples_per_prompt, lambda: self._draw(k, b), refresh):
+        n = self.algo.samples_per_prompt
+        for prompts, groups in self.pool.stream(n, lambda: self._draw(k, b), refresh):
+            kill_point("generation", k + 1)
             t1 = time.perf_counter()
+            self.phase = f"batch {k}: scoring {len(prompts)} prompts x {n} completions"
             self._absorb(b, prompts, groups)
+            self.phase = f"batch {k}: generating and scoring"
             b.reward_s += time.perf_counter() - t1
         gen_s = time.perf_counter() - t0 - b.reward_s
         chosen = [g for t in quotas for g in b.got[t]]
@@ -356,7 +371,8 @@ class RolloutProducer:
         stats.update(self.pool.take_stats())
         stats.update(sync)
         stats["reward/invalid_completions"], stats["reward/invalid_prompts"] = b.invalid
-        producer_state = {"normalizer": self.normalizer.state_dict(), "rates": dict(self.rates)}
+        producer_state = {"normalizer": self.normalizer.state_dict(), "rates": dict(self.rates),
+                          "pool": self.pool.state_dict()}
         return RolloutBatch(index=k, weight_version=min(b.versions), groups=tuple(chosen),
                             sampler_state=self.sampler.state_dict(), rng_state=self.rng.getstate(),
                             producer_state=producer_state, stats=stats)
