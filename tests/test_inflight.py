@@ -68,6 +68,9 @@ class _FakeGenerator:
     def get_weight_version(self):
         return 0
 
+    def reseed(self, seed):   # the producer reseeds every engine per batch
+        pass
+
 
 def _prompts(k: int) -> list[Prompt]:
     return [Prompt(index=i, task="t", token_ids=(3 + i % 7, 5, 9, 11 + i % 5)) for i in range(k)]
