@@ -346,10 +346,13 @@ class LearnerConfig:
     without TE megatron-core 0.16-0.19's ``CheckpointWithoutOutput`` takes its fp8 branch and
     fails. Default megatron's ``["core_attn"]``."""
     max_tokens_per_microbatch: int = 0
-    """Token budget of a micro-batch (0 = off: ``micro_batch_size`` sequences each). When set,
-    sequences sorted by length are packed into micro-batches of at most this many tokens
-    (rows x padded length; pairs and groups kept whole where the loss needs them, a unit longer
-    than the budget gets a micro-batch of its own); ``micro_batch_size`` then only caps the rows."""
+    """Token budget of a micro-batch (0 = off: ``micro_batch_size`` sequences each). When set it
+    replaces ``micro_batch_size``: sequences sorted by length are packed into micro-batches of at
+    most this many token slots (rows x the micro-batch's padded length; pairs and groups kept whole
+    where the loss needs them, a unit over the budget runs alone), so short completions share a
+    micro-batch and long ones do not run out of memory. The loss keeps whole-batch denominators:
+    the gradient equals the one-micro-batch gradient (tests/test_token_budget.py). Padded
+    micro-batches (no THD packing: that needs Transformer Engine's attention, GPU only, not done)."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     ref_sync_interval: int = 0
     """Copy policy -> reference every r learner batches (0 = never; Lanchantin et al. 2025)."""
