@@ -243,9 +243,11 @@ class GeneratorConfig:
     ``cpu_core + num_workers`` (modulo the cores available), so the overlap of generation and
     training is real; -1 disables pinning (use it when there are fewer cores than processes)."""
     inflight_updates: bool = False
-    """Push a newer published weight version to a worker between its generate requests, not only at
-    batch boundaries. A batch may then span several versions; every completion records its
-    version and the batch's staleness counts from the oldest one."""
+    """Push a newer published weight version to the workers as soon as it is published, not only at
+    batch boundaries: a worker with requests running loads it between two engine steps and its
+    running requests continue under the new weights (``sync/midrequest_pushes``). A batch, and a
+    completion, may then span several versions: every completion records the versions of its
+    first and last token, and staleness counts from the oldest."""
     check_weight_sync: bool = False
     """After every weight push, compare each worker's teacher-forced logprobs of a fixed probe
     sequence with the learner's (same version) and raise ``WeightSyncError`` beyond

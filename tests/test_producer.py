@@ -48,6 +48,14 @@ class FakePool:
     def take_stats(self):
         return {}
 
+    def stream(self, n, draw, refresh=None):
+        """One worker: each request's completions are handed over before the next draw."""
+        while True:
+            prompts = draw()
+            if not prompts:
+                return
+            yield prompts, self.generate(prompts, n)
+
     def reseed(self, seed, batch_index):
         self.reseeds = getattr(self, "reseeds", []) + [(seed, batch_index)]
 

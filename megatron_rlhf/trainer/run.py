@@ -565,13 +565,14 @@ def _build_generators(cfg: Config, model_dir: Path, placement=None) -> list:
     and is restarted by Ray up to ``generators.max_restarts`` times when its process dies."""
     import ray
 
-    from megatron_rlhf.generator.vllm_engine import VLLMGenerator
+    from megatron_rlhf.generator.vllm_engine import RAY_ACTOR_OPTIONS, VLLMGenerator
 
     g = cfg.generators
     out = []
     for i in range(g.num_workers):
         opts = placement.engine_options(i) if placement else _actor_options("generator", g.tensor_parallel)
         opts["max_restarts"] = g.max_restarts
+        opts.update(RAY_ACTOR_OPTIONS)   # threaded: weight pushes land between engine steps of a request
         out.append(ray.remote(**opts)(VLLMGenerator).remote(
             model_dir=str(model_dir), generator_cfg=g, dtype=cfg.model.dtype, seed=cfg.run.seed + i,
             cpu_core=g.cpu_core + i if g.cpu_core >= 0 else -1, engine_index=i))
