@@ -212,8 +212,14 @@ class GeneratorConfig:
     transport: str = "object_store"
     """Weight-sync transport (``megatron_rlhf.generator.weight_sync``): ``object_store`` (HF-named
     buckets through Ray's object store; CPU and small models), ``filesystem`` (safetensors shards
-    in ``<run>/weight_sync/v<N>/``, for nodes that share storage but no NCCL fabric) or ``nccl``
-    (GPU only: broadcast over a process group of the exporting learner rank and every vLLM worker)."""
+    in ``<run>/weight_sync/v<N>/``, for nodes that share storage but no fast fabric) or
+    ``broadcast`` (``nccl`` is the same: one process group per learner pipeline stage spanning its
+    exporting rank and every vLLM worker process; NCCL on GPU, gloo on CPU; any TP x PP x DP
+    learner, any engine TP; the broadcast overlaps the next train step)."""
+    weight_sync_bucket_mb: float = 256.0
+    """Bucket size of the ``broadcast`` and ``filesystem`` transports (MiB): tensors go out in
+    buckets of at most this size (a larger tensor in chunks of it); ``broadcast`` keeps two device
+    buffers of this size on each exporting learner rank."""
     cpu_core: int = 0
     """CPU only: generator i is pinned to core ``cpu_core + i`` and the learner to core
     ``cpu_core + num_workers`` (modulo the cores available), so the overlap of generation and
@@ -248,8 +254,10 @@ class GeneratorConfig:
                self.max_num_batched_tokens, ">= 1")
         _check(self.prompts_per_request >= 1, "generators.prompts_per_request",
                self.prompts_per_request, "an integer >= 1")
-        _check(self.transport in ("object_store", "filesystem", "nccl"), "generators.transport",
-               self.transport, "one of: object_store, filesystem, nccl")
+        _check(self.transport in ("object_store", "filesystem", "broadcast", "nccl"), "generators.transport",
+               self.transport, "one of: object_store, filesystem, broadcast (nccl is an alias)")
+        _check(self.weight_sync_bucket_mb > 0, "generators.weight_sync_bucket_mb", self.weight_sync_bucket_mb,
+               "a size in MiB > 0")
         _check(self.check_weight_sync_tol > 0, "generators.check_weight_sync_tol",
                self.check_weight_sync_tol, "a number > 0 (nats)")
         _check(self.max_restarts >= 0, "generators.max_restarts", self.max_restarts, "an integer >= 0")

@@ -262,7 +262,7 @@ def train(cfg: Config, *, quiet: bool = False, generators: list | None = None) -
         rm_actors = _build_reward_models(cfg, reward_models)
         reward_fns = _reward_fns(cfg, reward, rm_actors, plugins, timeout)
         learner, generators = _build_actors(cfg, model_dir, shared_generators)
-        transport = make_transport(cfg.generators, run_dir)
+        transport = make_transport(cfg.generators, run_dir, timeout)
         probe = _probe_tokens(sampler, cfg.generators.max_model_len) if cfg.generators.check_weight_sync else None
         start_step, version, rng_state, producer_state = 0, 0, None, None
         latest = ckpts.latest() if cfg.checkpoint.resume else None
@@ -326,14 +326,20 @@ def train(cfg: Config, *, quiet: bool = False, generators: list | None = None) -
                 train_s = time.perf_counter() - t0
                 version += 1
                 done, last_batch = done + 1, batch
+                blocked, push_wait = 0.0, 0.0   # learner time spent publishing (gathers, staging, waits)
                 if (done < cfg.run.num_steps and not stop.requested
                         and version % cfg.async_.sync_interval == 0):
-                    channel.publish(transport.publish(learner, version, timeout, probe))
+                    t_pub = time.perf_counter()
+                    published = transport.publish(learner, version, timeout, probe)
+                    channel.publish(published)
+                    blocked, push_wait = time.perf_counter() - t_pub, published.push_wait_s
                 row = {"step": done, "weight_version": version, "loss/total": out.get("loss/total"),
                        **stale, "prompts/too_long_filtered": too_long,
                        **{k: v for k, v in out.items() if k != "time/train_s"},
                        **batch.stats,   # the rollouts' numbers win over a learner key of the same name
                        "time/train_s": train_s, "time/learner_idle_s": learner_idle,
+                       "sync/learner_blocked_s": blocked, "sync/push_wait_s": push_wait,
+                       "sync/GBps": batch.stats.get("sync/GBps", 0.0),
                        "time/step_s": time.perf_counter() - t_wait}
                 metrics.log(row)
                 bar.update(1)
@@ -411,7 +417,8 @@ def _preflight(cfg: Config, model_dir: Path) -> None:
 
     Raises:
         ConfigError: the model does not split over ``learner.tensor_parallel`` /
-            ``pipeline_parallel``, or ``generators.transport=nccl`` without a visible CUDA GPU.
+            ``pipeline_parallel``, or the weight transport cannot serve the layout
+            (``weight_sync.check_transport_layout``).
     """
     import torch
 
@@ -422,9 +429,13 @@ def _preflight(cfg: Config, model_dir: Path) -> None:
                         pipeline_parallel=cfg.learner.pipeline_parallel)
     except ValueError as e:
         raise ConfigError(str(e)) from e
-    if cfg.generators.transport == "nccl" and not torch.cuda.is_available():
-        raise ConfigError("config key 'generators.transport' = 'nccl' needs CUDA GPUs on the learner and "
-                          "the generators (none is visible here); use 'object_store' or 'filesystem'")
+    from megatron_rlhf.generator.weight_sync import check_transport_layout
+
+    try:
+        check_transport_layout(cfg.generators, cfg.learner, gpu_memory_gib=cfg.placement.gpu_memory_gib
+                               if cfg.placement.gpus_per_node > 0 and torch.cuda.is_available() else 0.0)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
 
 
 def _config_differs(cfg: Config, saved: Path) -> bool:

@@ -19,7 +19,8 @@ __all__ = ["MetricsLogger", "REQUIRED_KEYS", "summarize", "task_names"]
 
 REQUIRED_KEYS = ("step", "weight_version", "staleness/max", "reward/mean", "pairs/count",
                  "pairs/skipped_prompts", "loss/total", "time/gen_s", "time/train_s", "time/sync_s",
-                 "time/learner_idle_s", "time/generator_idle_s", "response/len_mean_tokens")
+                 "time/learner_idle_s", "time/generator_idle_s", "response/len_mean_tokens",
+                 "sync/learner_blocked_s", "sync/GBps")
 
 
 def _plain(v: Any) -> Any:
