@@ -58,7 +58,8 @@ from typing import Iterable, Iterator
 
 __all__ = ["TensorMeta", "BucketMeta", "StageLayout", "plan_layout", "open_group", "checksum",
            "exporter_address", "exporter_join", "stage_version", "exporter_status", "resend_latest",
-           "worker_join", "worker_receive", "refresh_tied_lm_head", "StageExporter", "shard_name", "stage_folder"]
+           "worker_join", "worker_receive", "refresh_tied_lm_head", "StageExporter", "shard_name", "stage_folder",
+           "exporter_raw_send", "worker_raw_receive_then_reload"]
 
 _ALIGN = 64
 
@@ -604,3 +605,48 @@ def refresh_tied_lm_head(worker) -> bool:
     if method is not None and hasattr(method, "process_weights_after_loading"):
         method.process_weights_after_loading(lm)
     return True
+
+
+# --------------------------------------------------- floor measurement (bench/weight_sync.py)
+def exporter_raw_send(learner, timeout_s: float) -> float | None:
+    """Bench floor, on every learner rank: exporters broadcast their staged buffer once more, chunk
+    by chunk, synchronously (no staging, no second thread); seconds (None on other ranks)."""
+    ex = _exporter(learner)
+    if ex is None:
+        return None
+    ex.wait_idle(timeout_s)
+    t0 = time.perf_counter()
+    lay = ex.layout
+    for b in lay.buckets:
+        for off, size in lay.chunks(b):
+            buf = ex._bufs[0][:size]
+            buf.copy_(ex.staging[b.offset + off:b.offset + off + size])
+            _bcast(ex.group, buf).wait()
+    ex.platform.synchronize()
+    return time.perf_counter() - t0
+
+
+def worker_raw_receive_then_reload(worker, layouts: list[StageLayout]) -> dict:
+    """Bench floor, inside a vLLM worker: receive every chunk into memory (no loading meanwhile),
+    then ``reload_weights`` from that memory. Returns ``{'receive_s', 'reload_s'}``."""
+    import torch
+
+    from megatron_rlhf.platform import get_platform
+
+    groups = worker._mrlhf_broadcast_groups
+    device = get_platform().buffer_device()
+    t0 = time.perf_counter()
+    bufs = []
+    for layout, group in zip(layouts, groups):
+        for b in layout.buckets:
+            buf = get_platform().empty_bytes(b.nbytes, device)
+            for o, n in layout.chunks(b):
+                _bcast(group, buf[o:o + n]).wait()
+            bufs.append((b, buf))
+    t1 = time.perf_counter()
+    items = [(m.name, buf[m.offset:m.offset + m.nbytes].view(getattr(torch, m.dtype)).view(m.shape))
+             for b, buf in bufs for m in b.tensors]
+    worker.reload_weights(weights_iterator=iter(items))
+    refresh_tied_lm_head(worker)
+    get_platform().synchronize()
+    return {"receive_s": t1 - t0, "reload_s": time.perf_counter() - t1}
