@@ -319,6 +319,7 @@ class BroadcastTransport(WeightTransport):
         self.with_checksum = bool(with_checksum)
         self._pending: list[PublishedWeights] = []
         self.learner, self.workers, self._stages, self._group = None, [], [], False
+        self._broken: str | None = None   # a failed push: groups must be re-formed (setup/recover)
         self._layouts, self._layouts_ref = None, None
 
     def setup(self, learner, workers: list, timeout_s: float) -> None:
@@ -347,12 +348,17 @@ class BroadcastTransport(WeightTransport):
                                   f"{', '.join(missing)} did not join within async.timeout_s={timeout_s:.0f} s")
         ray.get(list(refs))
         self._pending.clear()
+        self._broken = None
 
     def publish(self, learner, version, timeout_s, probe=None):
         import ray
 
         from megatron_rlhf.generator import broadcast_sync as bs
 
+        if self._broken is not None:
+            raise WeightSyncError(f"weight broadcast: cannot publish version {version}, the groups are broken "
+                                  f"since a failed push ({self._broken}); they are re-formed when the pool "
+                                  "restarts the worker (generators.max_restarts > 0)")
         t0 = time.perf_counter()
         ref = on_learner_ranks(learner, self._group, bs.stage_version, int(version), self.bucket_bytes, float(timeout_s))
         probe_ref = _probe_ref(learner, probe)
@@ -400,9 +406,11 @@ class BroadcastTransport(WeightTransport):
             except Exception as e:  # noqa: BLE001 - named below
                 died = isinstance(e, RayActorError)
                 others = self._settle(left, index, min(5.0, max(0.0, deadline - time.monotonic())))
-                raise BroadcastPushError(self._describe(weights, i, e, others), engine=i, died=died) from e
+                self._broken = self._describe(weights, i, e, others)
+                raise BroadcastPushError(self._broken, engine=i, died=died) from e
         if left:
             stuck = sorted(index[r] for r in left)
+            self._broken = f"engine(s) {stuck} did not finish receiving version {weights.version}"
             raise BroadcastPushError(
                 f"weight broadcast of version {weights.version}: generator engine(s) {stuck} "
                 f"({', '.join(self._ranks(i) for i in stuck)}) did not finish receiving pipeline stages "
