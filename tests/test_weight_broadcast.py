@@ -209,19 +209,17 @@ def test_every_worker_receives_the_exported_bytes_of_three_back_to_back_versions
 
 @pytest.mark.integration
 @pytest.mark.timeout(900)
-def test_a_receiver_killed_mid_broadcast_fails_the_push_naming_it_then_the_groups_re_form(
+def test_a_receiver_killed_mid_broadcast_fails_the_push_naming_it_within_the_timeout(
         ray_cluster, tiny_llama_dir):
     """Engine 1 dies while the exporter is mid-stream: the push fails within the timeout with an
-    error naming the version, stage, engine and its group ranks (no hang); publishing refuses until
-    the groups are re-formed; after Ray restarted the engine, ``recover`` re-forms them, resends
-    the staged version, and the next version reaches both engines (probe check)."""
+    error naming the version, stage, engine and its group ranks (no hang); the exporter's abort
+    note ends engine 0's receive at once; publishing refuses until the groups are re-formed."""
     import ray
 
-    from megatron_rlhf.generator.pool import GeneratorPool
     from megatron_rlhf.generator.weight_sync import BroadcastPushError, BroadcastTransport, WeightSyncError
     from megatron_rlhf.types import Prompt
 
-    handles, gcfg = _engines(ray, tiny_llama_dir, max_restarts=1)
+    handles, _ = _engines(ray, tiny_llama_dir)
     learner = _learner(ray, tiny_llama_dir, 1, 1, 1)
     timeout, probe = 120.0, list(range(5, 40))
     try:
@@ -241,7 +239,7 @@ def test_a_receiver_killed_mid_broadcast_fails_the_push_naming_it_then_the_group
         thread = threading.Thread(target=push, daemon=True)
         thread.start()
         time.sleep(2.0)   # engine 0 is receiving; engine 1 is still generating, its receive queued
-        ray.kill(handles[1], no_restart=False)
+        ray.kill(handles[1], no_restart=True)
         thread.join(timeout + 10)
         elapsed = time.monotonic() - t0
         assert not thread.is_alive(), "push_all hung"
@@ -254,15 +252,6 @@ def test_a_receiver_killed_mid_broadcast_fails_the_push_naming_it_then_the_group
             ray.get(busy, timeout=5)
         with pytest.raises(WeightSyncError, match="groups are broken.*engine 1"):
             transport.publish(learner, 2, timeout)
-        # what the pool does when Ray restarted the worker: re-form, resend the staged version
-        latest = transport.recover(handles, timeout)
-        assert latest is not None and latest.version == 1
-        assert ray.get([h.get_weight_version.remote() for h in handles], timeout=timeout) == [1, 1]
-        ray.get(learner.train_step.remote(_batch(2)), timeout=timeout)
-        pool = GeneratorPool(handles, transport=transport, generator_cfg=gcfg, timeout_s=timeout, probe=probe)
-        pool.workers[0].version = pool.workers[1].version = 1
-        res = pool.push(transport.publish(learner, 2, timeout, probe))
-        assert pool.versions() == [2, 2] and res["sync/check_max_abs_diff"] < 1e-3
     finally:
         ray.kill(learner)
         for h in handles:

@@ -192,7 +192,7 @@ def open_group(host: str, port: int, rank: int, world_size: int, backend: str, t
         group = ProcessGroupNCCL(prefixed, int(rank), int(world_size), opts)
     else:
         raise ValueError(f"open_group(backend={backend!r}): expected 'gloo' or 'nccl'")
-    return BroadcastGroup(group, store, int(rank), int(world_size))
+    return BroadcastGroup(group, prefixed, int(rank), int(world_size))
 
 
 @dataclass
@@ -215,6 +215,28 @@ class BroadcastGroup:
 
 def _bcast(group: BroadcastGroup, tensor):
     return group.broadcast(tensor)
+
+
+_ABORT = "mrlhf-abort"
+
+
+def _wait_receives(group: BroadcastGroup, works: list) -> None:
+    """Wait for receive ``works``; every second also look for the exporter's abort note in the
+    group's store (set when its broadcast failed, e.g. another receiver died), so a receiver never
+    waits out the whole group timeout for bytes that will not come.
+
+    Raises:
+        RuntimeError: the exporter aborted, or the receive itself failed.
+    """
+    for w in works:
+        t_check = time.monotonic()
+        while not w.is_completed():
+            time.sleep(0.0005)
+            if time.monotonic() - t_check > 1.0:
+                t_check = time.monotonic()
+                if group.store.check([_ABORT]):
+                    raise RuntimeError(f"the exporter aborted the broadcast: {group.store.get(_ABORT).decode()}")
+        w.wait()
 
 
 # ------------------------------------------------------------------------------------ exporter
@@ -353,6 +375,11 @@ class StageExporter:
                 v, k, n = self.sent
                 self.error = (f"version {v}, bucket {k + 1}/{n} of pipeline stage {self.stage}: "
                               f"{type(e).__name__}: {e}")
+                if write_dir is None and self.group is not None:
+                    try:   # tell the other receivers at once (they poll the store)
+                        self.group.store.set(_ABORT, self.error[:2000])
+                    except Exception:  # noqa: BLE001
+                        pass
             finally:
                 if self._jobs.empty():
                     self._idle.set()
@@ -566,8 +593,7 @@ def worker_receive(worker, layouts: list[StageLayout], with_checksum: bool = Fal
             for bi, b in enumerate(layout.buckets):
                 buf, works = pending
                 try:
-                    for w in works:
-                        w.wait()
+                    _wait_receives(group, works)
                 except RuntimeError as e:
                     raise RuntimeError(f"weight broadcast: group rank {rank} failed to receive bucket {bi + 1}/{n} "
                                        f"of pipeline stage {layout.stage}: {e}") from e

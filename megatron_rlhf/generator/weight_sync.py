@@ -404,10 +404,12 @@ class BroadcastTransport(WeightTransport):
             try:
                 results[i] = ray.get(ready[0])
             except Exception as e:  # noqa: BLE001 - named below
-                died = isinstance(e, RayActorError)
-                others = self._settle(left, index, min(5.0, max(0.0, deadline - time.monotonic())))
-                self._broken = self._describe(weights, i, e, others)
-                raise BroadcastPushError(self._broken, engine=i, died=died) from e
+                errs = {i: e, **self._settle(left, index, min(5.0, max(0.0, deadline - time.monotonic())))}
+                dead = sorted(j for j, x in errs.items() if isinstance(x, RayActorError))
+                first = dead[0] if dead else i   # a death is the cause; the others were aborted
+                others = {j: str(x).splitlines()[-1][:300] for j, x in errs.items() if j != first}
+                self._broken = self._describe(weights, first, errs[first], others)
+                raise BroadcastPushError(self._broken, engine=first, died=bool(dead)) from errs[first]
         if left:
             stuck = sorted(index[r] for r in left)
             self._broken = f"engine(s) {stuck} did not finish receiving version {weights.version}"
@@ -422,8 +424,8 @@ class BroadcastTransport(WeightTransport):
         return f"engine {i}: vLLM TP workers 0..{self.tp - 1} = group ranks {1 + i * self.tp}..{(i + 1) * self.tp}"
 
     @staticmethod
-    def _settle(left, index, wait_s: float) -> dict[int, str]:
-        """Errors of the other workers' receives that end within ``wait_s`` (for the message)."""
+    def _settle(left, index, wait_s: float) -> dict[int, BaseException]:
+        """Errors of the other workers' receives that end within ``wait_s``."""
         import ray
 
         out = {}
@@ -432,7 +434,7 @@ class BroadcastTransport(WeightTransport):
             try:
                 ray.get(r)
             except Exception as e:  # noqa: BLE001
-                out[index[r]] = str(e).splitlines()[-1][:300]
+                out[index[r]] = e
         return out
 
     def _describe(self, weights, i: int, err: BaseException, others: dict[int, str]) -> str:
@@ -445,8 +447,9 @@ class BroadcastTransport(WeightTransport):
         return msg
 
     def recover(self, workers: list, timeout_s: float) -> PublishedWeights | None:
-        """After Ray restarted a worker: re-form every group over ``workers`` and broadcast the
-        latest staged version to all of them again. Returns it (None when nothing was staged).
+        """After Ray restarted a worker: restart the workers whose receive was cut off (their model is
+        half reloaded), re-form every group over ``workers`` and broadcast the latest staged
+        version to all of them again. Returns it (None when nothing was staged).
 
         Raises:
             WeightSyncError / BroadcastPushError: the group could not be re-formed or the resend failed.
@@ -455,6 +458,17 @@ class BroadcastTransport(WeightTransport):
 
         from megatron_rlhf.generator import broadcast_sync as bs
 
+        # a worker whose receive was cut off (the exporter aborted when another one died) holds a
+        # half-reloaded model: restart it too (Ray brings it back with the base weights)
+        deadline = time.monotonic() + timeout_s
+        for w in workers:
+            if _call_when_up(w, _engine_broken, deadline):
+                ray.kill(w, no_restart=False)
+        for w in workers:   # every worker is up again, on a fresh process where it was killed
+            while _call_when_up(w, _engine_broken, deadline):
+                if time.monotonic() > deadline:
+                    raise WeightSyncError("weight broadcast: a restarted generator worker did not come back")
+                time.sleep(0.5)
         self.setup(self.learner, workers, timeout_s)
         if self._layouts is None:
             return None
@@ -469,6 +483,28 @@ class BroadcastTransport(WeightTransport):
 
     def retire(self, version):
         self._pending = [w for w in self._pending if w.version > version]
+
+
+def _engine_broken(gen) -> bool:
+    return getattr(gen, "_broken", None) is not None
+
+
+def _call_when_up(actor, fn, deadline: float):
+    """``actor.__ray_call__(fn)``, retried while Ray restarts the actor, until ``deadline``.
+
+    Raises:
+        WeightSyncError: the actor is not back by the deadline.
+    """
+    import ray
+    from ray.exceptions import ActorUnavailableError, GetTimeoutError
+
+    while True:
+        try:
+            return ray.get(actor.__ray_call__.remote(fn), timeout=max(1.0, deadline - time.monotonic()))
+        except (ActorUnavailableError, GetTimeoutError) as e:
+            if time.monotonic() > deadline:
+                raise WeightSyncError(f"weight broadcast: a generator worker did not come back: {e}") from e
+            time.sleep(0.5)
 
 
 class BroadcastPushError(WeightSyncError):
