@@ -4,16 +4,22 @@
     .venv/bin/python bench/weight_sync.py                       # tiny random Llama, CPU transports
     .venv/bin/python bench/weight_sync.py --model smollm2       # SmolLM2-135M (517 MB fp32)
     .venv/bin/python bench/weight_sync.py --workers 2 --repeats 5 --transports object_store
+    .venv/bin/python bench/weight_sync.py --layout tp2pp2 --transports broadcast   # 4 learner ranks
 
-For each transport available on this machine (``object_store`` and ``filesystem`` everywhere,
-``nccl`` only with CUDA GPUs) it publishes the learner's weights (a real ``MegatronLearner``
+For each transport (``object_store``, ``filesystem``, ``broadcast``: gloo on CPU, NCCL on GPU) it
+publishes the learner's weights (a real ``MegatronLearner``
 actor) and pushes them to every worker (real ``VLLMGenerator`` actors) ``--repeats`` times through
 the same :class:`~megatron_rlhf.generator.pool.GeneratorPool` path the trainer uses, checks the
 workers' probe logprobs against the learner's after each push, and prints the median seconds of
 export (learner side), load (worker side, slowest worker) and their sum. The floor is a plain
 ``torch`` tensor copy of the same number of bytes in the same run (``dst.copy_(src)``, median of
 5): ``ratio = sync seconds / floor seconds`` says how far each transport is from moving the bytes
-once through memory. GB/s = bytes x workers / sync seconds.
+once through memory. GB/s = bytes x workers / sync seconds. For ``broadcast`` the same run also
+measures its own floor: a raw broadcast of the same bytes over the same groups (no staging, no
+overlap) plus vLLM's ``reload_weights`` from memory (``floor_bcast_s``, slowest worker), and
+``sync / floor_bcast``. ``blocked_s`` is what the learner's own thread spends per publish (TP
+gathers, staging, export; for ``broadcast`` the broadcast itself runs in the background), set
+against the median ``train_step`` seconds of the same learner on a small DPO batch.
 """
 
 from __future__ import annotations
@@ -46,20 +52,61 @@ def copy_floor_s(nbytes: int, repeats: int = 5) -> float:
 
 
 def available_transports() -> list[str]:
-    """``object_store`` and ``filesystem``; plus ``nccl`` when CUDA is visible."""
+    """Every transport (``broadcast`` runs on gloo without CUDA)."""
+    return ["object_store", "filesystem", "broadcast"]
+
+
+LAYOUTS = {"tp1": (1, 1, 1), "tp2pp2": (2, 2, 1), "tp2dp2": (2, 1, 2)}
+
+
+def _rpc(gen, fn, *args):
+    """On a ``VLLMGenerator`` actor: ``collective_rpc(fn, args)`` into its vLLM worker(s)."""
+    return gen.llm.collective_rpc(fn, args=args)
+
+
+def broadcast_floor(learner, is_group: bool, gens, layouts_ref, timeout: float) -> dict:
+    """Raw broadcast of the staged bytes over the transport's groups, then reload from memory."""
+    import ray
+
+    from megatron_rlhf.generator import broadcast_sync as bs
+    from megatron_rlhf.generator.weight_sync import on_learner_ranks
+
+    t0 = time.perf_counter()
+    send = on_learner_ranks(learner, is_group, bs.exporter_raw_send, timeout)
+    got = ray.get([g.__ray_call__.remote(_rpc, bs.worker_raw_receive_then_reload, layouts_ref) for g in gens],
+                  timeout=timeout)
+    ray.get(send, timeout=timeout)
+    per = [w for g in got for w in g]
+    return {"floor_bcast_s": max(w["receive_s"] + w["reload_s"] for w in per),
+            "floor_recv_s": max(w["receive_s"] for w in per), "floor_reload_s": max(w["reload_s"] for w in per),
+            "floor_wall_s": time.perf_counter() - t0}
+
+
+def _train_batch(vocab: int, seed: int):
     import torch
 
-    return ["object_store", "filesystem"] + (["nccl"] if torch.cuda.is_available() else [])
+    from megatron_rlhf.types import LearnerBatch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (4, 64), generator=g)
+    ids[1, :16] = ids[0, :16]
+    ids[3, :16] = ids[2, :16]
+    mask = torch.zeros(4, 64)
+    mask[:, 16:] = 1.0
+    return LearnerBatch(input_ids=ids, loss_mask=mask, weight_version=0,
+                        sampling_logprobs=-torch.rand(4, 64, generator=g) * mask)
 
 
-def run(model: str, workers: int, repeats: int, transports: list[str], work_dir: Path) -> list[dict]:
+def run(model: str, workers: int, repeats: int, transports: list[str], work_dir: Path,
+        layout: str = "tp1") -> list[dict]:
+    import json
+
     import ray
 
     from megatron_rlhf.config import load_config
     from megatron_rlhf.generator.pool import GeneratorPool
     from megatron_rlhf.generator.vllm_engine import VLLMGenerator
-    from megatron_rlhf.generator.weight_sync import make_transport
-    from megatron_rlhf.learner.actor import MegatronLearner
+    from megatron_rlhf.generator.weight_sync import is_learner_group, make_transport
     from megatron_rlhf.runtime import apply_process_env, process_env
 
     apply_process_env(str(work_dir / "tmp"))
@@ -73,24 +120,40 @@ def run(model: str, workers: int, repeats: int, transports: list[str], work_dir:
         model_dir = ensure_smollm2_hf(os.path.expanduser("~/.cache/megatron_rlhf"))
     else:
         model_dir = Path(model)
-    ray.init(num_cpus=workers + 1, include_dashboard=False, runtime_env={"env_vars": process_env()},
+    tp, pp, dp = LAYOUTS[layout]
+    ray.init(num_cpus=workers + tp * pp * dp, include_dashboard=False, runtime_env={"env_vars": process_env()},
              logging_level="WARNING")
     rows = []
     try:
         cfg = load_config(REPO / "configs" / "ci_tiny.yaml", [
             f"model.source={model_dir}", "generators.check_weight_sync=true", "generators.cpu_core=-1",
             f"generators.num_workers={workers}", "generators.max_model_len=512",
-            "generators.max_new_tokens=16"])
-        learner = ray.remote(num_cpus=1)(MegatronLearner).remote(
-            model_dir=str(model_dir), learner_cfg=cfg.learner, algorithm_cfg=cfg.algorithm, seed=0)
+            "generators.max_new_tokens=16", f"learner.tensor_parallel={tp}", f"learner.pipeline_parallel={pp}",
+            f"learner.data_parallel={dp}"])
+        kw = dict(model_dir=str(model_dir), learner_cfg=cfg.learner, algorithm_cfg=cfg.algorithm, seed=0)
+        if tp * pp * dp == 1:
+            from megatron_rlhf.learner.actor import MegatronLearner
+
+            learner = ray.remote(num_cpus=1)(MegatronLearner).remote(**kw)
+        else:
+            from megatron_rlhf.learner.group import LearnerGroup
+
+            learner = ray.remote(num_cpus=0)(LearnerGroup).remote(rank_actor_options={"num_cpus": 1}, **kw)
         gens = [ray.remote(num_cpus=1)(VLLMGenerator).remote(model_dir=str(model_dir), generator_cfg=cfg.generators,
                                                              seed=i) for i in range(workers)]
         ray.get([a.__ray_ready__.remote() for a in (learner, *gens)])
+        vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+        train_s = []
+        for i in range(2):   # the train step the publish is set against
+            t0 = time.perf_counter()
+            ray.get(learner.train_step.remote(_train_batch(vocab, i)))
+            train_s.append(time.perf_counter() - t0)
+        train_step_s = min(train_s)
         probe = list(range(10, 74))
         version = 0
         for name in transports:
             cfg.generators.transport = name
-            transport = make_transport(cfg.generators, work_dir / f"run_{name}")
+            transport = make_transport(cfg.generators, work_dir / f"run_{name}", 600)
             if hasattr(transport, "setup"):
                 transport.setup(learner, gens, 600)
             pool = GeneratorPool(gens, transport=transport, generator_cfg=cfg.generators, timeout_s=600,
@@ -100,16 +163,25 @@ def run(model: str, workers: int, repeats: int, transports: list[str], work_dir:
                 version += 1   # same weights, new version number: every push really loads
                 w = transport.publish(learner, version, 600, probe)
                 res.append(pool.push(w))
-            transport.close()
             nbytes = res[-1]["sync/bytes"]
             floor = copy_floor_s(nbytes)
             export_s = statistics.median(r["sync/export_s"] for r in res)
             load_s = statistics.median(r["sync/load_s"] for r in res)
             total = statistics.median(r["time/sync_s"] for r in res)
-            rows.append({"transport": name, "bytes": nbytes, "workers": workers, "export_s": export_s,
-                         "load_s": load_s, "sync_s": total, "floor_s": floor, "ratio": total / floor,
-                         "GBps": nbytes * workers / total / 1e9, "floor_GBps": nbytes / floor / 1e9,
-                         "check_max_abs_diff": max(r["sync/check_max_abs_diff"] for r in res)})
+            row = {"transport": name, "layout": layout, "bytes": nbytes, "workers": workers, "export_s": export_s,
+                   "load_s": load_s, "sync_s": total, "floor_s": floor, "ratio": total / floor,
+                   "GBps": nbytes * workers / total / 1e9, "floor_GBps": nbytes / floor / 1e9,
+                   "check_max_abs_diff": max(r["sync/check_max_abs_diff"] for r in res),
+                   "blocked_s": export_s, "train_step_s": train_step_s}
+            if name in ("broadcast", "nccl"):
+                fl = [broadcast_floor(learner, is_learner_group(learner, 60), gens, w.payload, 600)
+                      for _ in range(max(1, min(repeats, 3)))]
+                row["floor_bcast_s"] = statistics.median(f["floor_bcast_s"] for f in fl)
+                row["floor_recv_s"] = statistics.median(f["floor_recv_s"] for f in fl)
+                row["floor_reload_s"] = statistics.median(f["floor_reload_s"] for f in fl)
+                row["sync_over_floor"] = total / row["floor_bcast_s"]
+            transport.close()
+            rows.append(row)
     finally:
         ray.shutdown()
     return rows
@@ -121,17 +193,26 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=1, help="vLLM workers receiving every push")
     ap.add_argument("--repeats", type=int, default=3, help="pushes per transport (median reported)")
     ap.add_argument("--transports", nargs="+", default=None, help="default: all available here")
+    ap.add_argument("--layout", default="tp1", choices=sorted(LAYOUTS), help="learner TP x PP x DP")
     args = ap.parse_args(argv)
     transports = args.transports or available_transports()
     with tempfile.TemporaryDirectory(prefix="mrlhf_bench_sync_") as d:
-        rows = run(args.model, args.workers, args.repeats, transports, Path(d))
-    print(f"\nweight sync, model={args.model}, workers={args.workers}, repeats={args.repeats} (median)")
+        rows = run(args.model, args.workers, args.repeats, transports, Path(d), args.layout)
+    print(f"\nweight sync, model={args.model}, layout={args.layout}, workers={args.workers}, "
+          f"repeats={args.repeats} (median)")
     print(f"{'transport':<13}{'MB':>9}{'export s':>10}{'load s':>9}{'sync s':>9}{'floor s':>10}"
           f"{'ratio':>8}{'GB/s':>8}{'floor GB/s':>11}{'check':>10}")
     for r in rows:
         print(f"{r['transport']:<13}{r['bytes'] / 1e6:>9.1f}{r['export_s']:>10.3f}{r['load_s']:>9.3f}"
               f"{r['sync_s']:>9.3f}{r['floor_s']:>10.4f}{r['ratio']:>8.0f}{r['GBps']:>8.3f}"
               f"{r['floor_GBps']:>11.2f}{r['check_max_abs_diff']:>10.1e}")
+    print(f"\n{'transport':<13}{'blocked s':>10}{'train step s':>13}{'blocked/step':>13}"
+          f"{'bcast floor s':>14}{'(recv + reload)':>18}{'sync/floor':>11}")
+    for r in rows:
+        fl = (f"{r['floor_bcast_s']:>14.3f}{r['floor_recv_s']:>9.3f} + {r['floor_reload_s']:<6.3f}"
+              f"{r['sync_over_floor']:>11.2f}") if "floor_bcast_s" in r else f"{'-':>14}{'':>18}{'-':>11}"
+        print(f"{r['transport']:<13}{r['blocked_s']:>10.3f}{r['train_step_s']:>13.3f}"
+              f"{r['blocked_s'] / r['train_step_s']:>13.1%}{fl}")
     return 0
 
 

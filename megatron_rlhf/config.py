@@ -236,8 +236,14 @@ class GeneratorConfig:
     transport: str = "object_store"
     """Weight-sync transport (``megatron_rlhf.generator.weight_sync``): ``object_store`` (HF-named
     buckets through Ray's object store; CPU and small models), ``filesystem`` (safetensors shards
-    in ``<run>/weight_sync/v<N>/``, for nodes that share storage but no NCCL fabric) or ``nccl``
-    (GPU only: broadcast over a process group of the exporting learner rank and every vLLM worker)."""
+    in ``<run>/weight_sync/v<N>/``, for nodes that share storage but no fast fabric) or
+    ``broadcast`` (``nccl`` is the same: one process group per learner pipeline stage spanning its
+    exporting rank and every vLLM worker process; NCCL on GPU, gloo on CPU; any TP x PP x DP
+    learner, any engine TP; the broadcast overlaps the next train step)."""
+    weight_sync_bucket_mb: float = 256.0
+    """Bucket size of the ``broadcast`` and ``filesystem`` transports (MiB): tensors go out in
+    buckets of at most this size (a larger tensor in chunks of it); ``broadcast`` keeps two device
+    buffers of this size on each exporting learner rank."""
     cpu_core: int = 0
     """CPU only: generator i is pinned to core ``cpu_core + i`` and the learner to core
     ``cpu_core + num_workers`` (modulo the cores available), so the overlap of generation and
@@ -277,8 +283,10 @@ class GeneratorConfig:
         _check(self.kv_cache_gib > 0, "generators.kv_cache_gib", self.kv_cache_gib, "a number of GiB > 0")
         _check(self.distributed_executor_backend in ("mp", "ray"), "generators.distributed_executor_backend",
                self.distributed_executor_backend, "mp or ray")
-        _check(self.transport in ("object_store", "filesystem", "nccl"), "generators.transport",
-               self.transport, "one of: object_store, filesystem, nccl")
+        _check(self.transport in ("object_store", "filesystem", "broadcast", "nccl"), "generators.transport",
+               self.transport, "one of: object_store, filesystem, broadcast (nccl is an alias)")
+        _check(self.weight_sync_bucket_mb > 0, "generators.weight_sync_bucket_mb", self.weight_sync_bucket_mb,
+               "a size in MiB > 0")
         if self.tensor_parallel > 1 and self.distributed_executor_backend == "ray":
             # a TP engine's workers take only file paths (VLLMGenerator._reload_in_workers): object-
             # store buckets are spooled on the engine actor's node, which Ray workers may not share

@@ -137,3 +137,37 @@ def test_async_run_with_tp2_generator_trains_three_steps_with_checked_pushes(tp2
     assert rows[2]["sync/bytes"] > 0
     assert rows[2]["sync/check_max_abs_diff"] < cfg.generators.check_weight_sync_tol
     assert all(r["generator/0/prompts"] > 0 for r in rows)
+
+
+@pytest.mark.timeout(600)
+def test_tp2_engine_receives_a_broadcast_in_both_worker_processes(tp2_engine, tiny_llama_dir):
+    """The broadcast transport into a TP=2 engine (vLLM's multiprocess executor): both worker
+    processes join as group ranks 1 and 2, each receives exactly export_weights()' bytes (SHA-256
+    before reload_weights), and the probe logprobs then match the learner's."""
+    import ray
+
+    from megatron_rlhf.config import AlgorithmConfig, LearnerConfig, OptimizerConfig
+    from megatron_rlhf.generator.broadcast_sync import checksum
+    from megatron_rlhf.generator.pool import GeneratorPool
+    from megatron_rlhf.generator.weight_sync import BroadcastTransport
+    from megatron_rlhf.learner.actor import MegatronLearner
+    from tests.test_weight_broadcast import _batch
+
+    cfg, gen = tp2_engine
+    learner = ray.remote(num_cpus=0)(MegatronLearner).remote(
+        model_dir=str(tiny_llama_dir), algorithm_cfg=AlgorithmConfig(),
+        learner_cfg=LearnerConfig(micro_batch_size=2, optimizer=OptimizerConfig(lr=1e-2)))
+    try:
+        ray.get(learner.train_step.remote(_batch(1)), timeout=300)
+        want = checksum((k, v) for b in ray.get(learner.export_weights.remote()) for k, v in b.items())
+        transport = BroadcastTransport(2, 64 * 1024, with_checksum=True)
+        transport.setup(learner, [gen], 300)
+        probe = list(range(5, 40))
+        pool = GeneratorPool([gen], transport=transport, generator_cfg=cfg.generators, timeout_s=300, probe=probe)
+        version = ray.get(gen.get_weight_version.remote()) + 1
+        w = transport.publish(learner, version, 300, probe)
+        [res] = transport.push_all([gen], w, 300)
+        assert res["checksums"] == [want, want]          # both TP worker processes, identical bytes
+        assert pool.check(w) < cfg.generators.check_weight_sync_tol
+    finally:
+        ray.kill(learner)

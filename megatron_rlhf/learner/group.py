@@ -63,6 +63,12 @@ class _LearnerRank:
         self.learner = MegatronLearner(**kwargs)
         return self.learner.layout()
 
+    def apply(self, fn, *args):
+        """``fn(self.learner, *args)`` (a module-level function, e.g. of the weight transport)."""
+        if self.learner is None:
+            raise RuntimeError(f"learner rank not built; cannot run {getattr(fn, '__name__', fn)}")
+        return fn(self.learner, *args)
+
     def call(self, method: str, *args, **kwargs):
         if self.learner is None:
             raise RuntimeError(f"learner rank not built; cannot call {method}")
@@ -138,6 +144,14 @@ class LearnerGroup:
 
         ref = ray.put(arg)
         return self._all(method, ref, *args, **kwargs)
+
+    def call_on_ranks(self, fn, *args) -> list:
+        """``fn(rank_learner, *args)`` on every rank at once, each in its rank's own actor thread
+        (``fn``: a module-level function, e.g. the weight transport's staging); results in rank
+        order. Collective functions see every rank take part."""
+        if self._closed:
+            raise RuntimeError("LearnerGroup is closed")
+        return self._get([a.apply.remote(fn, *args) for a in self._ranks])
 
     def layout(self) -> list[dict]:
         """Every rank's :meth:`MegatronLearner.layout`, in rank order."""

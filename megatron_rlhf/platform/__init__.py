@@ -83,6 +83,26 @@ class Platform:
 
         return contextlib.nullcontext()
 
+    def buffer_device(self):
+        """Device of weight-sync wire buffers: ``cpu``, or this process's current CUDA device."""
+        import torch
+
+        return torch.device("cpu") if self.is_cpu else torch.device("cuda", torch.cuda.current_device())
+
+    def host_buffer(self, nbytes: int):
+        """A ``uint8 [nbytes]`` host staging buffer (page-locked on GPU platforms, so copies to
+        the device can be asynchronous)."""
+        import torch
+
+        return torch.empty(int(nbytes), dtype=torch.uint8, pin_memory=not self.is_cpu)
+
+    @staticmethod
+    def empty_bytes(nbytes: int, device):
+        """A ``uint8 [nbytes]`` buffer on ``device`` (weight-sync chunks)."""
+        import torch
+
+        return torch.empty(int(nbytes), dtype=torch.uint8, device=device)
+
     def recompute_overrides(self, recompute: str, modules: list[str]) -> dict:
         """``TransformerConfig`` fields for ``learner.recompute`` / ``learner.recompute_modules``
         (megatron ``recompute_granularity``, ``recompute_method``, ``recompute_num_layers``,

@@ -85,13 +85,15 @@ def _loop(run: Run, stop: "_StopFlag", quiet: bool) -> RunResult:
         out = run.train_step(learner_batch, done + 1)
         train_s = time.perf_counter() - t0
         version, done, last_batch = version + 1, done + 1, batch
+        sync = {"sync/learner_blocked_s": 0.0, "sync/push_wait_s": 0.0}
         if done < n and not stop.requested and version % cfg.async_.sync_interval == 0:
-            run.publish(version)
+            sync = run.publish(version)
         row = {"step": done, "weight_version": version, "loss/total": out.get("loss/total"),
                **stale, "prompts/too_long_filtered": run.too_long,
                **{k: v for k, v in out.items() if k != "time/train_s"},
                **batch.stats,   # the rollouts' numbers win over a learner key of the same name
                "time/train_s": train_s, "time/learner_idle_s": learner_idle,
+               **sync, "sync/GBps": batch.stats.get("sync/GBps", 0.0),
                "time/step_s": time.perf_counter() - t_wait}
         run.metrics.log(row)
         kill_point("row", done)

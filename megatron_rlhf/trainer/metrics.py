@@ -27,7 +27,8 @@ __all__ = ["MetricsLogger", "REQUIRED_KEYS", "adopt_rows", "summarize", "task_na
 
 REQUIRED_KEYS = ("step", "weight_version", "staleness/max", "reward/mean", "pairs/count",
                  "pairs/skipped_prompts", "loss/total", "time/gen_s", "time/train_s", "time/sync_s",
-                 "time/learner_idle_s", "time/generator_idle_s", "response/len_mean_tokens")
+                 "time/learner_idle_s", "time/generator_idle_s", "response/len_mean_tokens",
+                 "sync/learner_blocked_s", "sync/GBps")
 
 
 def _plain(v: Any) -> Any:

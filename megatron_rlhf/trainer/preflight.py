@@ -11,7 +11,7 @@ actors started:
   folder must be a Megatron checkpoint.
 * ``generators.max_model_len`` at most the model's ``max_position_embeddings``.
 * The model splits over ``learner.tensor_parallel`` / ``pipeline_parallel``;
-  ``generators.transport=nccl`` needs a CUDA GPU.
+  the weight transport serves the layout (``weight_sync.check_transport_layout``).
 * A vLLM engine fits its device (``platform.engine_args.check_engines``): its weights fit the memory
   vLLM may use and its KV cache holds at least one ``generators.max_model_len`` sequence.
 * Reward plug-ins (``tasks[].reward: module:function``) import (any error at import, a
@@ -75,9 +75,13 @@ def preflight(cfg: Config, model_dir: Path) -> dict:
 
     check_model_folder(cfg, model_dir)
     check_engines(cfg, model_dir)   # vLLM could not start the engine: weights too big, KV < one sequence
-    if cfg.generators.transport == "nccl" and not torch.cuda.is_available():
-        raise ConfigError("config key 'generators.transport' = 'nccl' needs CUDA GPUs on the learner and "
-                          "the generators (none is visible here); use 'object_store' or 'filesystem'")
+    from megatron_rlhf.generator.weight_sync import check_transport_layout
+
+    try:   # the weight transport serves this learner x engine layout
+        check_transport_layout(cfg.generators, cfg.learner, gpu_memory_gib=cfg.placement.gpu_memory_gib
+                               if cfg.placement.gpus_per_node > 0 and torch.cuda.is_available() else 0.0)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     plugins = import_plugins(cfg)
     check_output_folder(cfg)
     return plugins

@@ -144,7 +144,7 @@ class Run:
         reward_fns = _reward_fns(cfg, self.reward, self.rm_actors, self.plugins, timeout)
         self.learner, self.generators = _build_actors(cfg, self.model_dir, self.shared_generators,
                                                       self.placement)
-        self.transport = make_transport(cfg.generators, self.run_dir)
+        self.transport = make_transport(cfg.generators, self.run_dir, cfg.async_.timeout_s)
         self.probe = (_probe_tokens(self.sampler, cfg.generators.max_model_len)
                       if cfg.generators.check_weight_sync else None)
         self.start_step, self.version, rng_state, producer_state = 0, 0, None, None
@@ -168,7 +168,7 @@ class Run:
         with _learner_guard("start-up", self.ckpts):
             ray.get([a.__ray_ready__.remote() for a in (self.learner, *self.generators, *self.rm_actors.values())],
                     timeout=timeout)
-            if hasattr(self.transport, "setup"):   # nccl: form the broadcast group
+            if hasattr(self.transport, "setup"):   # broadcast: form the groups
                 self.transport.setup(self.learner, self.generators, timeout)
         self.channel = WeightChannel(PublishedWeights(version=0))
         if self.version > 0:  # the generators start from the base weights: hand them the resumed ones
@@ -238,16 +238,24 @@ class Run:
                 "scale, the learning rate and learner.optimizer.clip_grad")
         return out
 
-    def publish(self, version: int) -> None:
+    def publish(self, version: int) -> dict:
         """Export the learner's weights of ``version`` through the transport and publish them to
-        the producer, which pushes them to the engines."""
+        the producer, which pushes them to the engines.
+
+        Returns:
+            ``{'sync/learner_blocked_s', 'sync/push_wait_s'}``: seconds the learner spent publishing
+            before it can take its next train step (TP gathers, staging / export, and, part of it,
+            waiting for the previous version's broadcast or write to end).
+        """
         what = f"the weight publish of version {version}"
+        t0 = time.perf_counter()
         with _learner_guard(what, self.ckpts):
             weights = self.transport.publish(self.learner, version, self.timeout, self.probe)
         # the object-store transport only waits for the export's ref, which is ready (as an error)
         # when the learner died: a call queued behind the export confirms it, cheaply
         self.call(self.learner.get_weight_version.remote(), what)
         self.channel.publish(weights)
+        return {"sync/learner_blocked_s": time.perf_counter() - t0, "sync/push_wait_s": weights.push_wait_s}
 
     def save(self, step: int, version: int, batch, pending: tuple = ()) -> int:
         """Write ``checkpoints/step_<step>``: the learner's state, and what the producer had made

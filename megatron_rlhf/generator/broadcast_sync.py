@@ -1,0 +1,678 @@
+"""Weight broadcast: every pipeline stage of a TP x PP x DP learner -> every vLLM worker process.
+
+The same code on CPU (gloo) and GPU (NCCL): the backend and the buffers' device come from
+:func:`megatron_rlhf.platform.get_platform` (``dist_backend``, ``buffer_device``,
+``host_buffer``); nothing else differs.
+
+Groups. One process group per pipeline stage ``s`` (as slime's ``slime-pp_{s}`` groups):
+rank 0 is the stage's *exporter* (the learner rank with ``pp = s, tp = 0, dp = 0``), ranks
+``1 + i * g + r`` are TP rank ``r`` of vLLM engine ``i`` (``g`` = ``generators.tensor_parallel``),
+so every worker process of every engine is in every stage's group. A group is a ``TCPStore`` on
+the exporter's host (the exporter binds the listening socket itself and keeps it, so the address
+is the exporter's and no other process can take the port) plus a ``ProcessGroupGloo`` /
+``ProcessGroupNCCL`` built on it, as vLLM's
+``stateless_init_torch_distributed_process_group`` does: it lives outside
+``torch.distributed``'s global state (Megatron's groups are untouched) and only its own methods
+are called (``group.broadcast([t], opts)``; the functional API would map ranks through the
+global group).
+
+Layout. On its first publish an exporter plans its stage once (:func:`plan_layout`): the
+stage's HF-named tensors (TP-gathered by ``MegatronLearner._stage_hf_tensors``; the other TP ranks
+only join those gathers, DP ranks > 0 do nothing) in HF order, grouped into buckets of whole
+tensors of at most ``bucket_bytes`` (a larger tensor gets a bucket of its own); each bucket is
+sent in fixed-size chunks of at most ``bucket_bytes``. Offsets are 64-byte aligned. The layout is
+reused for every later version (checked tensor by tensor).
+
+Per published version (:func:`stage_version`, in the learner's own thread: these are
+collectives on Megatron's TP groups, which must never run from a second thread during a train
+step, verl PR #7423): wait until the previous version's broadcast has finished (counted), TP
+gathers + copy into one host staging buffer, then queue the broadcast. A background thread
+(:class:`StageExporter`) copies chunk after chunk into two device buffers of ``bucket_bytes``
+(double-buffered: chunk ``k + 1`` is copied while chunk ``k`` is on the wire) and broadcasts
+them; the learner's next train step overlaps it. One version is in flight at a time, so
+versions go out in publish order.
+
+Receivers (:func:`worker_receive`, run inside every vLLM worker process through
+``LLM.collective_rpc``, a module-level function pickled by reference: in-process and in vLLM's
+multiprocess executor) receive stage after stage, bucket after bucket (the next bucket's receive
+is posted before the current one is loaded), into fresh buffers (vLLM's layer-wise reload keeps
+views of the tensors of a layer until all its parts arrived), and yield views of them to ONE
+``reload_weights(weights_iterator=...)`` call; the caller then resets the prefix cache.
+
+Sources: vLLM ``vllm/distributed/utils.py`` (``stateless_init_torch_distributed_process_group``)
+and ``vllm/distributed/weight_transfer/packed_tensor.py`` (packed, double-buffered broadcast);
+slime ``update_weight_from_distributed.py`` (one group per PP stage, source = DP 0 / TP 0 rank,
+world size 1 + engine GPUs); NeMo-RL's refit (packed broadcast into vLLM workers).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import queue
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Iterable, Iterator
+
+__all__ = ["TensorMeta", "BucketMeta", "StageLayout", "plan_layout", "open_group", "checksum",
+           "exporter_address", "exporter_join", "stage_version", "exporter_status", "resend_latest",
+           "worker_join", "worker_receive", "refresh_tied_lm_head", "StageExporter", "shard_name", "stage_folder",
+           "exporter_raw_send", "worker_raw_receive_then_reload"]
+
+_ALIGN = 64
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """One HF tensor inside a bucket: ``offset`` is bytes from the bucket start."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class BucketMeta:
+    """Whole tensors sent together: ``offset`` / ``nbytes`` in the stage's staging buffer."""
+
+    offset: int
+    nbytes: int
+    tensors: tuple[TensorMeta, ...]
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """Everything a receiver needs to take one stage's tensors off the wire.
+
+    Attributes:
+        stage: pipeline stage (= the group it is broadcast on).
+        buckets: in send order (HF order within the stage).
+        nbytes: staging buffer size (bytes).
+        chunk_bytes: wire unit: each bucket goes out in chunks of at most this many bytes.
+    """
+
+    stage: int
+    buckets: tuple[BucketMeta, ...]
+    nbytes: int
+    chunk_bytes: int
+
+    def chunks(self, bucket: BucketMeta) -> list[tuple[int, int]]:
+        """``(offset in the bucket, bytes)`` of each chunk of ``bucket``."""
+        return [(o, min(self.chunk_bytes, bucket.nbytes - o)) for o in range(0, bucket.nbytes, self.chunk_bytes)]
+
+    @property
+    def num_tensors(self) -> int:
+        return sum(len(b.tensors) for b in self.buckets)
+
+    @property
+    def tensor_bytes(self) -> int:
+        return sum(t.nbytes for b in self.buckets for t in b.tensors)
+
+
+def _dtype_name(t) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def plan_layout(stage: int, entries: Iterable[tuple[str, str, tuple[int, ...], int]],
+                bucket_bytes: int) -> StageLayout:
+    """Group ``(hf_name, dtype name, shape, nbytes)`` (in send order) into buckets of whole
+    tensors of at most ``bucket_bytes`` (a larger tensor gets its own bucket, sent in chunks).
+
+    Raises:
+        ValueError: ``bucket_bytes < 1`` or no tensor.
+    """
+    if bucket_bytes < 1:
+        raise ValueError(f"plan_layout(bucket_bytes={bucket_bytes}): must be >= 1")
+    out: list[BucketMeta] = []
+    cur: list[TensorMeta] = []
+    size, start = 0, 0
+    for name, dtype, shape, nbytes in entries:
+        off = _align(size)
+        if cur and off + nbytes > bucket_bytes:
+            out.append(BucketMeta(start, size, tuple(cur)))
+            start, cur, off = _align(start + size), [], 0
+        cur.append(TensorMeta(name, dtype, tuple(int(s) for s in shape), off, int(nbytes)))
+        size = off + int(nbytes)
+    if cur:
+        out.append(BucketMeta(start, size, tuple(cur)))
+        start = _align(start + size)
+    if not out:
+        raise ValueError(f"plan_layout: pipeline stage {stage} has no tensor to send")
+    return StageLayout(stage=stage, buckets=tuple(out), nbytes=start, chunk_bytes=int(bucket_bytes))
+
+
+def checksum(items: Iterable[tuple[str, object]]) -> str:
+    """SHA-256 over ``name`` and the raw bytes of each ``(name, tensor)`` in order (any dtype,
+    any device): what the receivers report and what a test computes from ``export_weights()``."""
+    import torch
+
+    h = hashlib.sha256()
+    for name, t in items:
+        h.update(name.encode())
+        h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy())
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------------------------------ groups
+def open_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float,
+               listen_socket: socket.socket | None = None):
+    """A process group of ``world_size`` ranks outside ``torch.distributed``'s global state:
+    ``TCPStore`` at ``host:port`` (rank 0 serves it, on ``listen_socket`` when given) + a
+    ``ProcessGroupGloo`` (``backend='gloo'``) or ``ProcessGroupNCCL`` (``'nccl'``) on a
+    ``PrefixStore``. Blocks until every rank joined. Call the group's own methods.
+
+    Raises:
+        RuntimeError / torch.distributed.DistStoreError: a rank did not join within ``timeout_s``.
+        ValueError: unknown backend.
+    """
+    from torch.distributed import PrefixStore, TCPStore
+
+    td = timedelta(seconds=float(timeout_s))
+    fd = listen_socket.fileno() if listen_socket is not None else None
+    store = TCPStore(host, int(port), int(world_size), is_master=rank == 0, timeout=td,
+                     wait_for_workers=False, master_listen_fd=fd)
+    prefixed = PrefixStore(f"mrlhf-weight-broadcast-{host}-{port}", store)
+    if backend == "gloo":
+        from torch.distributed import ProcessGroupGloo
+
+        group = ProcessGroupGloo(prefixed, int(rank), int(world_size), td)
+    elif backend == "nccl":
+        from torch.distributed import ProcessGroupNCCL
+
+        opts = ProcessGroupNCCL.Options()
+        opts._timeout = td
+        group = ProcessGroupNCCL(prefixed, int(rank), int(world_size), opts)
+    else:
+        raise ValueError(f"open_group(backend={backend!r}): expected 'gloo' or 'nccl'")
+    return BroadcastGroup(group, prefixed, int(rank), int(world_size))
+
+
+@dataclass
+class BroadcastGroup:
+    """A process group of :func:`open_group` and the store it was built on (kept alive with it)."""
+
+    pg: object
+    store: object
+    rank: int
+    world_size: int
+
+    def broadcast(self, tensor):
+        """Broadcast ``tensor`` from rank 0 (in place on the others); returns the async work."""
+        from torch.distributed import BroadcastOptions
+
+        opts = BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        return self.pg.broadcast([tensor], opts)
+
+
+def _bcast(group: BroadcastGroup, tensor):
+    return group.broadcast(tensor)
+
+
+_ABORT = "mrlhf-abort"
+
+
+def _wait_receives(group: BroadcastGroup, works: list) -> None:
+    """Wait for receive ``works``; every second also look for the exporter's abort note in the
+    group's store (set when its broadcast failed, e.g. another receiver died), so a receiver never
+    waits out the whole group timeout for bytes that will not come.
+
+    Raises:
+        RuntimeError: the exporter aborted, or the receive itself failed.
+    """
+    for w in works:
+        t_check = time.monotonic()
+        while not w.is_completed():
+            time.sleep(0.0005)
+            if time.monotonic() - t_check > 1.0:
+                t_check = time.monotonic()
+                if group.store.check([_ABORT]):
+                    raise RuntimeError(f"the exporter aborted the broadcast: {group.store.get(_ABORT).decode()}")
+        w.wait()
+
+
+# ------------------------------------------------------------------------------------ exporter
+class StageExporter:
+    """The exporting rank's side of one stage: the group, the layout, the host staging buffer and
+    the background thread that broadcasts staged versions (see the module docstring).
+
+    Attributes:
+        stage: pipeline stage.
+        error: the last failed broadcast (``None`` when the group is healthy).
+        sent: ``(version, buckets sent, buckets)`` of the current / last broadcast.
+    """
+
+    def __init__(self, stage: int):
+        from megatron_rlhf.platform import get_platform
+
+        self.stage = int(stage)
+        self.platform = get_platform()
+        self.group = None
+        self.listen: socket.socket | None = None
+        self.layout: StageLayout | None = None
+        self.staging = None
+        self.version: int | None = None
+        self.error: str | None = None
+        self.sent = (None, 0, 0)
+        self._bufs: list = []
+        self._jobs: queue.Queue = queue.Queue()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._thread = threading.Thread(target=self._run, name=f"mrlhf-broadcast-stage{stage}", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------- group
+    def address(self) -> tuple[str, int]:
+        """Bind a listening socket on this host (kept until :meth:`join`); returns ``(host, port)``."""
+        import ray
+
+        if self.listen is not None:
+            self.listen.close()
+        host = ray.util.get_node_ip_address()
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, 0))
+        s.listen(128)
+        self.listen = s
+        return host, int(s.getsockname()[1])
+
+    def join(self, host: str, port: int, world_size: int, timeout_s: float) -> None:
+        """(Re)form the group as rank 0 (waits for a running broadcast to end first)."""
+        if not self._idle.wait(timeout_s):
+            raise TimeoutError(f"stage {self.stage} exporter: the previous broadcast did not end within "
+                               f"async.timeout_s={timeout_s:.0f} s; cannot re-form the group")
+        self.group = None
+        self.group = open_group(host, port, 0, world_size, self.platform.dist_backend, timeout_s, self.listen)
+        self.listen = None   # the store owns the socket now
+        self.error = None
+
+    # ---------------------------------------------------------------- staging
+    def wait_idle(self, timeout_s: float) -> float:
+        """Wait for the broadcast in flight; returns the seconds waited.
+
+        Raises:
+            TimeoutError: still sending after ``timeout_s``.
+        """
+        t0 = time.perf_counter()
+        if not self._idle.wait(timeout_s):
+            v, k, n = self.sent
+            raise TimeoutError(f"weight broadcast of version {v}, pipeline stage {self.stage}: still sending "
+                               f"(bucket {k}/{n}) after async.timeout_s={timeout_s:.0f} s; a generator worker "
+                               "is not receiving")
+        return time.perf_counter() - t0
+
+    def stage_tensors(self, items: Iterator[tuple[str, object]], version: int, bucket_bytes: int,
+                      write_dir: str | None = None) -> StageLayout:
+        """Copy this stage's ``(hf_name, tensor)`` into the staging buffer (planning the layout on
+        the first call) and queue their broadcast, or with ``write_dir`` the writing of one
+        safetensors file per bucket into it (the filesystem transport). Call :meth:`wait_idle` first.
+
+        Raises:
+            RuntimeError: the group is broken (an earlier broadcast failed) or missing.
+            ValueError: the tensors differ from the planned layout (names, dtypes, shapes).
+        """
+        if write_dir is None and self.group is None:
+            raise RuntimeError(f"stage {self.stage} exporter has not joined a broadcast group "
+                               "(BroadcastTransport.setup)")
+        if self.error is not None:
+            raise RuntimeError(f"weight broadcast of pipeline stage {self.stage} failed earlier: {self.error}")
+        if self.layout is None or self.layout.chunk_bytes != bucket_bytes:
+            items = list(items)   # first version: plan, then copy
+            self.layout = plan_layout(self.stage, ((n, _dtype_name(t), tuple(t.shape),
+                                                    t.numel() * t.element_size()) for n, t in items), bucket_bytes)
+            self.staging = self.platform.host_buffer(self.layout.nbytes)
+            dev = self.platform.buffer_device()
+            self._bufs = [self.platform.empty_bytes(min(bucket_bytes, self.layout.nbytes), dev) for _ in range(2)]
+        self._copy_in(iter(items))
+        self.version = int(version)
+        self._enqueue((int(version), write_dir))
+        return self.layout
+
+    def _copy_in(self, items: Iterator[tuple[str, object]]) -> None:
+        import torch
+
+        metas = ((b, t) for b in self.layout.buckets for t in b.tensors)
+        for (b, m), (name, t) in _zip_strict(metas, items, self.stage):
+            if name != m.name or _dtype_name(t) != m.dtype or tuple(t.shape) != m.shape:
+                raise ValueError(f"stage {self.stage}: tensor {name} {_dtype_name(t)} {tuple(t.shape)} differs from "
+                                 f"the planned layout ({m.name} {m.dtype} {m.shape}); the model changed")
+            off = b.offset + m.offset
+            self.staging[off:off + m.nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+
+    def resend(self) -> int:
+        """Queue the staged version again (after the group was re-formed); returns its version.
+
+        Raises:
+            RuntimeError: nothing staged yet.
+        """
+        if self.version is None:
+            raise RuntimeError(f"stage {self.stage} exporter: no staged version to resend")
+        self._enqueue((self.version, None))
+        return self.version
+
+    def _enqueue(self, job: tuple[int, str | None]) -> None:
+        self._idle.clear()
+        self._jobs.put(job)
+
+    # ---------------------------------------------------------------- sender thread
+    def _run(self) -> None:
+        while True:
+            version, write_dir = self._jobs.get()
+            try:
+                if write_dir is None:
+                    self._send(version)
+                else:
+                    self._write(version, write_dir)
+            except BaseException as e:  # noqa: BLE001 - reported by the next publish / status
+                v, k, n = self.sent
+                self.error = (f"version {v}, bucket {k + 1}/{n} of pipeline stage {self.stage}: "
+                              f"{type(e).__name__}: {e}")
+                if write_dir is None and self.group is not None:
+                    try:   # tell the other receivers at once (they poll the store)
+                        self.group.store.set(_ABORT, self.error[:2000])
+                    except Exception:  # noqa: BLE001
+                        pass
+            finally:
+                if self._jobs.empty():
+                    self._idle.set()
+
+    def _send(self, version: int) -> None:
+        layout, group = self.layout, self.group
+        if self.platform.device != "cpu":
+            import torch
+
+            torch.cuda.set_device(self._bufs[0].device)
+        n = len(layout.buckets)
+        works = [None, None]
+        k = 0
+        for bi, b in enumerate(layout.buckets):
+            self.sent = (version, bi, n)
+            for off, size in layout.chunks(b):
+                i = k % 2
+                if works[i] is not None:
+                    works[i].wait()     # buffer i is free again
+                buf = self._bufs[i][:size]
+                buf.copy_(self.staging[b.offset + off:b.offset + off + size], non_blocking=True)
+                works[i] = _bcast(group, buf)
+                k += 1
+        for w in works:
+            if w is not None:
+                w.wait()
+        self.platform.synchronize()
+        self.sent = (version, n, n)
+
+
+    def _write(self, version: int, folder: str) -> None:
+        """Write the staged version as ``stage<S>-<k>.safetensors`` files (one per bucket) into
+        ``folder/.stage<S>`` and rename that to ``folder/stage<S>`` when complete; on failure
+        ``folder/stage<S>.error`` holds the message."""
+        import os
+        import shutil
+        from pathlib import Path
+
+        import torch
+        from safetensors.torch import save_file
+
+        final = Path(folder) / f"stage{self.stage:03d}"
+        tmp = Path(folder) / f".stage{self.stage:03d}"
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            n = len(self.layout.buckets)
+            for k, b in enumerate(self.layout.buckets):
+                self.sent = (version, k, n)
+                raw = self.staging[b.offset:b.offset + b.nbytes]
+                tensors = {m.name: raw[m.offset:m.offset + m.nbytes].view(getattr(torch, m.dtype)).view(m.shape)
+                           for m in b.tensors}
+                save_file(tensors, str(tmp / shard_name(self.stage, k)), metadata={"format": "pt"})
+            os.rename(tmp, final)
+            self.sent = (version, n, n)
+        except BaseException as e:
+            (Path(folder) / f"stage{self.stage:03d}.error").write_text(f"{type(e).__name__}: {e}")
+            raise
+
+
+def shard_name(stage: int, bucket: int) -> str:
+    """File name of bucket ``bucket`` of pipeline stage ``stage`` (filesystem transport)."""
+    return f"stage{stage:03d}-{bucket:05d}.safetensors"
+
+
+def stage_folder(stage: int) -> str:
+    """Sub-folder a stage's shards land in once complete (filesystem transport)."""
+    return f"stage{stage:03d}"
+
+
+def _zip_strict(metas, items, stage):
+    for m in metas:
+        try:
+            it = next(items)
+        except StopIteration:
+            raise ValueError(f"stage {stage}: fewer tensors than the planned layout; the model changed") from None
+        yield m, it
+    for name, _ in items:
+        raise ValueError(f"stage {stage}: tensor {name} is not in the planned layout; the model changed")
+
+
+# --------------------------------------------- learner-side functions (run on each learner rank)
+def _exporter(learner) -> StageExporter | None:
+    """This rank's exporter (created on first use), or None on ranks that do not export."""
+    if learner.tp_rank != 0 or learner.dp_rank != 0:
+        return None
+    ex = getattr(learner, "_mrlhf_stage_exporter", None)
+    if ex is None:
+        ex = learner._mrlhf_stage_exporter = StageExporter(learner.pp_rank)
+    return ex
+
+
+def exporter_address(learner) -> dict | None:
+    """On every learner rank: the exporter's ``{'stage', 'host', 'port', 'backend'}`` (None on others)."""
+    ex = _exporter(learner)
+    if ex is None:
+        return None
+    host, port = ex.address()
+    return {"stage": ex.stage, "host": host, "port": port, "backend": ex.platform.dist_backend}
+
+
+def exporter_join(learner, stages: list[dict], world_size: int, timeout_s: float) -> None:
+    """On every learner rank: exporters join their stage's group as rank 0."""
+    ex = _exporter(learner)
+    if ex is not None:
+        s = stages[ex.stage]
+        ex.join(s["host"], s["port"], world_size, timeout_s)
+
+
+def stage_version(learner, version: int, bucket_bytes: int, timeout_s: float,
+                  write_dir: str | None = None) -> dict | None:
+    """On every learner rank, in its own thread (collective over each TP group): wait for the
+    previous broadcast (or write), TP-gather and stage this version, queue its broadcast (or,
+    with ``write_dir``, the writing of its safetensors shards there, see ``StageExporter._write``).
+
+    Returns:
+        on exporters ``{'stage', 'layout', 'wait_s', 'stage_s'}`` (seconds waiting for the previous
+        push / gathering + copying); None on other ranks.
+    Raises:
+        TimeoutError: the previous broadcast still runs after ``timeout_s``.
+        RuntimeError: the group is broken (a receiver failed earlier).
+    """
+    if learner.dp_rank != 0:
+        return None
+    ex = _exporter(learner)
+    wait_s = ex.wait_idle(timeout_s) if ex is not None else 0.0
+    t0 = time.perf_counter()
+    items = learner._stage_hf_tensors()
+    if ex is None:
+        for _ in items:   # TP ranks > 0 only join the gathers
+            pass
+        return None
+    layout = ex.stage_tensors(items, version, bucket_bytes, write_dir)
+    return {"stage": ex.stage, "layout": layout, "wait_s": wait_s, "stage_s": time.perf_counter() - t0}
+
+
+def exporter_status(learner) -> dict | None:
+    """On every learner rank: the exporter's ``{'stage', 'sent', 'error', 'idle'}`` (None on others)."""
+    ex = _exporter(learner)
+    if ex is None:
+        return None
+    return {"stage": ex.stage, "sent": ex.sent, "error": ex.error, "idle": ex._idle.is_set()}
+
+
+def resend_latest(learner) -> int | None:
+    """On every learner rank: exporters queue their staged version again (after a re-form)."""
+    ex = _exporter(learner)
+    return None if ex is None else ex.resend()
+
+
+# --------------------------------------------------------- vLLM-side functions (collective_rpc)
+def worker_join(worker, stages: list[dict], rank_offset: int, world_size: int, timeout_s: float) -> int:
+    """Inside a vLLM worker process: join every stage's group as rank ``rank_offset + worker.rank``
+    (stage order; replaces earlier groups). Returns the group rank.
+
+    Raises:
+        RuntimeError: the learner's backend differs from this worker's platform (a GPU learner
+            with CPU engines, or the reverse).
+    """
+    from megatron_rlhf.platform import get_platform
+
+    backend = get_platform().dist_backend
+    rank = int(rank_offset) + int(worker.rank)
+    worker._mrlhf_broadcast_groups = None
+    groups = []
+    for s in stages:
+        if s["backend"] != backend:
+            raise RuntimeError(f"weight broadcast: learner stage {s['stage']} uses {s['backend']}, this vLLM "
+                               f"worker {backend}; learners and generators must both be on GPU or both on CPU")
+        groups.append(open_group(s["host"], s["port"], rank, world_size, backend, timeout_s))
+    worker._mrlhf_broadcast_groups = groups
+    worker._mrlhf_broadcast_rank = rank
+    return rank
+
+
+def _post(group, layout: StageLayout, bucket: BucketMeta, device):
+    """Post the receive of every chunk of ``bucket`` into a fresh buffer."""
+    from megatron_rlhf.platform import get_platform
+
+    buf = get_platform().empty_bytes(bucket.nbytes, device)
+    return buf, [_bcast(group, buf[o:o + n]) for o, n in layout.chunks(bucket)]
+
+
+def worker_receive(worker, layouts: list[StageLayout], with_checksum: bool = False) -> dict:
+    """Inside a vLLM worker process: receive one version (every stage, bucket by bucket) into one
+    ``worker.reload_weights(weights_iterator=...)`` call.
+
+    Returns:
+        ``{'bytes', 'tensors', 'rank', 'checksum'}``: tensor bytes received, tensors, group rank,
+        and (``with_checksum``) :func:`checksum` of the received ``(name, tensor)`` before loading.
+    Raises:
+        RuntimeError: not joined, or a receive failed (names stage, bucket and group rank).
+    """
+    import torch
+
+    from megatron_rlhf.platform import get_platform
+
+    groups = getattr(worker, "_mrlhf_broadcast_groups", None)
+    if not groups or len(groups) != len(layouts):
+        raise RuntimeError("weight broadcast: this vLLM worker has not joined the groups of every pipeline "
+                           "stage (BroadcastTransport.setup)")
+    rank = worker._mrlhf_broadcast_rank
+    device = get_platform().buffer_device()
+    h = hashlib.sha256() if with_checksum else None
+    counts = {"bytes": 0, "tensors": 0}
+
+    def tensors():
+        for layout, group in zip(layouts, groups):
+            n = len(layout.buckets)
+            pending = _post(group, layout, layout.buckets[0], device)
+            for bi, b in enumerate(layout.buckets):
+                buf, works = pending
+                try:
+                    _wait_receives(group, works)
+                except RuntimeError as e:
+                    raise RuntimeError(f"weight broadcast: group rank {rank} failed to receive bucket {bi + 1}/{n} "
+                                       f"of pipeline stage {layout.stage}: {e}") from e
+                if bi + 1 < n:   # post the next receive before this bucket is loaded
+                    pending = _post(group, layout, layout.buckets[bi + 1], device)
+                for m in b.tensors:
+                    raw = buf[m.offset:m.offset + m.nbytes]
+                    if h is not None:
+                        h.update(m.name.encode())
+                        h.update(raw.cpu().numpy())
+                    counts["bytes"] += m.nbytes
+                    counts["tensors"] += 1
+                    yield m.name, raw.view(getattr(torch, m.dtype)).view(m.shape)
+
+    worker.reload_weights(weights_iterator=tensors())
+    refresh_tied_lm_head(worker)
+    return {**counts, "rank": rank, "checksum": h.hexdigest() if h is not None else None}
+
+
+def refresh_tied_lm_head(worker) -> bool:
+    """Inside a vLLM worker, after ``reload_weights``: redo the tied output layer's
+    post-load processing. With tied embeddings vLLM's ``lm_head`` shares the embedding's
+    parameter but is never reloaded itself (its HF tensor does not exist), and on CPU its
+    ``process_weights_after_loading`` keeps a pre-packed GEMM copy of the weight
+    (``dispatch_cpu_unquantized_gemm``): without this the logits keep using the base model's
+    output layer (the weight-sync probe check sees ~0.5 nats after one step). Returns whether a
+    tied ``lm_head`` was refreshed (a no-op re-dispatch on GPU)."""
+    model = worker.get_model() if hasattr(worker, "get_model") else worker.model_runner.model
+    lm = getattr(model, "lm_head", None)
+    emb = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if lm is None or emb is None or getattr(lm, "weight", None) is None \
+            or lm.weight.data_ptr() != emb.weight.data_ptr():
+        return False
+    method = getattr(lm, "quant_method", None)
+    if method is not None and hasattr(method, "process_weights_after_loading"):
+        method.process_weights_after_loading(lm)
+    return True
+
+
+# --------------------------------------------------- floor measurement (bench/weight_sync.py)
+def exporter_raw_send(learner, timeout_s: float) -> float | None:
+    """Bench floor, on every learner rank: exporters broadcast their staged buffer once more, chunk
+    by chunk, synchronously (no staging, no second thread); seconds (None on other ranks)."""
+    ex = _exporter(learner)
+    if ex is None:
+        return None
+    ex.wait_idle(timeout_s)
+    t0 = time.perf_counter()
+    lay = ex.layout
+    for b in lay.buckets:
+        for off, size in lay.chunks(b):
+            buf = ex._bufs[0][:size]
+            buf.copy_(ex.staging[b.offset + off:b.offset + off + size])
+            _bcast(ex.group, buf).wait()
+    ex.platform.synchronize()
+    return time.perf_counter() - t0
+
+
+def worker_raw_receive_then_reload(worker, layouts: list[StageLayout]) -> dict:
+    """Bench floor, inside a vLLM worker: receive every chunk into memory (no loading meanwhile),
+    then ``reload_weights`` from that memory. Returns ``{'receive_s', 'reload_s'}``."""
+    import torch
+
+    from megatron_rlhf.platform import get_platform
+
+    groups = worker._mrlhf_broadcast_groups
+    device = get_platform().buffer_device()
+    t0 = time.perf_counter()
+    bufs = []
+    for layout, group in zip(layouts, groups):
+        for b in layout.buckets:
+            buf = get_platform().empty_bytes(b.nbytes, device)
+            for o, n in layout.chunks(b):
+                _bcast(group, buf[o:o + n]).wait()
+            bufs.append((b, buf))
+    t1 = time.perf_counter()
+    items = [(m.name, buf[m.offset:m.offset + m.nbytes].view(getattr(torch, m.dtype)).view(m.shape))
+             for b, buf in bufs for m in b.tensors]
+    worker.reload_weights(weights_iterator=iter(items))
+    refresh_tied_lm_head(worker)
+    get_platform().synchronize()
+    return {"receive_s": t1 - t0, "reload_s": time.perf_counter() - t1}

@@ -1,0 +1,282 @@
+"""The broadcast weight transport on CPU (gloo): the code a GPU cluster runs with NCCL.
+
+Unit tests pin the bucket plan. Integration tests (one Ray cluster for the module, real
+Megatron learner ranks and real vLLM engines) check, for multi-rank learners, that every vLLM
+worker receives exactly the bytes of ``export_weights()`` of each version (SHA-256 taken inside the
+worker before ``reload_weights``), that the engines then give the learner's probe logprobs, and
+that a receiver killed mid-broadcast fails the push with an error naming it, within the timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+BUCKET = 64 * 1024    # below the tiny model's 256 KiB embedding: that tensor goes out in chunks
+TIMEOUT = 120.0
+
+
+# ----------------------------------------------------------------------------------- units
+@pytest.mark.timeout(30)
+def test_bucket_plan_keeps_tensors_whole_aligns_offsets_and_chunks_large_tensors():
+    from megatron_rlhf.generator.broadcast_sync import plan_layout
+
+    entries = [("a", "float32", (10,), 40), ("b", "float32", (20, 10), 800), ("c", "bfloat16", (3,), 6),
+               ("big", "float32", (1000,), 4000), ("d", "float32", (2,), 8)]
+    lay = plan_layout(1, entries, bucket_bytes=1000)
+    assert [[t.name for t in b.tensors] for b in lay.buckets] == [["a", "b", "c"], ["big"], ["d"]]
+    assert all(t.offset % 64 == 0 for b in lay.buckets for t in b.tensors)
+    assert all(b.offset % 64 == 0 for b in lay.buckets) and lay.nbytes >= sum(e[3] for e in entries)
+    assert lay.chunks(lay.buckets[1]) == [(0, 1000), (1000, 1000), (2000, 1000), (3000, 1000)]
+    assert all(n <= 1000 for b in lay.buckets for _, n in lay.chunks(b))
+    assert lay.num_tensors == 5 and lay.tensor_bytes == sum(e[3] for e in entries)
+    with pytest.raises(ValueError, match="no tensor"):
+        plan_layout(0, [], 1000)
+
+
+@pytest.mark.timeout(30)
+def test_broadcast_config_keys_and_nccl_alias():
+    from megatron_rlhf.config import ConfigError, load_config
+    from megatron_rlhf.generator.weight_sync import BroadcastTransport, check_transport_layout, make_transport
+
+    for name in ("broadcast", "nccl"):
+        cfg = load_config(REPO / "configs" / "ci_tiny.yaml", [f"generators.transport={name}",
+                                                               "generators.weight_sync_bucket_mb=8"])
+        t = make_transport(cfg.generators, "/tmp")
+        assert isinstance(t, BroadcastTransport) and t.bucket_bytes == 8 * 2**20 and t.collective
+    with pytest.raises(ConfigError, match=r"generators\.weight_sync_bucket_mb"):
+        load_config(REPO / "configs" / "ci_tiny.yaml", ["generators.weight_sync_bucket_mb=0"])
+    big = load_config(REPO / "configs" / "ci_tiny.yaml", ["generators.transport=broadcast",
+                                                          "generators.weight_sync_bucket_mb=8192"])
+    with pytest.raises(ValueError, match=r"generators\.weight_sync_bucket_mb"):
+        check_transport_layout(big.generators, big.learner, gpu_memory_gib=80)
+
+
+# ----------------------------------------------------------------------------------- integration
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """One local Ray cluster for the module, loopback only, 8 logical CPUs on 2 cores (a TP2 x PP2
+    learner and its engines mostly wait on each other)."""
+    import ray
+
+    from megatron_rlhf.runtime import process_env
+
+    ray.init(num_cpus=8, include_dashboard=False, runtime_env={"env_vars": process_env()},
+             logging_level="WARNING")
+    yield
+    ray.shutdown()
+
+
+def _batch(seed: int, vocab: int = 400, pairs: int = 2, seq: int = 12, prompt: int = 5):
+    """DPO pairs of random tokens (the weights only need to move between versions)."""
+    from megatron_rlhf.types import LearnerBatch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (2 * pairs, seq), generator=g)
+    mask = torch.zeros(2 * pairs, seq)
+    mask[:, prompt:] = 1.0
+    for i in range(pairs):
+        ids[2 * i + 1, :prompt] = ids[2 * i, :prompt]
+    return LearnerBatch(input_ids=ids, loss_mask=mask, weight_version=0,
+                        sampling_logprobs=-torch.rand(2 * pairs, seq, generator=g) * mask)
+
+
+def _learner(ray, model_dir, tp, pp, dp):
+    from megatron_rlhf.config import AlgorithmConfig, LearnerConfig, OptimizerConfig
+
+    kw = dict(model_dir=str(model_dir), algorithm_cfg=AlgorithmConfig(),
+              learner_cfg=LearnerConfig(tensor_parallel=tp, pipeline_parallel=pp, data_parallel=dp,
+                                        micro_batch_size=2, optimizer=OptimizerConfig(lr=1e-2)))
+    if tp * pp * dp == 1:
+        from megatron_rlhf.learner.actor import MegatronLearner
+
+        learner = ray.remote(num_cpus=0)(MegatronLearner).remote(**kw)
+    else:
+        from megatron_rlhf.learner.group import LearnerGroup
+
+        learner = ray.remote(num_cpus=0)(LearnerGroup).remote(rank_actor_options={"num_cpus": 0}, timeout_s=240, **kw)
+    ray.get(learner.__ray_ready__.remote(), timeout=300)
+    return learner
+
+
+def _engines(ray, model_dir, n=2, max_restarts=0):
+    from megatron_rlhf.config import GeneratorConfig
+    from megatron_rlhf.generator.vllm_engine import VLLMGenerator
+
+    cfg = GeneratorConfig(max_new_tokens=16, max_model_len=128, kv_cache_gib=0.0625, cpu_core=-1,
+                          check_weight_sync=True, check_weight_sync_tol=1e-3, max_restarts=max_restarts)
+    cls = ray.remote(num_cpus=0, max_restarts=max_restarts)(VLLMGenerator)
+    handles = [cls.remote(model_dir=str(model_dir), generator_cfg=cfg, seed=i) for i in range(n)]
+    ray.get([h.__ray_ready__.remote() for h in handles], timeout=300)
+    return handles, cfg
+
+
+def _export_checksum(ray, learner) -> str:
+    from megatron_rlhf.generator.broadcast_sync import checksum
+
+    buckets = ray.get(learner.export_weights.remote(), timeout=TIMEOUT)
+    buckets = [b if isinstance(b, dict) else ray.get(b) for b in buckets]
+    return checksum((k, v) for b in buckets for k, v in b.items())
+
+
+@pytest.fixture(scope="module")
+def engines(ray_cluster):
+    """Two in-process vLLM engines (TP=1) per tiny model, started on first use and shared by the
+    module's tests: ``engines(model_dir) -> (handles, GeneratorConfig)``."""
+    import ray
+
+    made = {}
+
+    def get(model_dir):
+        if model_dir not in made:
+            made[model_dir] = _engines(ray, model_dir)
+        return made[model_dir]
+
+    yield get
+    for handles, _ in made.values():
+        for h in handles:
+            ray.kill(h)
+
+
+LAYOUTS = {"tp2pp2_tied": (2, 2, 1, True), "tp2dp2_untied": (2, 1, 2, False), "tp2pp2_untied": (2, 2, 1, False)}
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_every_worker_receives_the_exported_bytes_of_three_back_to_back_versions(
+        name, engines, tiny_llama_dir, tiny_llama_tied_dir):
+    """Learner TP x PP x DP -> 2 engines: per version, each worker's SHA-256 of what it received
+    (before reload_weights) equals that of export_weights(); the probe logprobs then agree."""
+    import ray
+
+    from megatron_rlhf.generator.pool import GeneratorPool
+    from megatron_rlhf.generator.weight_sync import BroadcastTransport
+
+    tp, pp, dp, tied = LAYOUTS[name]
+    model_dir = tiny_llama_tied_dir if tied else tiny_llama_dir
+    handles, gcfg = engines(model_dir)
+    learner = _learner(ray, model_dir, tp, pp, dp)
+    probe = list(range(5, 40))
+    try:
+        transport = BroadcastTransport(1, BUCKET, with_checksum=True)
+        transport.setup(learner, handles, TIMEOUT)
+        assert [s["stage"] for s in transport._stages] == list(range(pp))
+        pool = GeneratorPool(handles, transport=transport, generator_cfg=gcfg, timeout_s=TIMEOUT, probe=probe)
+        published: queue.Queue = queue.Queue()
+        received, errors = [], []
+
+        def pusher():   # the producer's role: push each published version, then check it
+            try:
+                for _ in range(3):
+                    w = published.get(timeout=TIMEOUT)
+                    received.append((w.version, transport.push_all(handles, w, TIMEOUT), pool.check(w)))
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+
+        thread = threading.Thread(target=pusher, daemon=True)
+        thread.start()
+        want = {}
+        for v in (1, 2, 3):   # train, then publish: version v+1 is staged while v may still be sending
+            ray.get(learner.train_step.remote(_batch(v)), timeout=TIMEOUT)
+            want[v] = _export_checksum(ray, learner)
+            published.put(transport.publish(learner, v, TIMEOUT, probe))
+        thread.join(TIMEOUT)
+        assert not errors, errors
+        assert [v for v, _, _ in received] == [1, 2, 3] and len(set(want.values())) == 3
+        layouts = transport._layouts
+        assert len(layouts) == pp
+        assert any(t.nbytes > BUCKET for lay in layouts for b in lay.buckets for t in b.tensors)
+        assert ("lm_head.weight" in {t.name for lay in layouts for b in lay.buckets for t in b.tensors}) != tied
+        for v, results, diff in received:
+            assert len(results) == 2 and diff < 1e-3
+            for r in results:
+                assert r["checksums"] == [want[v]], f"version {v}: a worker received other bytes"
+                assert r["bytes"] == sum(lay.tensor_bytes for lay in layouts)
+        assert ray.get([h.get_weight_version.remote() for h in handles]) == [3, 3]
+    finally:
+        ray.get(learner.close.remote(), timeout=TIMEOUT)
+        ray.kill(learner)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(900)
+def test_a_receiver_killed_mid_broadcast_fails_the_push_naming_it_within_the_timeout(
+        ray_cluster, tiny_llama_dir):
+    """Engine 1 dies while the exporter is mid-stream: the push fails within the timeout with an
+    error naming the version, stage, engine and its group ranks (no hang); the exporter's abort
+    note ends engine 0's receive at once; publishing refuses until the groups are re-formed."""
+    import ray
+
+    from megatron_rlhf.generator.weight_sync import BroadcastPushError, BroadcastTransport, WeightSyncError
+    from megatron_rlhf.types import Prompt
+
+    handles, _ = _engines(ray, tiny_llama_dir)
+    learner = _learner(ray, tiny_llama_dir, 1, 1, 1)
+    timeout, probe = 120.0, list(range(5, 40))
+    try:
+        transport = BroadcastTransport(1, 4096)   # ~400 chunks: the sender is mid-stream for a while
+        transport.setup(learner, handles, timeout)
+        w = transport.publish(learner, 1, timeout, probe)
+        busy = handles[1].generate.remote([Prompt(index=0, task="t", token_ids=(5, 6, 7))] * 8, 4)
+        t0 = time.monotonic()
+        result: dict = {}
+
+        def push():
+            try:
+                transport.push_all(handles, w, timeout)
+            except BaseException as e:  # noqa: BLE001
+                result["error"] = e
+
+        thread = threading.Thread(target=push, daemon=True)
+        thread.start()
+        time.sleep(2.0)   # engine 0 is receiving; engine 1 is still generating, its receive queued
+        ray.kill(handles[1], no_restart=True)
+        thread.join(timeout + 10)
+        elapsed = time.monotonic() - t0
+        assert not thread.is_alive(), "push_all hung"
+        err = result.get("error")
+        assert isinstance(err, BroadcastPushError), result
+        assert elapsed < timeout and err.engine == 1 and err.died
+        msg = str(err)
+        assert "version 1" in msg and "pipeline stages [0]" in msg and "engine 1" in msg and "group ranks 2..2" in msg
+        with pytest.raises(Exception):
+            ray.get(busy, timeout=5)
+        with pytest.raises(WeightSyncError, match="groups are broken.*engine 1"):
+            transport.publish(learner, 2, timeout)
+    finally:
+        ray.kill(learner)
+        for h in handles:
+            ray.kill(h)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_async_loop_on_broadcast_with_a_tp2_pp2_learner_runs_3_steps_staleness_0_1_1(
+        ray_cluster, tiny_llama_dir, tmp_path):
+    import json
+
+    from megatron_rlhf.config import load_config
+    from megatron_rlhf.trainer.loop import train
+
+    cfg = load_config(REPO / "configs" / "ci_tiny.yaml", [
+        f"model.source={tiny_llama_dir}", f"run.output_dir={tmp_path}", "run.name=bcast",
+        "tasks.0.reward=tests.plugins:char_parity", "logging.progress=false", "generators.cpu_core=-1",
+        "generators.transport=broadcast", "generators.weight_sync_bucket_mb=0.0625",
+        "generators.check_weight_sync=true", "learner.tensor_parallel=2", "learner.pipeline_parallel=2",
+        "checkpoint.interval=0", "checkpoint.export_hf=false", "async.timeout_s=300"])
+    res = train(cfg, quiet=True)
+    rows = [json.loads(x) for x in (Path(res["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and [r["staleness/max"] for r in rows] == [0, 1, 1]
+    assert rows[2]["sync/bytes"] > 0 and rows[2]["sync/GBps"] > 0              # batch 3 came after the push of v1
+    assert rows[2]["sync/check_max_abs_diff"] < 1e-3                           # the probe check ran on it
+    assert [r["sync/learner_blocked_s"] > 0 for r in rows] == [True, True, False]   # nothing published after step 3
+    assert all(r["sync/learner_blocked_s"] >= r["sync/push_wait_s"] >= 0 for r in rows)
