@@ -115,6 +115,7 @@ class GeneratorPool:
         self._log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.batch_index = -1   # set by the producer; only used in messages
         self._inflight_pushes, self._inflight_sync_s = 0, 0.0
+        self._temperature: float | None = None
 
     @property
     def num_workers(self) -> int:
@@ -132,7 +133,8 @@ class GeneratorPool:
 
     # ------------------------------------------------------------------------------ generate
     def generate(self, prompts: list[Prompt], n: int,
-                 refresh: Callable[[], PublishedWeights] | None = None) -> list[list[Completion]]:
+                 refresh: Callable[[], PublishedWeights] | None = None,
+                 temperature: float | None = None) -> list[list[Completion]]:
         """Sample ``n`` completions for every prompt, spread over the workers.
 
         Args:
@@ -140,6 +142,8 @@ class GeneratorPool:
             n: completions per prompt (K).
             refresh: inflight updates: returns the newest published weights; a worker holding an
                 older version gets them before its request.
+            temperature: sampling temperature of this round (``None``: ``generators.temperature``;
+                ``0``: greedy; the evaluation uses both).
         Returns:
             ``out[i]`` = the ``n`` completions of ``prompts[i]``.
         Raises:
@@ -157,6 +161,7 @@ class GeneratorPool:
                 res = self.push(latest, only_stale=True)
                 self._inflight_pushes += 1
                 self._inflight_sync_s += res.get("time/sync_s", 0.0)
+        self._temperature = temperature
         costs = [len(p.token_ids) + n * self.expected_len for p in prompts]
         parts = balance(costs, self.num_workers)
         out: list[list[Completion] | None] = [None] * len(prompts)
@@ -204,7 +209,9 @@ class GeneratorPool:
         return out  # type: ignore[return-value]
 
     def _submit(self, w: _Worker, prompts: list[Prompt], idx: list[int], n: int):
-        return w.handle.generate.remote([prompts[i] for i in idx], n)
+        if self._temperature is None:   # the round's temperature (generate's argument)
+            return w.handle.generate.remote([prompts[i] for i in idx], n)
+        return w.handle.generate.remote([prompts[i] for i in idx], n, self._temperature)
 
     def _record(self, w: _Worker, prompts: list[Prompt], groups: list[list[Completion]]) -> None:
         toks = [len(c.token_ids) for g in groups for c in g]

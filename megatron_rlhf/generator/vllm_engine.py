@@ -104,7 +104,7 @@ class VLLMGenerator:
         }
 
     # ------------------------------------------------------------------------------ verbs
-    def generate(self, prompts: list[Prompt], n: int) -> list[list[Completion]]:
+    def generate(self, prompts: list[Prompt], n: int, temperature: float | None = None) -> list[list[Completion]]:
         """Sample ``n`` completions for each prompt.
 
         Args:
@@ -112,13 +112,16 @@ class VLLMGenerator:
                 than ``generators.max_model_len``. Completions stop at EOS, at
                 ``generators.max_new_tokens`` tokens, or at the context end.
             n: completions per prompt (K), >= 1.
+            temperature: sampling temperature of this call (``None``: ``generators.temperature``;
+                ``0``: greedy, the evaluation's pass@1).
         Returns:
             ``out[i][j]`` = completion j of prompt i (``len(out) == len(prompts)``,
             ``len(out[i]) == n``), each with ``token_ids [L]``, sampling ``logprobs [L]`` (nats),
             ``finish_reason`` (``"stop"`` or ``"length"``), ``text`` and
             ``weight_version = self.weight_version``.
         Raises:
-            ValueError: ``n < 1``, or a prompt is empty or has ``>= max_model_len`` tokens.
+            ValueError: ``n < 1``, ``temperature < 0``, or a prompt is empty or has
+                ``>= max_model_len`` tokens.
         """
         from vllm import SamplingParams
 
@@ -129,7 +132,10 @@ class VLLMGenerator:
             return []
         inputs = [self._tokens_prompt(p.token_ids, f"prompts[{i}] (index {p.index}, task {p.task!r})")
                   for i, p in enumerate(prompts)]
-        sp = SamplingParams(n=n, temperature=self.cfg.temperature, top_p=self.cfg.top_p,
+        temp = self.cfg.temperature if temperature is None else float(temperature)
+        if temp < 0:
+            raise ValueError(f"generate(temperature={temperature}): must be >= 0 (0 = greedy)")
+        sp = SamplingParams(n=n, temperature=temp, top_p=self.cfg.top_p if temp > 0 else 1.0,
                             max_tokens=self.cfg.max_new_tokens, logprobs=0)
         t0 = time.perf_counter()
         outs = self.llm.generate(inputs, sp, use_tqdm=False)

@@ -177,7 +177,8 @@ def _build_generators(cfg: Config, model_dir: Path) -> list:
 
 def _load_prompts(cfg: Config, model_dir: Path):
     """Every task's prompts (math loaders or chat loaders by the task's reward kind) in one
-    ``MultiTaskSampler`` (per-task seeded samplers, quotas by ``tasks[].weight``)."""
+    ``MultiTaskSampler`` (per-task seeded samplers, quotas by ``tasks[].weight``), and with
+    ``eval.enabled`` every task's held-out prompts (taken out of training)."""
     from transformers import AutoTokenizer
 
     from megatron_rlhf.data import load_prompts_for_task
@@ -191,9 +192,21 @@ def _load_prompts(cfg: Config, model_dir: Path):
         if not by_task[task.name]:
             raise ValueError(f"tasks[{task.name}].data: no usable prompt ({counts[task.name]}); check "
                              "path, prompt_field, filter and generators.max_model_len")
+    eval_by_task = {}
+    if cfg.eval.enabled:   # held-out prompts out of training (trainer.evaluate)
+        from dataclasses import replace
+
+        from megatron_rlhf.trainer.evaluate import split_eval_prompts
+
+        def load_eval(task):
+            return load_prompts_for_task(replace(task, data=task.eval_data), tok, max_prompt)[0]
+
+        by_task, eval_by_task, eval_counts = split_eval_prompts(cfg.tasks, by_task, cfg.eval, load_eval)
+        for name, c in eval_counts.items():
+            counts[name].update(c)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     sampler = MultiTaskSampler(by_task, {t.name: t.weight for t in cfg.tasks}, seed=cfg.run.seed)
-    return sampler, counts, pad_id
+    return sampler, counts, pad_id, eval_by_task
 
 
 def _probe_tokens(sampler, max_model_len: int) -> list[int]:
@@ -232,7 +245,7 @@ def train(cfg: Config, *, quiet: bool = False, generators: list | None = None) -
     model_dir = resolve_model_dir(cfg.model)
     _preflight(cfg, model_dir)
     try:
-        sampler, data_counts, pad_id = _load_prompts(cfg, model_dir)
+        sampler, data_counts, pad_id, eval_by_task = _load_prompts(cfg, model_dir)
     except (ValueError, FileNotFoundError) as e:   # names tasks[].data.*: a config problem
         raise ConfigError(str(e)) from e
     say(f"model {model_dir}; prompts per task: {json.dumps(data_counts)}")
@@ -291,18 +304,22 @@ def train(cfg: Config, *, quiet: bool = False, generators: list | None = None) -
         pool = GeneratorPool(generators, transport=transport, generator_cfg=cfg.generators,
                              timeout_s=timeout, probe=probe,
                              log=lambda m: print(m, file=sys.stderr, flush=True))
+        evals = _eval_service(cfg, pool, eval_by_task, reward_fns)
         batches: queue.Queue = queue.Queue(maxsize=1)
         producer = RolloutProducer(
             pool=pool, sampler=sampler, reward_fns=reward_fns,
             pair_fn=select_pair, channel=channel, out_queue=batches, algorithm_cfg=cfg.algorithm,
             generator_cfg=cfg.generators, staleness_bound=cfg.async_.staleness_bound,
             first_batch=start_step, num_batches=cfg.run.num_steps, min_version=version,
-            rng_state=rng_state, producer_state=producer_state, seed=cfg.run.seed, timeout_s=timeout)
+            rng_state=rng_state, producer_state=producer_state, seed=cfg.run.seed, timeout_s=timeout,
+            evals=evals)
         thread = threading.Thread(target=producer.run, name="rollout-producer", daemon=True)
         metrics = MetricsLogger(run_dir, cfg.logging, config_to_dict(cfg))
         bar = tqdm(total=cfg.run.num_steps, initial=start_step, desc="steps", unit="step",
                    disable=quiet or not cfg.logging.progress, dynamic_ncols=True)
         done, saved, last_batch = start_step, start_step, None
+        rows = _PendingRows(metrics, thread, batches, timeout)
+        first_eval = evals.request(0) if evals is not None and start_step == 0 else None
         t_start = time.perf_counter()
         with _StopFlag() as stop:
             thread.start()
@@ -326,23 +343,34 @@ def train(cfg: Config, *, quiet: bool = False, generators: list | None = None) -
                 train_s = time.perf_counter() - t0
                 version += 1
                 done, last_batch = done + 1, batch
-                if (done < cfg.run.num_steps and not stop.requested
-                        and version % cfg.async_.sync_interval == 0):
-                    channel.publish(transport.publish(learner, version, timeout, probe))
+                publish = (done < cfg.run.num_steps and not stop.requested
+                           and version % cfg.async_.sync_interval == 0)
+                due = (evals is not None and _eval_due(cfg, done, publish)   # row 1 holds the eval
+                       and (first_eval is None or done >= cfg.run.num_steps))  # before step 1 already
+                weights = transport.publish(learner, version, timeout, probe) if publish or due else None
+                futures = [evals.request(done, weights)] if due else []   # before the producer may use it
+                if first_eval is not None:
+                    futures, first_eval = [first_eval, *futures], None
+                if publish:
+                    channel.publish(weights)
                 row = {"step": done, "weight_version": version, "loss/total": out.get("loss/total"),
                        **stale, "prompts/too_long_filtered": too_long,
                        **{k: v for k, v in out.items() if k != "time/train_s"},
                        **batch.stats,   # the rollouts' numbers win over a learner key of the same name
                        "time/train_s": train_s, "time/learner_idle_s": learner_idle,
                        "time/step_s": time.perf_counter() - t_wait}
-                metrics.log(row)
+                rows.add(row, futures)
                 bar.update(1)
                 bar.set_postfix(reward=f"{row['reward/mean']:.3f}", stale=staleness,
                                 loss=f"{row['loss/total']:.3f}",
                                 pairs=f"{row['pairs/count']}/{row['prompts/drawn']}")
                 interval = cfg.checkpoint.interval
                 if interval and done % interval == 0 and done < cfg.run.num_steps:
+                    rows.flush()   # a checkpoint never gets ahead of metrics.jsonl
                     saved = _save(ckpts, learner, done, version, batch, timeout)
+            if evals is not None:
+                evals.close() if done >= cfg.run.num_steps else evals.cancel_pending()
+            rows.flush()
             wall = time.perf_counter() - t_start
             if last_batch is not None and saved < done:  # the end, or a stop signal
                 saved = _save(ckpts, learner, done, version, last_batch, timeout)
@@ -358,8 +386,10 @@ def train(cfg: Config, *, quiet: bool = False, generators: list | None = None) -
             _export_final(learner, run_dir, model_dir, timeout)
         result = RunResult(summarize(metrics.rows, wall))
         result.update(run_dir=str(run_dir), stopped_early=stopped_early, resumed_from_step=start_step,
-                      data=data_counts, prompts_too_long=too_long, generator_restarts=pool.restarts)
+                      data=data_counts, prompts_too_long=too_long, generator_restarts=pool.restarts,
+                      report=str(run_dir / "report.html"))
         (run_dir / "summary.json").write_text(json.dumps(result, indent=1, default=str))
+        _report(run_dir, result)
         return result
     finally:
         if producer is not None:   # an error in the learner loop: stop the generation thread too
@@ -375,6 +405,95 @@ def train(cfg: Config, *, quiet: bool = False, generators: list | None = None) -
             transport.close()
         if started_ray:
             ray.shutdown()
+
+
+def _eval_due(cfg: Config, done: int, publish: bool) -> bool:
+    """Whether the weights after step ``done`` are evaluated: every ``eval.interval`` steps (when
+    they are published for generation) and after the last step."""
+    if done >= cfg.run.num_steps:
+        return True
+    return bool(cfg.eval.interval) and done % cfg.eval.interval == 0 and publish
+
+
+def _eval_service(cfg: Config, pool, eval_by_task: dict, reward_fns: dict):
+    """The ``EvalService`` of the run's held-out prompts (None with ``eval.enabled: false``)."""
+    if not cfg.eval.enabled:
+        return None
+    from megatron_rlhf.trainer.evaluate import EvalService, Evaluator
+
+    return EvalService(Evaluator(pool, eval_by_task, {t.name: t.kind for t in cfg.tasks}, reward_fns,
+                                 cfg.eval, cfg.generators.temperature))
+
+
+class _PendingRows:
+    """Metrics rows waiting for their evals (served on the producer thread), logged in step order.
+
+    A row is written once every eval future attached to it has resolved (its fields merged into
+    the row); :meth:`add` writes every leading row that is ready without waiting, :meth:`flush`
+    waits for all (before a checkpoint, at the end).
+    """
+
+    def __init__(self, metrics: MetricsLogger, thread: threading.Thread, batches: queue.Queue, timeout: float):
+        self.metrics, self.thread, self.batches, self.timeout = metrics, thread, batches, timeout
+        self._rows: list[tuple[dict, list]] = []
+
+    def add(self, row: dict, futures: list) -> None:
+        self._rows.append((row, futures))
+        while self._rows and all(f.done() for f in self._rows[0][1]):
+            self._write(*self._rows.pop(0))
+
+    def flush(self) -> None:
+        while self._rows:
+            self._write(*self._rows.pop(0))
+
+    def _write(self, row: dict, futures: list) -> None:
+        """Merge the row's evals (in order: a later one's keys win; seconds add up) and log it."""
+        eval_s = 0.0
+        for fut in futures:
+            res = self._result(fut)
+            if res:
+                eval_s += res["time/eval_s"]
+                row.update(res)
+        row["time/eval_s"] = eval_s
+        self.metrics.log(row)
+
+    def _result(self, fut) -> dict | None:
+        """The eval's fields; None when it was cancelled or the producer thread ended without it.
+
+        Raises:
+            the eval's own error; ProducerError: generation failed while the eval waited.
+        """
+        deadline = time.monotonic() + self.timeout
+        while not fut.done():
+            fut_wait = min(1.0, max(0.0, deadline - time.monotonic()))
+            try:
+                return fut.result(timeout=fut_wait)
+            except TimeoutError:
+                pass
+            if not self.thread.is_alive() and not fut.done():
+                try:
+                    item = self.batches.get_nowait()
+                except queue.Empty:
+                    return None
+                if isinstance(item, BaseException):
+                    raise ProducerError(f"generation failed: {type(item).__name__}: {item}") from item
+                return None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no eval result within async.timeout_s={self.timeout:.0f} s")
+        return fut.result()
+
+
+def _report(run_dir: Path, result: RunResult) -> None:
+    """Write ``<run>/report.html`` (``trainer.report``); a failure is reported, not raised (the
+    run itself is complete; ``tools/report.py`` can write it again)."""
+    from megatron_rlhf.trainer.report import write_report
+
+    try:
+        write_report(run_dir)
+    except Exception as e:  # noqa: BLE001 - plotting must not fail a finished run
+        result["report"] = None
+        print(f"[megatron-rlhf] WARNING could not write the run report ({type(e).__name__}: {e}); "
+              f"retry with: python tools/report.py {run_dir}", file=sys.stderr, flush=True)
 
 
 def _export_final(learner, run_dir: Path, model_dir: Path, timeout: float) -> None:
