@@ -66,11 +66,24 @@ class RunConfig:
     """Seed for data sampling, pair selection, vLLM sampling and model init."""
     num_steps: int = 10
     """Learner batches to train (each batch = one weight version)."""
+    mode: str = "train"
+    """``train`` (generate and train); debug modes (``trainer.replay``): ``rollout_only``
+    (generate with the base weights, save every batch to ``<run>/rollouts/``, never train) and
+    ``train_only`` (train on the saved batches of ``run.replay``; no vLLM engine, no eval)."""
+    replay: str = ""
+    """``train_only``: folder of saved batches (a run folder or its ``rollouts/``)."""
+    save_rollouts: bool = False
+    """``train``: also save every batch to ``<run>/rollouts/`` (a later ``train_only`` replay of
+    them reproduces this run's losses). ``rollout_only`` always saves."""
 
     def __post_init__(self):
         _check(bool(self.name) and "/" not in self.name, "run.name", self.name,
                "a non-empty folder name without '/'")
         _check(self.num_steps >= 1, "run.num_steps", self.num_steps, "an integer >= 1")
+        _check(self.mode in ("train", "rollout_only", "train_only"), "run.mode", self.mode,
+               "one of train, rollout_only, train_only")
+        _check(bool(self.replay) == (self.mode == "train_only"), "run.replay", self.replay,
+               "a folder of saved batches exactly when run.mode is train_only (and empty otherwise)")
 
 
 @dataclass(kw_only=True)

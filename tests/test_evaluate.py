@@ -70,7 +70,7 @@ def test_eval_file_prompts_are_taken_out_of_training():
 
 def test_real_data_eval_and_training_prompts_disjoint(tiny_llama_dir):
     """The trainer's own loading path on real data (MAWPS, ci_tiny's task)."""
-    from megatron_rlhf.trainer.loop import _load_prompts
+    from megatron_rlhf.trainer.run import _load_prompts
 
     cfg = load_config(REPO / "configs" / "ci_tiny.yaml", [f"model.source={tiny_llama_dir}",
                                                           "eval.num_prompts=32"])
@@ -83,6 +83,19 @@ def test_real_data_eval_and_training_prompts_disjoint(tiny_llama_dir):
     # what training draws over several epochs never includes an eval prompt
     drawn = {(p.text, p.answer) for p in sampler.next(sampler.tasks[0], 3 * len(sampler.prompts(sampler.tasks[0])))}
     assert not drawn & {(p.text, p.answer) for p in eval_by_task[sampler.tasks[0]]}
+
+
+def test_demo_eval_sets_are_the_held_out_arithmetic_file_and_mt_bench(tiny_llama_dir):
+    """configs/cpu_demo.yaml: math eval = the 128 rows of 32 products training never sees; chat
+    eval = 32 MT-Bench questions (another source than the HH training prompts)."""
+    from megatron_rlhf.trainer.run import _load_prompts
+
+    cfg = load_config(REPO / "configs" / "cpu_demo.yaml", [f"model.source={tiny_llama_dir}"])
+    sampler, counts, _, held = _load_prompts(cfg, tiny_llama_dir)
+    assert counts["math"]["eval_source"] == counts["chat"]["eval_source"] == "eval_data"
+    assert len(held["math"]) == 128 and len(held["chat"]) == 32
+    assert counts["math"]["train_removed"] == 0 and len(sampler.prompts("math")) == 196
+    assert {p.answer for p in held["math"]} and all(p.answer == "" for p in held["chat"])
 
 
 class FakePool:
@@ -218,6 +231,10 @@ def test_eval_rows_in_metrics_and_tool_agrees_with_loop(ray_cluster, tiny_llama_
         assert r["eval/math/num_prompts"] == 12
     ev = res["eval"]["math"]["reward_mean"]
     assert ev["first_step"] == 0 and ev["last_step"] == 3
+    from megatron_rlhf.trainer.report import PLOTS   # the run's report, written at the end
+
+    page = Path(res["report"]).read_text()
+    assert all(f'<img id="plot-{name}"' in page for name in PLOTS)
     # the tool on the exported final weights agrees with the in-loop eval of version 3
     tool = evaluate_folder(Path(res["run_dir"]) / "hf_final", cfg, step=3)
     last = rows[-1]

@@ -271,7 +271,7 @@ def test_dead_learner_stops_the_run_naming_the_intact_checkpoint(ray_cluster, tm
     import ray
 
     from megatron_rlhf.trainer.checkpoint import CheckpointManager
-    from megatron_rlhf.trainer.loop import LearnerDiedError, _learner_call
+    from megatron_rlhf.trainer.run import LearnerDiedError, _learner_call
 
     @ray.remote(num_cpus=0, max_restarts=0)
     class Dies:

@@ -42,8 +42,8 @@ from typing import Callable
 
 from megatron_rlhf.types import Prompt
 
-__all__ = ["mean_se", "heldout_order", "split_eval_prompts", "Evaluator", "EvalService",
-           "eval_keys_of", "eval_metrics"]
+__all__ = ["mean_se", "heldout_order", "split_eval_prompts", "Evaluator", "EvalService", "PendingRows",
+           "eval_due", "eval_keys_of", "eval_metrics"]
 
 
 def mean_se(values: list[float]) -> tuple[float, float]:
@@ -296,3 +296,81 @@ class EvalService:
             fut.set_result(self.evaluator.evaluate(step, weights))
         except BaseException as e:  # noqa: BLE001 - raised in the loop when it reads the result
             fut.set_exception(e)
+
+
+def eval_due(eval_cfg, num_steps: int, done: int, published: bool) -> bool:
+    """Whether the weights after step ``done`` are evaluated: every ``eval.interval`` steps (when
+    they are published for generation: the engines only ever hold those) and after the last step."""
+    if not eval_cfg.enabled:
+        return False
+    if done >= num_steps:
+        return True
+    return bool(eval_cfg.interval) and done % eval_cfg.interval == 0 and published
+
+
+class PendingRows:
+    """Metrics rows waiting for their evals (served on the producer thread), logged in step order.
+
+    A row is written once every eval future attached to it has resolved (its fields merged into
+    the row, ``time/eval_s`` = their seconds, 0 without an eval); :meth:`add` writes every leading
+    row that is ready without waiting, :meth:`flush` waits for all (before a checkpoint, at the end).
+
+    Args:
+        log: ``MetricsLogger.log``.
+        thread: the producer thread (an eval it can no longer serve resolves to no fields).
+        batches: the producer's queue (its exception, if it failed, is raised).
+        timeout: ``async.timeout_s``.
+    """
+
+    def __init__(self, log: Callable[[dict], object], thread: threading.Thread, batches: queue.Queue,
+                 timeout: float):
+        self.log, self.thread, self.batches, self.timeout = log, thread, batches, timeout
+        self._rows: list[tuple[dict, list]] = []
+
+    def add(self, row: dict, futures: list) -> None:
+        """Queue ``row`` with its eval ``futures``; write the rows that are ready."""
+        self._rows.append((row, futures))
+        while self._rows and all(f.done() for f in self._rows[0][1]):
+            self._write(*self._rows.pop(0))
+
+    def flush(self) -> None:
+        """Write every queued row, waiting for its evals."""
+        while self._rows:
+            self._write(*self._rows.pop(0))
+
+    def _write(self, row: dict, futures: list) -> None:
+        eval_s = 0.0
+        for fut in futures:   # in order: a later eval's keys win (only when one row gets two)
+            res = self._result(fut)
+            if res:
+                eval_s += res["time/eval_s"]
+                row.update(res)
+        row["time/eval_s"] = eval_s
+        self.log(row)
+
+    def _result(self, fut: Future) -> dict | None:
+        """The eval's fields; None when it was cancelled or the producer ended without serving it.
+
+        Raises:
+            the eval's own error; ``ProducerError``: generation failed while the eval waited;
+            TimeoutError: nothing within ``async.timeout_s``.
+        """
+        from megatron_rlhf.trainer.rollout import ProducerError
+
+        deadline = time.monotonic() + self.timeout
+        while not fut.done():
+            try:
+                return fut.result(timeout=1.0)
+            except TimeoutError:
+                pass
+            if not self.thread.is_alive() and not fut.done():
+                try:
+                    item = self.batches.get_nowait()
+                except queue.Empty:
+                    return None
+                if isinstance(item, BaseException):
+                    raise ProducerError(f"generation failed: {type(item).__name__}: {item}") from item
+                return None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no eval result within async.timeout_s={self.timeout:.0f} s")
+        return fut.result()

@@ -1,0 +1,128 @@
+"""The one on-disk format of a rollout batch: debug replay (``run.mode: rollout_only`` /
+``train_only``) and the untrained batches a checkpoint keeps for an exact resume.
+
+A :class:`~megatron_rlhf.trainer.rollout.RolloutBatch` is written as one gzipped JSON document
+``batch_<index:06d>.json.gz``: its dataclass fields by name (prompts, completions with their token
+ids, sampling logprobs and weight versions, rewards, pairs), never pickled objects, so a file
+outlives code changes that add fields with defaults and can be read by any tool. Non-finite floats
+are written as JSON's ``NaN``/``Infinity`` extensions (Python's ``json`` reads them back).
+
+Writes are atomic (temporary file + rename): a crash never leaves a half-written batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+__all__ = ["FORMAT_VERSION", "batch_to_dict", "batch_from_dict", "save_batch", "load_batch",
+           "batch_path", "list_batches"]
+
+FORMAT_VERSION = 1
+
+
+def _plain(obj: Any) -> Any:
+    """Dataclasses -> dicts, tuples -> lists, recursively (JSON-plain)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(x) for x in obj]
+    if isinstance(obj, dict):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    return obj
+
+
+def _tuples(obj: Any) -> Any:
+    """Lists -> tuples, recursively (the random module's state and frozen dataclass fields)."""
+    if isinstance(obj, list):
+        return tuple(_tuples(x) for x in obj)
+    return obj
+
+
+def _build(cls, data: dict):
+    """``cls(**data)`` keeping only the fields ``cls`` has (a file written by a newer version with
+    extra fields still loads; missing fields take their defaults)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def batch_to_dict(batch) -> dict:
+    """A ``RolloutBatch`` as a JSON-plain dict (``{"format": 1, "batch": {...}}``)."""
+    return {"format": FORMAT_VERSION, "batch": _plain(batch)}
+
+
+def batch_from_dict(doc: dict):
+    """Inverse of :func:`batch_to_dict`.
+
+    Raises:
+        ValueError: not a batch document, or a format version this code cannot read.
+    """
+    from megatron_rlhf.trainer.rollout import RolloutBatch
+    from megatron_rlhf.types import Completion, Prompt, Rollout, RolloutGroup
+
+    if not isinstance(doc, dict) or "batch" not in doc:
+        raise ValueError("not a rollout-batch document (no 'batch' field)")
+    if doc.get("format") != FORMAT_VERSION:
+        raise ValueError(f"rollout-batch format {doc.get('format')!r}; this code reads format {FORMAT_VERSION}")
+    b = dict(doc["batch"])
+
+    def prompt(d):
+        return _build(Prompt, {**d, "token_ids": tuple(d["token_ids"])})
+
+    def completion(d):
+        d = dict(d)
+        for k in ("token_ids", "logprobs"):
+            d[k] = tuple(d[k])
+        return _build(Completion, d)
+
+    groups = []
+    for g in b["groups"]:
+        rollouts = tuple(_build(Rollout, {**r, "prompt": prompt(r["prompt"]),
+                                          "completion": completion(r["completion"])})
+                         for r in g["rollouts"])
+        groups.append(_build(RolloutGroup, {
+            **g, "prompt": prompt(g["prompt"]), "rollouts": rollouts,
+            "pair": tuple(g["pair"]) if g.get("pair") is not None else None,
+            "loss_rewards": tuple(g["loss_rewards"]) if g.get("loss_rewards") is not None else None}))
+    b["groups"] = tuple(groups)
+    b["rng_state"] = _tuples(b.get("rng_state"))
+    return _build(RolloutBatch, b)
+
+
+def batch_path(folder: str | os.PathLike, index: int) -> Path:
+    """``<folder>/batch_<index:06d>.json.gz``."""
+    return Path(folder) / f"batch_{index:06d}.json.gz"
+
+
+def save_batch(batch, folder: str | os.PathLike) -> Path:
+    """Write ``batch`` to :func:`batch_path` ``(folder, batch.index)`` atomically; returns the path."""
+    path = batch_path(folder, batch.index)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with gzip.open(tmp, "wt", encoding="utf-8") as f:
+        json.dump(batch_to_dict(batch), f)
+    os.replace(tmp, path)
+    return path
+
+
+def load_batch(path: str | os.PathLike):
+    """Read a batch written by :func:`save_batch`.
+
+    Raises:
+        ValueError: the file is not a readable rollout batch (names the path).
+    """
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            return batch_from_dict(json.load(f))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a readable rollout batch ({type(e).__name__}: {e})") from e
+
+
+def list_batches(folder: str | os.PathLike) -> list[Path]:
+    """The batch files of ``folder`` in index order (empty when the folder does not exist)."""
+    folder = Path(folder)
+    return sorted(folder.glob("batch_*.json.gz")) if folder.is_dir() else []

@@ -1,0 +1,629 @@
+"""A run's setup and teardown: everything :func:`megatron_rlhf.trainer.loop.train` needs around its
+loop, in one object.
+
+:meth:`Run.open` resolves the model, runs the pre-flight checks (before any actor starts), loads
+the prompts, finds the checkpoint to resume from, starts Ray, the reward-model actors, the learner
+(group) and the generator engines, forms the weight transport, and builds the generator pool and
+the rollout producer. :meth:`Run.close` stops all of it (shared generator actors a test passed in
+are left running). The verbs the loop calls (:meth:`train_step`, :meth:`publish`,
+:meth:`save`, :meth:`finish`) keep the remote-call error handling in one place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import sys
+import threading
+import time
+from pathlib import Path
+
+from megatron_rlhf.config import Config, ConfigError, config_to_dict, save_config
+from megatron_rlhf.generator.pool import GeneratorPool
+from megatron_rlhf.generator.weight_sync import PublishedWeights, make_transport
+from megatron_rlhf.trainer.checkpoint import CheckpointManager
+from megatron_rlhf.trainer.metrics import MetricsLogger, summarize
+from megatron_rlhf.trainer.rollout import RolloutProducer, WeightChannel
+
+__all__ = ["Run", "RunResult", "LearnerDiedError", "resolve_model_dir"]
+
+
+class LearnerDiedError(RuntimeError):
+    """The learner actor died; the run stops (the last complete checkpoint is left intact)."""
+
+
+class RunResult(dict):
+    """Summary of a finished (or stopped) run: :func:`metrics.summarize` plus ``run_dir``,
+    ``stopped_early`` and ``resumed_from_step``."""
+
+
+class Run:
+    """The actors, data and state of one run (see the module docstring).
+
+    Attributes (the ones the loop reads):
+        cfg: the resolved config.
+        start_step / version: step and learner weight version the loop starts from (0 / 0, or the
+            resumed checkpoint's).
+        batches: the producer's output queue (``maxsize=1``: Cleanba's bounded hand-over).
+        learner: the learner actor (one rank) or ``LearnerGroup`` coordinator.
+        channel: the published-weights channel the producer waits on.
+        metrics: the ``metrics.jsonl`` logger.
+        pad_id: the tokenizer's pad id (learner batches).
+        too_long: prompts dropped for length at load time (a per-row metric).
+    """
+
+    def __init__(self, cfg: Config, say):
+        self.cfg, self.say, self.run_dir = cfg, say, cfg.run_dir
+        self.timeout = cfg.async_.timeout_s
+        self.learner = self.transport = self.channel = self.producer = self.thread = None
+        self.pool = self.metrics = self.reward = self.evals = None
+        self.rm_actors: dict = {}
+        self.generators: list = []
+        self.shared_generators: list = []
+        self.started_ray = False
+
+    @classmethod
+    def open(cls, cfg: Config, *, quiet: bool = False, generators: list | None = None) -> "Run | RunResult":
+        """Set the run up; a run folder that already holds the finished run returns its saved
+        :class:`RunResult` instead (nothing is started).
+
+        Raises:
+            ConfigError: a bad config or model folder, before any actor starts.
+            LearnerDiedError / TimeoutError: an actor failed while starting.
+        """
+        say = (lambda *a: None) if quiet else (lambda *a: print("[megatron-rlhf]", *a, flush=True))
+        run = cls(cfg, say)
+        done = run._prepare()
+        if done is not None:
+            return done
+        try:
+            run._start(generators)
+        except BaseException:
+            run.close()
+            raise
+        return run
+
+    def _prepare(self) -> "RunResult | None":
+        """Everything before any actor starts: model, pre-flight checks, data, plug-ins, folder."""
+        cfg, say, run_dir = self.cfg, self.say, self.run_dir
+        say(f"run folder {run_dir}")
+        self.model_dir = resolve_model_dir(cfg.model)
+        _preflight(cfg, self.model_dir)
+        try:
+            self.sampler, self.data_counts, self.pad_id, self.eval_by_task = _load_prompts(cfg, self.model_dir)
+        except (ValueError, FileNotFoundError) as e:   # names tasks[].data.*: a config problem
+            raise ConfigError(str(e)) from e
+        say(f"model {self.model_dir}; prompts per task: {json.dumps(self.data_counts)}")
+        self.too_long = sum(c.get("too_long", 0) for c in self.data_counts.values())
+        self.ckpts = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep_last)
+        done_before = _completed_run(cfg, self.ckpts, run_dir)
+        if done_before is not None:
+            say(f"run already complete at step {cfg.run.num_steps}: nothing to train (raise run.num_steps "
+                "to continue it, or pick another run.name for a new run)")
+            saved = run_dir / "config.yaml"
+            if saved.is_file() and _config_differs(cfg, saved):
+                say(f"note: this config differs from the one the run used ({saved}); it was not applied")
+            return done_before
+        self.plugins = _import_plugins(cfg)             # before any actor starts: a bad config stops here
+        self.reward_models = _resolve_reward_models(cfg)
+        for task, folder in self.reward_models.items():
+            say(f"task {task}: reward model {folder}{_rm_accuracy(folder)}")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
+        return None
+
+    def _start(self, generators: list | None) -> None:
+        """Start the actors, resume the learner from the latest checkpoint, hand the generators
+        the starting weights, and build the pool, the producer and the metrics logger."""
+        import ray
+
+        from megatron_rlhf.rewards import MathVerifyReward
+        from megatron_rlhf.rollout.pairs import select_pair
+
+        cfg, timeout = self.cfg, self.timeout
+        if any(t.kind == "math_verify" for t in cfg.tasks):
+            self.reward = MathVerifyReward(num_workers=1)
+        self.started_ray = _init_ray(cfg, extra_cpus=len(set(self.reward_models.values())))
+        self.shared_generators = list(generators or [])
+        self.rm_actors = _build_reward_models(cfg, self.reward_models)
+        reward_fns = _reward_fns(cfg, self.reward, self.rm_actors, self.plugins, timeout)
+        live = cfg.run.mode != "train_only"   # train_only replays saved batches: no vLLM engine
+        self.learner, self.generators = _build_actors(cfg, self.model_dir, self.shared_generators, live)
+        self.transport = make_transport(cfg.generators, self.run_dir)
+        self.probe = (_probe_tokens(self.sampler, cfg.generators.max_model_len)
+                      if cfg.generators.check_weight_sync else None)
+        self.start_step, self.version, rng_state, producer_state = 0, 0, None, None
+        latest = self.ckpts.latest() if cfg.checkpoint.resume else None
+        if latest is not None:
+            path, state = latest
+            self.version = self.call(self.learner.load_checkpoint.remote(str(path / "learner")),
+                                     f"loading checkpoint {path.name}")
+            self.start_step, rng_state = state["step"], state["rng_state"]
+            producer_state = state.get("producer_state")
+            try:
+                self.sampler.load_state_dict(state["sampler_state"])
+            except (ValueError, KeyError, TypeError) as e:
+                raise ConfigError(f"cannot resume from {path}: its data-sampler position does not fit "
+                                  f"this config's tasks ({e}); resume with the same tasks[] and run.seed, "
+                                  "or start a new run (another run.name)") from e
+            self.say(f"resuming from {path.name} (step {self.start_step}, weight version {self.version})")
+        ray.get([a.__ray_ready__.remote() for a in (self.learner, *self.generators, *self.rm_actors.values())],
+                timeout=timeout)
+        self.channel = WeightChannel(PublishedWeights(version=0))
+        self.batches = queue.Queue(maxsize=1)
+        if not live:
+            from megatron_rlhf.trainer.replay import ReplayProducer, check_replay_dir
+
+            try:
+                folder = check_replay_dir(cfg.run.replay, self.start_step, cfg.run.num_steps)
+            except ValueError as e:
+                raise ConfigError(str(e)) from e
+            self.say(f"train_only: replaying the saved batches of {folder} (no generator, no eval)")
+            self.producer = ReplayProducer(folder, self.batches, self.start_step, cfg.run.num_steps)
+            self.thread = threading.Thread(target=self.producer.run, name="rollout-replay", daemon=True)
+            self.metrics = MetricsLogger(self.run_dir, cfg.logging, config_to_dict(cfg))
+            return
+        if hasattr(self.transport, "setup"):   # nccl: form the broadcast group
+            self.transport.setup(self.learner, self.generators, timeout)
+        if self.version > 0:  # the generators start from the base weights: hand them the resumed ones
+            self.publish(self.version)
+        elif self.shared_generators:  # reused actors hold an earlier run's weights: reset to version 0
+            start = self.transport.publish(self.learner, 0, timeout, None)
+            ray.get([self.transport.push(g, start) for g in self.shared_generators], timeout=timeout)
+        self.pool = GeneratorPool(self.generators, transport=self.transport, generator_cfg=cfg.generators,
+                                  timeout_s=timeout, probe=self.probe,
+                                  log=lambda m: print(m, file=sys.stderr, flush=True))
+        self.evals = _eval_service(cfg, self.pool, self.eval_by_task, reward_fns)
+        bound = cfg.run.num_steps if cfg.run.mode == "rollout_only" else cfg.async_.staleness_bound
+        self.producer = RolloutProducer(   # rollout_only: never waits for weights (no training)
+            pool=self.pool, sampler=self.sampler, reward_fns=reward_fns,
+            pair_fn=select_pair, channel=self.channel, out_queue=self.batches, algorithm_cfg=cfg.algorithm,
+            generator_cfg=cfg.generators, staleness_bound=bound,
+            first_batch=self.start_step, num_batches=cfg.run.num_steps, min_version=self.version,
+            rng_state=rng_state, producer_state=producer_state, seed=cfg.run.seed, timeout_s=timeout,
+            evals=self.evals)
+        self.thread = threading.Thread(target=self.producer.run, name="rollout-producer", daemon=True)
+        self.metrics = MetricsLogger(self.run_dir, cfg.logging, config_to_dict(cfg))
+
+    # ----- the verbs of the loop -------------------------------------------------------------------
+    def call(self, ref, what: str):
+        """``ray.get`` of a learner call within ``async.timeout_s``; a dead learner raises
+        :class:`LearnerDiedError` naming the last complete checkpoint (see :func:`_learner_call`)."""
+        return _learner_call(ref, what, self.timeout, self.ckpts)
+
+    @property
+    def trains(self) -> bool:
+        """Whether steps update the policy (False in ``run.mode: rollout_only``)."""
+        return self.cfg.run.mode != "rollout_only"
+
+    def train_step(self, learner_batch, step: int) -> dict:
+        """One learner update on ``learner_batch`` (step ``step``, 1-based); returns its metrics
+        (``{"loss/total": None}`` in ``rollout_only``: nothing is trained)."""
+        if not self.trains:
+            return {"loss/total": None}
+        return self.call(self.learner.train_step.remote(learner_batch), f"train_step of step {step}")
+
+    def keep(self, batch) -> None:
+        """Save ``batch`` to ``<run>/rollouts/`` (``trainer.batch_io``) in ``rollout_only`` or with
+        ``run.save_rollouts``."""
+        if self.cfg.run.mode == "rollout_only" or (self.cfg.run.save_rollouts and self.cfg.run.mode == "train"):
+            from megatron_rlhf.trainer.batch_io import save_batch
+            from megatron_rlhf.trainer.replay import ROLLOUTS_DIR
+
+            save_batch(batch, self.run_dir / ROLLOUTS_DIR)
+
+    def publish(self, version: int, *, generation: bool = True, eval_step: int | None = None):
+        """Export the learner's weights of ``version`` through the transport and publish them to
+        the producer, which pushes them to the engines (``generation``); with ``eval_step`` first
+        queue their evaluation for the metrics row of that step (before the producer can see the
+        version, so the eval finds the engines at it). Returns the eval's ``Future`` or None."""
+        if self.cfg.run.mode != "train":   # debug modes: weights never change / no engine to push to
+            return self.evals.request(eval_step) if eval_step is not None and self.evals else None
+        weights = self.transport.publish(self.learner, version, self.timeout, self.probe)
+        fut = self.evals.request(eval_step, weights) if eval_step is not None and self.evals else None
+        if generation:
+            self.channel.publish(weights)
+        return fut
+
+    def end_evals(self, completed: bool) -> None:
+        """No more eval requests: the producer serves the queued ones and stops (``completed``), or
+        the unserved ones are dropped (a stopped run)."""
+        if self.evals is not None:
+            self.evals.close() if completed else self.evals.cancel_pending()
+
+    def save(self, step: int, version: int, batch) -> int:
+        """Write ``checkpoints/step_<step>`` (learner state + the producer state after ``batch``)."""
+        state = {"step": step, "weight_version": version, "sampler_state": batch.sampler_state,
+                 "rng_state": batch.rng_state, "producer_state": batch.producer_state, "time": time.time()}
+        self.ckpts.save(step, state, lambda tmp: self.call(
+            self.learner.save_checkpoint.remote(str(tmp / "learner")), f"checkpoint save of step {step}"))
+        return step
+
+    def finish(self, done: int, wall_s: float, stopped_early: bool) -> RunResult:
+        """Stop the producer, export ``hf_final`` (a completed run), write ``summary.json``."""
+        self.producer.stop_event.set()
+        self.channel.close()
+        _drain(self.batches)
+        self.thread.join(timeout=5)
+        self.metrics.close()
+        cfg, run_dir = self.cfg, self.run_dir
+        if not stopped_early and cfg.checkpoint.export_hf and self.trains and (done > self.start_step or not (
+                run_dir / "hf_final" / "config.json").is_file()):
+            _export_final(self, run_dir, self.model_dir)
+        result = RunResult(summarize(self.metrics.rows, wall_s))
+        result.update(run_dir=str(run_dir), stopped_early=stopped_early, resumed_from_step=self.start_step,
+                      data=self.data_counts, prompts_too_long=self.too_long,
+                      generator_restarts=self.pool.restarts if self.pool else 0,
+                      report=str(run_dir / "report.html"))
+        (run_dir / "summary.json").write_text(json.dumps(result, indent=1, default=str))
+        _report(run_dir, result)
+        return result
+
+    def close(self) -> None:
+        """Stop the producer thread, the math-verify pool, every actor this run started (not the
+        shared generators a caller passed in), the transport, and Ray if this run started it."""
+        import ray
+
+        if self.producer is not None:   # an error in the learner loop: stop the generation thread too
+            self.producer.stop_event.set()
+        if self.channel is not None:
+            self.channel.close()
+        if self.reward is not None:
+            self.reward.close()
+        for actor in (self.learner, *self.generators, *self.rm_actors.values()):
+            if actor is not None and actor not in self.shared_generators:
+                ray.kill(actor)
+        if self.transport is not None:
+            self.transport.close()
+        if self.started_ray:
+            ray.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# ----- helpers ----------------------------------------------------------------------------------
+
+def _learner_call(ref, what: str, timeout: float, ckpts: CheckpointManager):
+    """``ray.get`` of a learner call; a dead learner stops the run with a clear error.
+
+    Raises:
+        LearnerDiedError: the learner actor died (killed, OOM); names the last complete checkpoint.
+        ray.exceptions.GetTimeoutError: no answer within ``async.timeout_s``.
+    """
+    import ray
+    from ray.exceptions import RayActorError
+
+    try:
+        return ray.get(ref, timeout=timeout)
+    except RayActorError as e:
+        latest = ckpts.latest()
+        where = (f"the last complete checkpoint {latest[0]} is intact: rerun the same command to resume "
+                 "from it" if latest else "no checkpoint was written yet")
+        raise LearnerDiedError(f"the learner died during {what} ({type(e).__name__}); {where}") from e
+
+
+def _drain(batches: queue.Queue) -> None:
+    try:
+        while True:
+            batches.get_nowait()
+    except queue.Empty:
+        pass
+
+def resolve_model_dir(model_cfg) -> Path:
+    """The HF folder of the base model.
+
+    ``model.source`` is ``smollm2`` (converted from the registry package's GGUF and cached), an HF
+    folder, or a Megatron checkpoint (``tools/convert/hf_to_megatron.py`` output or a trainer
+    ``checkpoints/step_N``): the latter is exported once (exactly, tensor by tensor) to an HF folder
+    cached under ``model.cache_dir``, which both the learner and the vLLM generators start from.
+    """
+    if model_cfg.source == "smollm2":
+        from megatron_rlhf.convert.gguf import ensure_smollm2_hf
+
+        return Path(ensure_smollm2_hf(os.path.expanduser(model_cfg.cache_dir)))
+    src = Path(os.path.expanduser(model_cfg.source)).resolve()
+    if (src / "config.json").is_file() and any(src.glob("*.safetensors")):
+        return src
+    import hashlib
+
+    from megatron_rlhf.convert.pipeline import megatron_to_hf
+
+    key = hashlib.sha256(str(src).encode()).hexdigest()[:16]
+    out = Path(os.path.expanduser(model_cfg.cache_dir)) / "from_megatron" / f"{src.name}-{key}"
+    if not (out / "config.json").is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        print(f"[megatron-rlhf] exporting Megatron checkpoint {src} -> {out}", flush=True)
+        megatron_to_hf(src, out, progress=False)
+    return out
+
+
+def _init_ray(cfg: Config, extra_cpus: int = 0):
+    import ray
+
+    from megatron_rlhf.runtime import process_env
+
+    if ray.is_initialized():
+        return False
+    env = process_env()
+    address = os.environ.get("RAY_ADDRESS")
+    kw = dict(include_dashboard=False, log_to_driver=True, runtime_env={"env_vars": env},
+              logging_level="WARNING")
+    if address:
+        ray.init(address=address, **kw)
+    else:
+        lc = cfg.learner  # one CPU per generator engine and per learner rank
+        ranks = lc.tensor_parallel * lc.pipeline_parallel * lc.data_parallel
+        ray.init(num_cpus=max(2, cfg.generators.num_workers + ranks + extra_cpus), **kw)
+    return True
+
+
+def _actor_options(role: str, gpus: int) -> dict:
+    """Ray options of a learner rank or generator engine: one CPU; on GPU clusters ``gpus`` GPUs
+    and the role resource ``mrlhf_<role>`` that slurm/ray_cluster.sh declares on that role's
+    nodes (so learners and vLLM engines never share a GPU)."""
+    import ray
+
+    resources = ray.cluster_resources()
+    opts: dict = {"num_cpus": 1, "max_restarts": 0}
+    if resources.get("GPU", 0) > 0:
+        opts["num_gpus"] = gpus
+    if resources.get(f"mrlhf_{role}", 0) > 0:
+        opts["resources"] = {f"mrlhf_{role}": gpus}
+    return opts
+
+
+def _build_actors(cfg: Config, model_dir: Path, generators: list | None = None, with_generators: bool = True):
+    import ray
+
+    from megatron_rlhf.learner.actor import MegatronLearner
+
+    pin = cfg.generators.cpu_core
+    lc = cfg.learner
+    kw = dict(model_dir=str(model_dir), learner_cfg=lc, algorithm_cfg=cfg.algorithm,
+              dtype=cfg.model.dtype, seed=cfg.run.seed, total_steps=cfg.run.num_steps,
+              temperature=cfg.generators.temperature if cfg.algorithm.is_policy_gradient else 1.0,
+              cpu_core=pin + cfg.generators.num_workers if pin >= 0 else -1)
+    if lc.tensor_parallel * lc.pipeline_parallel * lc.data_parallel == 1:
+        learner = ray.remote(**_actor_options("learner", 1))(MegatronLearner).remote(**kw)
+    else:  # a coordinator actor (no CPU/GPU of its own) driving one actor per learner rank
+        from megatron_rlhf.learner.group import LearnerGroup
+
+        learner = ray.remote(num_cpus=0, max_restarts=0)(LearnerGroup).remote(
+            rank_actor_options=_actor_options("learner", 1), timeout_s=cfg.async_.timeout_s, **kw)
+    if not with_generators:
+        return learner, []
+    return learner, (list(generators) if generators else _build_generators(cfg, model_dir))
+
+
+def _build_generators(cfg: Config, model_dir: Path) -> list:
+    """``generators.num_workers`` VLLMGenerator actors: worker i has engine seed ``run.seed + i``
+    (distinct samples), is pinned to core ``cpu_core + i`` (CPU, unless -1) and is restarted by
+    Ray up to ``generators.max_restarts`` times when its process dies."""
+    import ray
+
+    from megatron_rlhf.generator.vllm_engine import VLLMGenerator
+
+    g = cfg.generators
+    opts = _actor_options("generator", g.tensor_parallel)
+    opts["max_restarts"] = g.max_restarts
+    gen_cls = ray.remote(**opts)(VLLMGenerator)
+    return [gen_cls.remote(model_dir=str(model_dir), generator_cfg=g, dtype=cfg.model.dtype,
+                           seed=cfg.run.seed + i, cpu_core=g.cpu_core + i if g.cpu_core >= 0 else -1)
+            for i in range(g.num_workers)]
+
+
+def _load_prompts(cfg: Config, model_dir: Path):
+    """Every task's prompts (math loaders or chat loaders by the task's reward kind) in one
+    ``MultiTaskSampler`` (per-task seeded samplers, quotas by ``tasks[].weight``), and with
+    ``eval.enabled`` every task's held-out prompts (taken out of training)."""
+    from transformers import AutoTokenizer
+
+    from megatron_rlhf.data import load_prompts_for_task
+    from megatron_rlhf.data.mix import MultiTaskSampler
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    max_prompt = cfg.generators.max_model_len - cfg.generators.max_new_tokens
+    by_task, counts = {}, {}
+    for task in cfg.tasks:
+        by_task[task.name], counts[task.name] = load_prompts_for_task(task, tok, max_prompt)
+        if not by_task[task.name]:
+            raise ValueError(f"tasks[{task.name}].data: no usable prompt ({counts[task.name]}); check "
+                             "path, prompt_field, filter and generators.max_model_len")
+    eval_by_task = {}
+    if cfg.eval.enabled:   # held-out prompts out of training (trainer.evaluate)
+        from dataclasses import replace
+
+        from megatron_rlhf.trainer.evaluate import split_eval_prompts
+
+        def load_eval(task):
+            return load_prompts_for_task(replace(task, data=task.eval_data), tok, max_prompt)[0]
+
+        by_task, eval_by_task, eval_counts = split_eval_prompts(cfg.tasks, by_task, cfg.eval, load_eval)
+        for name, c in eval_counts.items():
+            counts[name].update(c)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    sampler = MultiTaskSampler(by_task, {t.name: t.weight for t in cfg.tasks}, seed=cfg.run.seed)
+    return sampler, counts, pad_id, eval_by_task
+
+
+def _probe_tokens(sampler, max_model_len: int) -> list[int]:
+    """The weight-sync probe: the first task's first prompt's tokens (fixed for the run), cut to
+    the context."""
+    first = sampler.prompts(sampler.tasks[0])[0]
+    return list(first.token_ids[: max_model_len - 1])
+
+
+def _eval_service(cfg: Config, pool, eval_by_task: dict, reward_fns: dict):
+    """The ``EvalService`` of the run's held-out prompts (None with ``eval.enabled: false``)."""
+    if not cfg.eval.enabled:
+        return None
+    from megatron_rlhf.trainer.evaluate import EvalService, Evaluator
+
+    return EvalService(Evaluator(pool, eval_by_task, {t.name: t.kind for t in cfg.tasks}, reward_fns,
+                                 cfg.eval, cfg.generators.temperature))
+
+
+def _report(run_dir: Path, result: RunResult) -> None:
+    """Write ``<run>/report.html`` (``trainer.report``); a failure is reported, not raised (the
+    run itself is complete; ``tools/report.py`` can write it again)."""
+    from megatron_rlhf.trainer.report import write_report
+
+    try:
+        write_report(run_dir)
+    except Exception as e:  # noqa: BLE001 - plotting must not fail a finished run
+        result["report"] = None
+        print(f"[megatron-rlhf] WARNING could not write the run report ({type(e).__name__}: {e}); "
+              f"retry with: python tools/report.py {run_dir}", file=sys.stderr, flush=True)
+
+
+def _export_final(run: "Run", run_dir: Path, model_dir: Path) -> None:
+    """Write ``<run>/hf_final`` (replacing the export of an earlier, shorter run of this folder:
+    written to a temporary sibling first, so a crash never leaves no export)."""
+    import shutil
+
+    final, tmp = run_dir / "hf_final", run_dir / f".hf_final.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    run.call(run.learner.export_hf.remote(str(tmp), str(model_dir)), "the final HF export")
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+
+
+def _completed_run(cfg: Config, ckpts: CheckpointManager, run_dir: Path) -> RunResult | None:
+    """The saved summary when the run folder already holds a finished run of ``run.num_steps``
+    steps (final checkpoint, HF export if asked for, summary), so a re-run is a cheap no-op."""
+    latest = ckpts.latest() if cfg.checkpoint.resume else None
+    summary = run_dir / "summary.json"
+    if latest is None or latest[1]["step"] < cfg.run.num_steps or not summary.is_file():
+        return None
+    if cfg.checkpoint.export_hf and not (run_dir / "hf_final" / "config.json").is_file():
+        return None
+    result = RunResult(json.loads(summary.read_text()))
+    result["already_complete"] = True
+    return result
+
+
+def _preflight(cfg: Config, model_dir: Path) -> None:
+    """Checks that need the model or the machine, run before any actor starts.
+
+    Raises:
+        ConfigError: the model does not split over ``learner.tensor_parallel`` /
+            ``pipeline_parallel``, or ``generators.transport=nccl`` without a visible CUDA GPU.
+    """
+    import torch
+
+    from megatron_rlhf.learner.model import check_divisible, load_hf_config
+
+    try:
+        check_divisible(load_hf_config(model_dir), tensor_parallel=cfg.learner.tensor_parallel,
+                        pipeline_parallel=cfg.learner.pipeline_parallel)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    if cfg.generators.transport == "nccl" and not torch.cuda.is_available():
+        raise ConfigError("config key 'generators.transport' = 'nccl' needs CUDA GPUs on the learner and "
+                          "the generators (none is visible here); use 'object_store' or 'filesystem'")
+
+
+def _config_differs(cfg: Config, saved: Path) -> bool:
+    """Whether ``cfg`` differs from the config saved at ``saved`` (ignoring unreadable files)."""
+    from megatron_rlhf.config import load_config
+
+    try:
+        return config_to_dict(load_config(saved)) != config_to_dict(cfg)
+    except Exception:  # noqa: BLE001 - a note only
+        return False
+
+
+def _rm_accuracy(folder: Path) -> str:
+    """``"; held-out pairwise accuracy A +- se (n = N)"`` from the folder's ``rm_report.json``, or ``""``."""
+    try:
+        rep = json.loads((Path(folder) / "rm_report.json").read_text())
+        return f"; held-out pairwise accuracy {rep['accuracy']:.3f} +- {rep['se']:.3f} (n = {rep['n_eval']})"
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+
+
+def _resolve_reward_models(cfg: Config) -> dict[str, Path]:
+    """Task name -> reward-model folder for every ``reward: {reward_model: ...}`` task (the demo
+    name ``smollm2-demo`` is trained once and cached).
+
+    Raises:
+        ConfigError: a path that does not exist / is not a reward model, named by its task.
+    """
+    from megatron_rlhf.rewards import resolve_reward_model
+
+    out = {}
+    for task in cfg.tasks:
+        if task.kind == "reward_model":
+            try:
+                out[task.name] = resolve_reward_model(task.reward.reward_model,
+                                                      os.path.expanduser(cfg.model.cache_dir),
+                                                      key=f"tasks[{task.name}].reward.reward_model")
+            except (ValueError, FileNotFoundError) as e:
+                raise ConfigError(str(e)) from e
+    return out
+
+
+def _build_reward_models(cfg: Config, folders: dict[str, Path]) -> dict:
+    """One ``RewardModelWorker`` Ray actor per reward-model folder (tasks sharing a folder share
+    the actor): one CPU, and on GPU clusters one GPU of the generator nodes (the ``mrlhf_generator``
+    resource of slurm/ray_cluster.sh; the placement check counts it beside the vLLM engines)."""
+    import ray
+
+    from megatron_rlhf.rewards.server import RewardModelWorker
+
+    by_dir: dict[Path, object] = {}
+    out = {}
+    for task in cfg.tasks:
+        if task.name not in folders:
+            continue
+        d = folders[task.name]
+        if d not in by_dir:
+            opts = _actor_options("generator", 1)
+            by_dir[d] = ray.remote(**opts)(RewardModelWorker).remote(
+                model_dir=str(d), dtype=cfg.model.dtype, batch_size=task.reward.batch_size)
+        out[task.name] = by_dir[d]
+    return out
+
+
+def _import_plugins(cfg: Config) -> dict:
+    """Task name -> the imported ``module:function`` reward plug-in of every plug-in task.
+
+    Raises:
+        ConfigError: a plug-in that cannot be imported (named by its task).
+    """
+    import importlib
+
+    out = {}
+    for task in cfg.tasks:
+        if task.kind == "plugin":
+            mod, _, fn = task.reward.partition(":")
+            try:
+                out[task.name] = getattr(importlib.import_module(mod), fn)
+            except (ImportError, AttributeError) as e:
+                raise ConfigError(f"tasks[{task.name}].reward = {task.reward!r} cannot be imported: {e}") from e
+    return out
+
+
+def _reward_fns(cfg: Config, math_reward, rm_actors: dict, plugins: dict, timeout: float) -> dict:
+    """Task name -> ``(prompts, completions) -> rewards``: math-verify against the prompt's gold
+    answer (process pool), a reward-model actor scoring (prompt text, completion), or a
+    ``module:function`` plug-in called as ``fn(completions, answers)``."""
+    import ray
+
+    fns = {}
+    for task in cfg.tasks:
+        if task.kind == "math_verify":
+            fns[task.name] = lambda ps, texts, f=math_reward: f(texts, [p.answer for p in ps])
+        elif task.kind == "reward_model":
+            fns[task.name] = lambda ps, texts, a=rm_actors[task.name]: ray.get(
+                a.score.remote([p.text for p in ps], list(texts)), timeout=timeout)
+        else:
+            fns[task.name] = lambda ps, texts, f=plugins[task.name]: f(list(texts), [p.answer for p in ps])
+    return fns
+
