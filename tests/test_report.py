@@ -59,3 +59,19 @@ def test_report_cli_on_a_folder_without_metrics_says_so(tmp_path):
     out = subprocess.run([sys.executable, str(REPO / "tools" / "report.py"), str(tmp_path)],
                          capture_output=True, text=True)
     assert out.returncode == 2 and "metrics.jsonl" in out.stderr
+
+
+def test_wandb_run_resumes_as_the_same_run_after_a_requeue(tmp_path, monkeypatch):
+    """The wandb id lives in the run folder: a second logger (a resumed or requeued run) gets it."""
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    from megatron_rlhf.config import LoggingConfig
+    from megatron_rlhf.trainer.metrics import MetricsLogger
+
+    cfg = LoggingConfig(wandb=True, wandb_mode="offline")
+    first = MetricsLogger(tmp_path, cfg, {"run": {"name": "x"}})
+    run_id = first._wandb.id
+    first.close()
+    again = MetricsLogger(tmp_path, cfg, {"run": {"name": "x"}})
+    assert again._wandb.id == run_id == (tmp_path / "wandb_id").read_text().strip()
+    again.close()
