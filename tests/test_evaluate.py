@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import threading
 from pathlib import Path
 
@@ -212,8 +211,11 @@ def _cfg(model_dir, out_dir, name, *extra):
 @pytest.mark.integration
 @pytest.mark.timeout(900)
 def test_eval_rows_in_metrics_and_tool_agrees_with_loop(ray_cluster, tiny_llama_dir, tmp_path):
-    sys.path.insert(0, str(REPO / "tools"))
-    from evaluate import evaluate_folder
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mrlhf_tools_evaluate", REPO / "tools" / "evaluate.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)   # by path: a package named "evaluate" may be installed
 
     from megatron_rlhf.trainer.loop import train
     from megatron_rlhf.trainer.metrics import REQUIRED_KEYS
@@ -236,7 +238,7 @@ def test_eval_rows_in_metrics_and_tool_agrees_with_loop(ray_cluster, tiny_llama_
     page = Path(res["report"]).read_text()
     assert all(f'<img id="plot-{name}"' in page for name in PLOTS)
     # the tool on the exported final weights agrees with the in-loop eval of version 3
-    tool = evaluate_folder(Path(res["run_dir"]) / "hf_final", cfg, step=3)
+    scored = tool.evaluate_folder(Path(res["run_dir"]) / "hf_final", cfg, step=3)
     last = rows[-1]
     for key in ("eval/math/reward_mean", "eval/math/len_mean_tokens"):
-        assert abs(tool[key] - last[key]) <= max(last[key + "/se"], 1e-9), (key, tool[key], last[key])
+        assert abs(scored[key] - last[key]) <= max(last[key + "/se"], 1e-9), (key, scored[key], last[key])

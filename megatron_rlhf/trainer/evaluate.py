@@ -21,7 +21,9 @@ In the trainer the eval runs on the generator pool's own thread (the rollout pro
 the pool): the loop hands a published weight version to :class:`EvalService` *before* it
 publishes it for generation, and the producer serves pending evals at the top of each batch and
 right after its weight handshake, so the pool holds exactly that version (never a newer one)
-while evaluating. ``tools/evaluate.py`` runs the same :class:`Evaluator` on a pool of a fresh
+while evaluating. (With ``async.max_staleness >= 2`` the producer may run a batch ahead of the
+learner and its engines may already hold a newer version when the request arrives; the eval then
+scores that version and records it: ``eval/weight_version`` is always the version scored.) ``tools/evaluate.py`` runs the same :class:`Evaluator` on a pool of a fresh
 vLLM engine of any HF folder.
 
 Sources: pass@k and the mean of k samples as in Chen et al. 2021 ("Evaluating Large Language
