@@ -20,6 +20,7 @@ missing files.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -46,6 +47,11 @@ class ConfigError(ValueError):
 def _check(cond: bool, key: str, value: Any, allowed: str) -> None:
     if not cond:
         raise ConfigError(f"config key '{key}' = {value!r} is invalid: {allowed}")
+
+
+def _is_plain_folder_name(name: str) -> bool:
+    """A single path component that names a new folder inside its parent."""
+    return bool(name) and name not in (".", "..") and not any(c in name for c in "/\\\0")
 
 
 def _is_dotted_fn(name: str) -> bool:
@@ -77,8 +83,9 @@ class RunConfig:
     them reproduces this run's losses). ``rollout_only`` always saves."""
 
     def __post_init__(self):
-        _check(bool(self.name) and "/" not in self.name, "run.name", self.name,
-               "a non-empty folder name without '/'")
+        _check(_is_plain_folder_name(self.name), "run.name", self.name,
+               "a plain folder name (not empty, '.' or '..'; no '/', '\\' or NUL): the run is "
+               "written to <run.output_dir>/<run.name>")
         _check(self.num_steps >= 1, "run.num_steps", self.num_steps, "an integer >= 1")
         _check(self.mode in ("train", "rollout_only", "train_only"), "run.mode", self.mode,
                "one of train, rollout_only, train_only")
@@ -212,13 +219,28 @@ class GeneratorConfig:
     num_workers: int = 1
     """vLLM engines (Ray actors)."""
     tensor_parallel: int = 1
-    """GPUs per vLLM engine (vLLM ``tensor_parallel_size``); 1 on CPU."""
+    """Devices per vLLM engine (vLLM ``tensor_parallel_size``): GPUs on a GPU node (one engine
+    never spans nodes); on CPU, worker processes bound to one core each
+    (``VLLM_CPU_OMP_THREADS_BIND``, cores ``cpu_core + i*tensor_parallel + r``)."""
     gpu_memory_utilization: float = 0.9
-    """GPU only: share of each engine GPU vLLM may use (weights + activations + KV cache)."""
+    """GPU only: share of each engine GPU vLLM may use (weights + activations + KV cache); the KV
+    cache gets what is left (``megatron_rlhf.platform.engine_args.engine_fit``)."""
     max_num_seqs: int = 256
-    """vLLM ``max_num_seqs``: sequences an engine runs at once (sizes the KV cache estimate)."""
+    """vLLM ``max_num_seqs``: sequences an engine runs at once."""
     max_num_batched_tokens: int = 8192
-    """vLLM ``max_num_batched_tokens``: tokens per engine step (prefill chunk)."""
+    """vLLM ``max_num_batched_tokens``: tokens per engine step (prefill chunk); must be >=
+    ``max_model_len`` unless vLLM's chunked prefill splits prompts (it does, in vLLM V1)."""
+    enforce_eager: bool = False
+    """GPU only: ``true`` turns CUDA graphs off (vLLM ``enforce_eager``; slower decoding, faster
+    start, less memory). CPU engines always run eagerly (no CUDA graphs there)."""
+    enable_prefix_caching: bool = True
+    """vLLM ``enable_prefix_caching``: reuse the KV of shared prompt prefixes (the K samples of a
+    prompt). Reset after every weight push, so no KV of old weights is reused."""
+    distributed_executor_backend: str = "mp"
+    """How a ``tensor_parallel > 1`` engine runs its workers (vLLM ``distributed_executor_backend``):
+    ``mp`` (worker processes on the engine actor's node, inside its Ray bundle) or ``ray`` (vLLM
+    places Ray workers itself, into the engine's placement group; GPU only: vllm-cpu has no Ray
+    executor). Unused at ``tensor_parallel: 1`` (the engine runs in-process)."""
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 192
@@ -228,7 +250,9 @@ class GeneratorConfig:
     prompts_per_request: int = 8
     """Prompts sent to the engine per generate call (each sampled K times)."""
     kv_cache_gib: float = 0.25
-    """KV-cache size on CPU (vLLM needs it given explicitly there)."""
+    """CPU only: KV-cache size per engine worker (GiB; vLLM ``kv_cache_memory_bytes``, which CPU
+    engines need given explicitly). GPU engines size their KV cache from
+    ``gpu_memory_utilization`` instead. Must hold at least one ``max_model_len`` sequence."""
     transport: str = "object_store"
     """Weight-sync transport (``megatron_rlhf.generator.weight_sync``): ``object_store`` (HF-named
     buckets through Ray's object store; CPU and small models), ``filesystem`` (safetensors shards
@@ -268,8 +292,19 @@ class GeneratorConfig:
                self.max_num_batched_tokens, ">= 1")
         _check(self.prompts_per_request >= 1, "generators.prompts_per_request",
                self.prompts_per_request, "an integer >= 1")
+        _check(self.kv_cache_gib > 0, "generators.kv_cache_gib", self.kv_cache_gib, "a number of GiB > 0")
+        _check(self.distributed_executor_backend in ("mp", "ray"), "generators.distributed_executor_backend",
+               self.distributed_executor_backend, "mp or ray")
         _check(self.transport in ("object_store", "filesystem", "nccl"), "generators.transport",
                self.transport, "one of: object_store, filesystem, nccl")
+        if self.tensor_parallel > 1 and self.distributed_executor_backend == "ray":
+            # a TP engine's workers take only file paths (VLLMGenerator._reload_in_workers): object-
+            # store buckets are spooled on the engine actor's node, which Ray workers may not share
+            _check(self.transport != "object_store", "generators.transport", self.transport,
+                   "not object_store when generators.tensor_parallel > 1 and "
+                   "generators.distributed_executor_backend=ray (the buckets are spooled to files on "
+                   "the engine actor's node; vLLM's Ray workers may run elsewhere): set "
+                   "generators.distributed_executor_backend=mp or generators.transport=filesystem")
         _check(self.check_weight_sync_tol > 0, "generators.check_weight_sync_tol",
                self.check_weight_sync_tol, "a number > 0 (nats)")
         _check(self.max_restarts >= 0, "generators.max_restarts", self.max_restarts, "an integer >= 0")
@@ -301,6 +336,10 @@ class OptimizerConfig:
                self.lr_decay, "one of constant, linear, cosine")
 
 
+RECOMPUTE_MODULES = ("core_attn", "mlp")
+"""``learner.recompute_modules`` choices: megatron's selective-recompute modules of a dense model."""
+
+
 @dataclass(kw_only=True)
 class LearnerConfig:
     """The Megatron learner group (policy + frozen reference + optimizer)."""
@@ -311,19 +350,47 @@ class LearnerConfig:
     micro_batch_size: int = 2
     """Sequences per forward/backward (a DPO pair is 2 sequences)."""
     distributed_optimizer: bool = False
-    """Shard fp32 master weights and Adam state over DP ranks (megatron-core DistributedOptimizer)."""
+    """Shard fp32 master weights and Adam state over DP ranks (megatron-core DistributedOptimizer);
+    checkpoints save the sharded state with dist_checkpointing and resume at another
+    data_parallel (same tensor_parallel and pipeline_parallel)."""
     sequence_parallel: bool = True
     """Megatron sequence parallelism when tensor_parallel > 1."""
     recompute: str = "none"
-    """Activation recomputation: ``none`` or ``full`` (every layer, uniform)."""
+    """Activation recomputation (megatron ``recompute_granularity``): ``none``, ``full`` (every
+    layer recomputed from its input, uniform) or ``selective`` (only ``recompute_modules``)."""
+    recompute_modules: list[str] = field(default_factory=lambda: ["core_attn"])
+    """With ``recompute: selective``: the layer parts recomputed in backward (megatron
+    ``recompute_modules``, dense models): ``core_attn`` (attention scores/softmax; refused with TE's
+    fused attention, which keeps no score matrix) and ``mlp`` (the whole SwiGLU MLP). Megatron's
+    ``layernorm`` is not offered: with the TE spec the norms are fused into the next linear, and
+    without TE megatron-core 0.16-0.19's ``CheckpointWithoutOutput`` takes its fp8 branch and
+    fails. Default megatron's ``["core_attn"]``."""
+    max_tokens_per_microbatch: int = 0
+    """Token budget of a micro-batch (0 = off: ``micro_batch_size`` sequences each). When set,
+    sequences sorted by length are packed into micro-batches of at most this many tokens
+    (rows x padded length; pairs and groups kept whole where the loss needs them, a unit longer
+    than the budget gets a micro-batch of its own); ``micro_batch_size`` then only caps the rows."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     ref_sync_interval: int = 0
     """Copy policy -> reference every r learner batches (0 = never; Lanchantin et al. 2025)."""
+    max_skipped_steps: int = 3
+    """A step whose loss or gradient is not finite on any rank is skipped by every rank (no
+    optimizer step; counted as ``train/skipped_nonfinite``); the run stops with an error after
+    this many skipped steps in a row."""
 
     def __post_init__(self):
+        _check(self.max_skipped_steps >= 1, "learner.max_skipped_steps", self.max_skipped_steps,
+               "an integer >= 1")
         for k in ("tensor_parallel", "pipeline_parallel", "data_parallel", "micro_batch_size"):
             _check(getattr(self, k) >= 1, f"learner.{k}", getattr(self, k), "an integer >= 1")
-        _check(self.recompute in ("none", "full"), "learner.recompute", self.recompute, "none or full")
+        _check(self.recompute in ("none", "full", "selective"), "learner.recompute", self.recompute,
+               "none, full or selective")
+        bad = sorted(set(self.recompute_modules) - set(RECOMPUTE_MODULES))
+        _check(not bad and (self.recompute_modules or self.recompute != "selective"),
+               "learner.recompute_modules", self.recompute_modules,
+               f"a non-empty subset of {list(RECOMPUTE_MODULES)} (megatron's dense-model choices)")
+        _check(self.max_tokens_per_microbatch >= 0, "learner.max_tokens_per_microbatch",
+               self.max_tokens_per_microbatch, "0 (off) or a token budget >= 1")
         _check(self.ref_sync_interval >= 0, "learner.ref_sync_interval", self.ref_sync_interval, ">= 0")
 
 
@@ -374,8 +441,9 @@ class AlgorithmConfig:
     """KL to the reference: grpo adds ``kl_beta * k3`` to the loss; ppo/rloo/proximal_rloo put
     ``-kl_beta * (log pi_old - log pi_ref)`` into the reward (Ouyang et al. 2022 eq. 2)."""
     tis_cap: float | None = 2.0
-    """Truncated importance sampling cap of ``pi_old / pi_generator`` per token (policy-gradient
-    losses); None disables."""
+    """Truncated importance sampling cap of ``pi_old / pi_generator`` per token (grpo, ppo,
+    proximal_rloo; plain rloo, which has no pi_old, weights by ``pi_theta / pi_generator``); it
+    corrects stale (asynchronous) samples and vLLM's numerics. None disables."""
     loss_agg: str | None = None
     """``sequence_sum`` (no length normalisation), ``sequence_token_mean`` or ``token_mean``;
     None: the loss's default (grpo/rloo: sequence_sum, ppo/best_of_k_sft: token_mean)."""
@@ -407,6 +475,11 @@ class AlgorithmConfig:
     without waiting on the slow task); false: by remaining need only. Quotas are exact either way."""
     skip_uniform_groups: bool = True
     """Skip prompts whose K rewards are all equal (no learning signal for group-relative losses)."""
+    invalid_rewards: str = "error"
+    """A reward that is not a finite number (NaN, inf, None, a string), or a reward function that
+    returns the wrong number of rewards: ``error`` stops the run at once naming the task, the reward
+    function and the first bad value; ``skip`` skips every prompt with such a completion (its group
+    never trains) and counts them (``reward/invalid_completions``, ``reward/invalid_prompts``)."""
 
     def __post_init__(self):
         _check(self.loss in LOSS_NAMES, "algorithm.loss", self.loss, "one of: " + ", ".join(LOSS_NAMES))
@@ -420,8 +493,11 @@ class AlgorithmConfig:
         _check(self.samples_per_prompt >= 2, "algorithm.samples_per_prompt",
                self.samples_per_prompt, "an integer >= 2 (a pair or a group baseline needs two completions)")
         _check(self.prompts_per_step >= 1, "algorithm.prompts_per_step", self.prompts_per_step, ">= 1")
-        _check(self.max_prompts_per_step >= 1, "algorithm.max_prompts_per_step",
-               self.max_prompts_per_step, ">= 1")
+        _check(self.max_prompts_per_step >= self.prompts_per_step, "algorithm.max_prompts_per_step",
+               self.max_prompts_per_step, f">= algorithm.prompts_per_step ({self.prompts_per_step}): "
+               "it bounds the prompts drawn to fill one step")
+        _check(self.invalid_rewards in ("error", "skip"), "algorithm.invalid_rewards",
+               self.invalid_rewards, "error or skip")
         _check(self.updates_per_batch >= 1, "algorithm.updates_per_batch", self.updates_per_batch, "an integer >= 1")
         for key in ("nll_coef", "group_dpo_alpha", "kl_beta", "entropy_coef", "value_coef"):
             _check(getattr(self, key) >= 0, f"algorithm.{key}", getattr(self, key), "a number >= 0")
@@ -512,8 +588,14 @@ class LoggingConfig:
     """``offline`` works without a network; ``online`` on clusters."""
     progress: bool = True
     """Show a tqdm progress bar with live reward and staleness."""
+    warn_token_mult_prob_error: float = 1.05
+    """Log a warning for a step whose ``logprobs/token_mult_prob_error`` (mean over completion
+    tokens of exp(|learner - generator| logprob), same weights and temperature) exceeds this;
+    NeMo-RL's recipe tests treat > 1.05 as a train/inference mismatch."""
 
     def __post_init__(self):
+        _check(self.warn_token_mult_prob_error >= 1, "logging.warn_token_mult_prob_error",
+               self.warn_token_mult_prob_error, "a number >= 1 (exp of a non-negative gap)")
         _check(self.wandb_mode in ("offline", "online", "disabled"), "logging.wandb_mode",
                self.wandb_mode, "one of offline, online, disabled")
 
@@ -750,6 +832,8 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"config key '{key}' = {value!r} must be a number")
+        if not math.isfinite(float(value)):
+            raise ConfigError(f"config key '{key}' = {value!r} must be a finite number")
         return float(value)
     if tp is str:
         if not isinstance(value, str):

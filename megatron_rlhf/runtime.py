@@ -25,7 +25,8 @@ def process_env(tmp_dir: str | None = None) -> dict[str, str]:
         "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
         "RAY_USAGE_STATS_ENABLED": "0",
         "RAY_DEDUP_LOGS": "0",
-        "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+        # loopback unless a job named the interface (ray_cluster.sh from placement.network_interface)
+        "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME") or os.environ.get("MRLHF_NET_IFNAME") or "lo",
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"),
@@ -37,6 +38,8 @@ def process_env(tmp_dir: str | None = None) -> dict[str, str]:
         "PYTHONWARNINGS": os.environ.get(
             "PYTHONWARNINGS", "ignore::DeprecationWarning,ignore::FutureWarning,ignore::UserWarning"),
     }
+    if os.environ.get("MRLHF_DIST_TIMEOUT_S"):   # collective timeout of every learner process group
+        env["MRLHF_DIST_TIMEOUT_S"] = os.environ["MRLHF_DIST_TIMEOUT_S"]
     if tmp_dir:
         env.update({"TMPDIR": tmp_dir, "VLLM_RPC_BASE_PATH": tmp_dir,
                     "VLLM_CACHE_ROOT": os.path.join(tmp_dir, "vllm_cache")})

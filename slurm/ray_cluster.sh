@@ -46,7 +46,8 @@
 #   MRLHF_RAY_START_ARGS      extra `ray start` arguments for every node, word-split
 #   MRLHF_RAY_JOIN_TIMEOUT_S  seconds to wait for all nodes to join (default 300)
 #   MRLHF_NET_IFNAME          network interface for NCCL and gloo bootstrap (NCCL_SOCKET_IFNAME,
-#                             GLOO_SOCKET_IFNAME); unset = NCCL's own choice
+#                             GLOO_SOCKET_IFNAME); "auto" = the one holding this node's address;
+#                             unset = NCCL's own choice and gloo on loopback (one node only)
 #   MRLHF_DIST_TIMEOUT_S      torch.distributed collective timeout the learner should use (default 1800)
 #   MRLHF_SELF_REQUEUE        1 (default): requeue this job after a SIGTERM-triggered checkpoint
 # NCCL defaults exported unless already set (NCCL docs, "Environment Variables"; PyTorch
@@ -82,6 +83,16 @@ exec > >(tee -a "$LOG_DIR/driver-$JOB.log") 2>&1
 echo "=== $(date -Is) job $JOB restart $RESTARTS on $(hostname -s): config $CONFIG ${OVERRIDES[*]}"
 
 # 2. Network / NCCL environment (inherited by srun steps, hence by every Ray worker) --------
+if [ "${MRLHF_NET_IFNAME:-}" = auto ]; then  # placement.network_interface: auto -> this node's address
+  NODE_IP=$(hostname -I | awk '{print $1}')
+  MRLHF_NET_IFNAME=$(ip -4 -o addr show | awk -v ip="$NODE_IP" '{split($4, a, "/"); if (a[1] == ip) print $2}' | head -1)
+  if [ -z "$MRLHF_NET_IFNAME" ]; then
+    echo "ray_cluster.sh: placement.network_interface=auto found no interface holding $NODE_IP; set it by name" >&2
+    exit 2
+  fi
+  export MRLHF_NET_IFNAME
+  echo "network interface (auto): $MRLHF_NET_IFNAME ($NODE_IP)"
+fi
 if [ -n "${MRLHF_NET_IFNAME:-}" ]; then
   export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$MRLHF_NET_IFNAME}
   export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$MRLHF_NET_IFNAME}

@@ -13,3 +13,13 @@ def has_digit(completions: list[str], answers: list[str]) -> list[float]:
 def char_parity(completions: list[str], answers: list[str]) -> list[float]:
     """1.0 when the completion has an even number of characters, else 0.0 (binary, ~50/50)."""
     return [float(len(c) % 2 == 0) for c in completions]
+
+
+def nan_for_odd_lengths(completions: list[str], answers: list[str]) -> list[float]:
+    """NaN for completions of odd length, else 1.0: a broken reward (issue 16, failure 1)."""
+    return [float("nan") if len(c) % 2 else 1.0 for c in completions]
+
+
+def huge_parity(completions: list[str], answers: list[str]) -> list[float]:
+    """1e300 or 0.0 by character parity: finite in Python, inf in the learner's float32."""
+    return [1e300 if len(c) % 2 == 0 else 0.0 for c in completions]

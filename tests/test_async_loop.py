@@ -71,7 +71,7 @@ def test_stopped_run_resumes_at_next_step(ray_cluster, tiny_llama_dir, tmp_path)
     state = json.loads((Path(first["run_dir"]) / "checkpoints" / "step_2" / "trainer_state.json").read_text())
     assert state["step"] == 2 and state["weight_version"] == 2
     second = train(_cfg(tiny_llama_dir, tmp_path, "resume", "run.num_steps=3"), quiet=True)
-    assert second["resumed_from_step"] == 2 and second["first_step"] == 3
+    assert second["resumed_from_step"] == 2 and second["first_step"] == 1   # the summary covers the whole run
     rows = _rows(second["run_dir"])
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[-1]["weight_version"] == 3
@@ -84,7 +84,7 @@ def test_stopped_run_resumes_at_next_step(ray_cluster, tiny_llama_dir, tmp_path)
     # continuing a finished run: one more step, and its HF export replaces the old one
     old_export = (Path(second["run_dir"]) / "hf_final" / "model.safetensors").stat().st_mtime_ns
     more = train(_cfg(tiny_llama_dir, tmp_path, "resume", "run.num_steps=4"), quiet=True)
-    assert more["first_step"] == 4 and more["last_step"] == 4
+    assert more["steps"] == 4 and more["last_step"] == 4 and more["resumed_from_step"] == 3
     assert (Path(more["run_dir"]) / "hf_final" / "model.safetensors").stat().st_mtime_ns != old_export
 
 

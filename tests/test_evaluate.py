@@ -30,6 +30,7 @@ def test_mean_se_matches_hand_computed_values():
     assert mean_se([3.0]) == (3.0, 0.0)
     m, se = mean_se([])
     assert math.isnan(m) and math.isnan(se)
+    assert mean_se([1e300, -1e300])[1] == math.inf           # overflow is inf, not an error
 
 
 def _prompts(task, n, dup_every=0):

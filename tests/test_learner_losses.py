@@ -7,6 +7,7 @@ and GRPO in a TP = 2 or DP = 2 group equals one process.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -275,6 +276,11 @@ def test_grpo_with_entropy_and_temperature_in_a_group_equals_one_process(tp, dp,
         try:
             m2 = group.train_step(batch)
             w2 = {k: v for ref in group.export_weights() for k, v in ray.get(ref).items()}
+            # one group's rewards overflow float32 (non-finite loss on one rank): every rank skips
+            huge = list(_groups(_vocab(tiny_llama_dir)))
+            huge[0] = dataclasses.replace(huge[0], loss_rewards=(1e300, 0.0, 1.0))
+            m3 = group.train_step(LearnerBatch.from_groups(huge, "group", pad_id=1, pad_to_multiple=4))
+            w3 = {k: v for ref in group.export_weights() for k, v in ray.get(ref).items()}
         finally:
             group.close()
     finally:
@@ -283,3 +289,4 @@ def test_grpo_with_entropy_and_temperature_in_a_group_equals_one_process(tp, dp,
                 "logprobs/vllm_gap_abs_mean"):
         assert m2[key] == pytest.approx(m1[key], abs=1e-5), key
     assert set(w1) == set(w2) and max((w1[k] - w2[k]).abs().max().item() for k in w1) < 1e-5
+    assert m3["train/skipped_nonfinite"] == 1.0 and all(torch.equal(w2[k], w3[k]) for k in w2)

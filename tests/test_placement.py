@@ -17,7 +17,7 @@ from megatron_rlhf.placement import PlacementConfig, check_layout
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = {  # checked-in script -> (recipe, job name)
     "online-dpo-llama3.1-8b-2n8g.sbatch": "online-dpo-llama3.1-8b-2n8g.yaml",
-    "online-dpo-llama3.1-70b-8n8g-tp8pp4.sbatch": "online-dpo-llama3.1-70b-8n8g-tp8pp4.yaml",
+    "online-dpo-llama3.1-70b-8n8g-tp8pp2.sbatch": "online-dpo-llama3.1-70b-8n8g-tp8pp2.yaml",
     "online-dpo-qwen2.5-7b-math-chat-2n8g.sbatch": "online-dpo-qwen2.5-7b-math-chat-2n8g.yaml",
     "cpu-ci-1n0g.sbatch": "ci_slurm.yaml",
 }
@@ -57,7 +57,7 @@ def test_placement_rejects_shared_gpu_nodes_bad_time_and_reserved_sbatch_flags()
 
 @pytest.mark.timeout(30)
 def test_check_layout_wants_learner_ranks_equal_learner_gpus_and_engines_within_generator_gpus():
-    p = PlacementConfig(learner_nodes=1, generator_nodes=1, gpus_per_node=8)
+    p = PlacementConfig(learner_nodes=1, generator_nodes=1, gpus_per_node=8, network_interface="ib0")
     check_layout(p, learner_world_size=8, learner_tensor_parallel=2, num_engines=8, engine_tensor_parallel=1)
     with pytest.raises(ConfigError, match="equal to the learner GPUs"):
         check_layout(p, learner_world_size=4, learner_tensor_parallel=2, num_engines=8, engine_tensor_parallel=1)

@@ -107,3 +107,47 @@ def test_cli_exits_2_when_the_layout_exceeds_the_gpu_and_0_when_it_fits(capsys):
     assert pm.main(["--model", "llama3.1-70b", "--tp", "8", "--seq-len", "2048", "--only", "learner"]) == 2
     assert "EXCEEDS" in capsys.readouterr().out
     assert pm.main(["--model", "no-such-model"]) == 1
+
+
+@pytest.mark.timeout(30)
+def test_selective_recompute_of_the_mlp_drops_its_6f_term_and_core_attn_alone_saves_nothing():
+    shape = pm.PRESETS["llama3.1-8b"]
+    mlp = pm.learner_memory(shape, pm.LearnerLayout(tp=2, dp=4, micro_batch=2, recompute="selective",
+                                                    recompute_modules=("core_attn", "mlp")))
+    assert mlp["activations"] == pytest.approx(32 * 2048 * 2 // 2 * (8 * 4096 + 4 * 4096 + 4 * 1024))
+    attn = pm.learner_memory(shape, pm.LearnerLayout(tp=2, dp=4, micro_batch=2, recompute="selective"))
+    assert attn["activations"] == pytest.approx(32 * A_LAYER)   # flash attention keeps no s*s scores
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("recipe", ["online-dpo-llama3.1-8b-2n8g", "online-dpo-qwen2.5-7b-math-chat-2n8g",
+                                    "online-dpo-llama3.1-70b-8n8g-tp8pp2"])
+def test_recipe_header_totals_are_what_plan_memory_gives_for_the_recipe_layout(recipe):
+    """The 'Expected per-GPU memory' block of each cluster recipe equals plan_memory's estimate of
+    the layout the recipe sets (model shape from the preset its header names)."""
+    import re
+
+    from megatron_rlhf.config import load_config
+
+    path = REPO / "configs" / f"{recipe}.yaml"
+    text = path.read_text()
+    preset = re.search(r"plan_memory\.py --model (\S+)", text).group(1)
+    want = float(re.search(r"total\s+([\d.]+) of 80 GiB", text).group(1))
+    cfg = load_config(path, ["model.source=smollm2"])   # the real folder is not on this machine
+    lay, gen, mem = _layouts(cfg)
+    got = pm.plan(pm.PRESETS[preset], lay, gen, gpu_mem_gib=mem)
+    assert cfg.learner.distributed_optimizer
+    assert got["learner"]["total"] == pytest.approx(want, abs=0.006) and got["fits"]
+
+
+def _layouts(cfg):
+    """``layouts_from_config`` without reading the model folder."""
+    ln, gn = cfg.learner, cfg.generators
+    lay = pm.LearnerLayout(tp=ln.tensor_parallel, pp=ln.pipeline_parallel, dp=ln.data_parallel,
+                           micro_batch=ln.micro_batch_size, seq_len=gn.max_model_len,
+                           distributed_optimizer=ln.distributed_optimizer, sequence_parallel=ln.sequence_parallel,
+                           recompute=ln.recompute, recompute_modules=tuple(ln.recompute_modules))
+    gen = pm.GeneratorLayout(tp=gn.tensor_parallel, max_model_len=gn.max_model_len, concurrent_seqs=gn.max_num_seqs,
+                             max_batched_tokens=gn.max_num_batched_tokens,
+                             gpu_memory_utilization=gn.gpu_memory_utilization)
+    return lay, gen, cfg.placement.gpu_memory_gib

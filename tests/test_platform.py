@@ -69,6 +69,52 @@ def test_without_function_mode_only_current_device_and_synchronize_are_patched(c
 
 
 @pytest.mark.timeout(30)
+def test_cuda_rng_state_is_an_empty_placeholder_and_megatron_checkpoint_restores_the_cpu_generator(cpu_mod):
+    from megatron.core.tensor_parallel.random import _set_cuda_rng_state, checkpoint
+
+    cpu_mod.uninstall()
+    with pytest.raises((AssertionError, RuntimeError)):
+        torch.cuda.get_rng_state()
+    cpu_mod.install(function_mode=False)
+    assert torch.cuda.get_rng_state().numel() == 0 and torch.cuda.random.get_rng_state().numel() == 0
+    _set_cuda_rng_state(torch.cuda.get_rng_state())   # megatron's restore: queued, never run on CPU
+    # activation checkpointing with dropout: backward recomputes the same mask (CPU generator)
+    x = torch.randn(64, requires_grad=True)
+    fn = lambda t: torch.nn.functional.dropout(t, 0.5, training=True) * 3   # noqa: E731
+    torch.manual_seed(1)
+    checkpoint(fn, False, x).sum().backward()
+    torch.manual_seed(1)
+    x2 = x.detach().clone().requires_grad_(True)
+    fn(x2).sum().backward()
+    assert torch.equal(x.grad, x2.grad) and (x.grad == 0).any()
+    cpu_mod.uninstall()
+    with pytest.raises((AssertionError, RuntimeError)):
+        torch.cuda.get_rng_state()
+
+
+@pytest.mark.timeout(30)
+def test_recompute_overrides_per_platform():
+    from megatron_rlhf.platform import Platform
+
+    cpu = get_platform("cpu")
+    assert cpu.recompute_overrides("none", ["core_attn"]) == {}
+    assert cpu.recompute_overrides("selective", ["core_attn", "mlp"]) == {
+        "recompute_granularity": "selective", "recompute_modules": ["core_attn", "mlp"]}
+    assert cpu.recompute_overrides("full", [])["recompute_granularity"] == "full"
+    with pytest.raises(ValueError, match="none, full or selective"):
+        cpu.recompute_overrides("block", [])
+    gpu = Platform(device="cuda", dist_backend="nccl")   # only the TE check runs; no CUDA call
+    from megatron_rlhf.platform import gpu as gpu_mod
+
+    if gpu_mod.have_transformer_engine():
+        with pytest.raises(ValueError, match="core_attn"):
+            gpu.recompute_overrides("selective", ["core_attn"])
+    else:
+        assert gpu.recompute_overrides("selective", ["core_attn"])["recompute_modules"] == ["core_attn"]
+    assert gpu.recompute_overrides("selective", ["mlp"])["recompute_modules"] == ["mlp"]
+
+
+@pytest.mark.timeout(30)
 def test_current_device_is_cpu_and_synchronize_is_noop(cpu_mod):
     cpu_mod.install()
     assert torch.cuda.current_device() == torch.device("cpu")

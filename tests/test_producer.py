@@ -207,7 +207,7 @@ def test_resume_continues_with_the_same_prompts_and_pairs(scorers):
 
 
 def test_unreachable_quota_fails_with_a_clear_error(scorers):
-    prod, out = _producer(scorers, num_batches=1, max_prompts_per_step=2, weights=(1.0, 0.0001))
+    prod, out = _producer(scorers, num_batches=1, max_prompts_per_step=8, weights=(1.0, 0.0001))
     t = threading.Thread(target=prod.run, daemon=True)
     t.start()
     item = out.get(timeout=120)

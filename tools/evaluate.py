@@ -42,6 +42,7 @@ def evaluate_folder(model_dir: str | Path, cfg, *, step: int | None = None) -> d
     from megatron_rlhf.generator.weight_sync import ObjectStoreTransport
     from megatron_rlhf.rewards import MathVerifyReward
     from megatron_rlhf.trainer import run as setup
+    from megatron_rlhf.trainer.preflight import import_plugins
     from megatron_rlhf.trainer.evaluate import Evaluator
 
     model_dir = Path(model_dir).resolve()
@@ -53,7 +54,7 @@ def evaluate_folder(model_dir: str | Path, cfg, *, step: int | None = None) -> d
         _, _, _, eval_by_task = setup._load_prompts(cfg, model_dir)
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e)) from e
-    plugins = setup._import_plugins(cfg)
+    plugins = import_plugins(cfg)
     folders = setup._resolve_reward_models(cfg)
     math = MathVerifyReward(num_workers=1) if any(t.kind == "math_verify" for t in cfg.tasks) else None
     started = setup._init_ray(cfg, extra_cpus=len(set(folders.values())))

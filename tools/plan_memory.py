@@ -48,7 +48,10 @@ score matrix)::
 
 Without sequence parallelism the 8h term is not divided by t. With full recomputation
 (``--recompute full``) a layer keeps only its input, ``2*s*b*h/t``, and one layer's A_layer is
-live while it is recomputed. Under the 1F1B pipeline schedule stage i keeps the activations of
+live while it is recomputed. Selective recomputation (``--recompute selective``, megatron
+``recompute_modules``): ``mlp`` drops the 6f term (the MLP keeps only its input, already in 8h);
+``core_attn`` saves nothing here, since flash attention keeps no s*s score matrix (its inputs
+and output stay for the projections around it). Under the 1F1B pipeline schedule stage i keeps the activations of
 ``p - i`` micro-batches in flight (Narayanan et al. 2021, sec. 2.2), so stage 0 holds p of them.
 The last stage also holds the logits for the log-probabilities: bf16 logits plus their fp32 copy
 for the (vocab-parallel) log-softmax, ``6*s*b*V/t``. The reference forward runs without grad
@@ -63,6 +66,12 @@ Generator GPU (one vLLM engine spans g GPUs; everything sharded by g)::
                        (peak of one layer's QKV, fc1 output and residual for T =
                        max_num_batched_tokens tokens, plus fp32 sampler logits)
 
+The per-token KV and activation formulas, the KV cache vLLM gets (``gpu_memory_utilization x GPU
+- weights - activations - overhead``) and the start-up verdict (the KV cache must hold one
+``max_model_len`` sequence) are ``megatron_rlhf.platform.engine_args`` (``engine_fit``): the same
+numbers the trainer's pre-flight check refuses a recipe with. With ``--config`` the generator layout
+is read from the engine arguments the run would pass to vLLM (``engine_kwargs``).
+
 Both GPU kinds also pay ``--overhead-gib`` (CUDA context, NCCL buffers, allocator fragmentation,
 CUDA graphs; default 3 GiB). These are estimates: a real run adds allocator slack; leave 5-10%.
 """
@@ -75,6 +84,12 @@ import math
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+_REPO = str(Path(__file__).resolve().parents[1])
+if _REPO not in sys.path:  # this checkout's package, whatever else is installed
+    sys.path.insert(0, _REPO)
+
+from megatron_rlhf.platform import engine_args  # noqa: E402  (after the path set-up)
 
 GiB = 2**30
 
@@ -177,7 +192,9 @@ class LearnerLayout:
     sequence_parallel: bool = True
     """Megatron sequence parallelism (only matters when tp > 1)."""
     recompute: str = "none"
-    """``none`` or ``full`` activation recomputation."""
+    """``none``, ``full`` or ``selective`` activation recomputation."""
+    recompute_modules: tuple[str, ...] = ("core_attn",)
+    """With ``selective``: the recomputed modules (``core_attn``, ``mlp``)."""
     reference: bool = True
     """Keep the frozen reference model on the learner GPUs."""
 
@@ -224,7 +241,8 @@ def layer_activation_bytes(shape: ModelShape, lay: LearnerLayout) -> float:
     hq, hkv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     t, sb = lay.tp, lay.seq_len * lay.micro_batch
     sp = lay.sequence_parallel or t == 1
-    return sb * (8 * h / (t if sp else 1) + (4 * hq + 4 * hkv + 6 * f) / t)
+    mlp = 0 if lay.recompute == "selective" and "mlp" in lay.recompute_modules else 6 * f
+    return sb * (8 * h / (t if sp else 1) + (4 * hq + 4 * hkv + mlp) / t)
 
 
 def learner_memory(shape: ModelShape, lay: LearnerLayout) -> dict:
@@ -236,8 +254,8 @@ def learner_memory(shape: ModelShape, lay: LearnerLayout) -> dict:
     Raises:
         ValueError: bad layout (see :func:`stage_params`; ``recompute`` not none/full).
     """
-    if lay.recompute not in ("none", "full"):
-        raise ValueError(f"recompute={lay.recompute!r}: use none or full")
+    if lay.recompute not in ("none", "full", "selective"):
+        raise ValueError(f"recompute={lay.recompute!r}: use none, full or selective")
     a_layer = layer_activation_bytes(shape, lay)
     t, s, b = lay.tp, lay.seq_len, lay.micro_batch
     sp = lay.sequence_parallel or t == 1
@@ -275,15 +293,26 @@ def generator_memory(shape: ModelShape, gen: GeneratorLayout) -> dict:
     g = gen.tp
     if shape.num_heads % g:
         raise ValueError(f"gen tp={g} must divide the {shape.num_heads} query heads")
-    h, f, d = shape.hidden_size, shape.ffn_size, shape.head_dim
-    hq, hkv = shape.num_heads * d, shape.num_kv_heads * d
-    kv_heads = max(1, shape.num_kv_heads // g)
-    per_token = 2 * shape.num_layers * kv_heads * d * 2
+    numbers = _engine_shape(shape)
+    per_token = engine_args.kv_bytes_per_token(numbers, g, 2)
     kv = gen.concurrent_seqs * gen.max_model_len * per_token
-    act = gen.max_batched_tokens * 2 * ((hq + 2 * hkv) / g + 2 * f / g + 2 * h) + 4 * gen.concurrent_seqs * shape.vocab_size
+    act = engine_args.activation_bytes(numbers, g, gen.max_batched_tokens, gen.concurrent_seqs, 2)
     weights = 2 * shape.total_params() / g
     return {"weights": weights, "kv_cache": kv, "kv_bytes_per_token": per_token, "activations": act,
             "total": weights + kv + act}
+
+
+def _engine_shape(shape: ModelShape) -> dict:
+    """The numbers ``megatron_rlhf.platform.engine_args`` works with."""
+    return {**asdict(shape), "num_params": shape.total_params()}
+
+
+def _engine_fit(shape: ModelShape, gen: GeneratorLayout, gpu_mem_gib: float, overhead_gib: float):
+    """``engine_args.engine_fit`` of one bf16 GPU engine of layout ``gen``."""
+    kw = {"tensor_parallel_size": gen.tp, "max_model_len": gen.max_model_len, "max_num_seqs": gen.concurrent_seqs,
+          "max_num_batched_tokens": gen.max_batched_tokens, "gpu_memory_utilization": gen.gpu_memory_utilization}
+    return engine_args.engine_fit(kw, device="cuda", shape=_engine_shape(shape), dtype_bytes=2,
+                                  device_memory_gib=gpu_mem_gib, overhead_gib=overhead_gib)
 
 
 def plan(shape: ModelShape, lay: LearnerLayout | None, gen: GeneratorLayout | None, *,
@@ -301,10 +330,11 @@ def plan(shape: ModelShape, lay: LearnerLayout | None, gen: GeneratorLayout | No
         m = generator_memory(shape, gen)
         row = {k: (v / GiB if k != "kv_bytes_per_token" else v) for k, v in m.items()}
         row["total"] += overhead_gib
-        row["budget"] = gen.gpu_memory_utilization * gpu_mem_gib
-        free_for_kv = row["budget"] - overhead_gib - row["weights"] - row["activations"]
-        row["kv_capacity_seqs"] = max(0, int(free_for_kv * GiB // (m["kv_bytes_per_token"] * gen.max_model_len)))
-        row["fits"] = row["total"] <= row["budget"]
+        fit = _engine_fit(shape, gen, gpu_mem_gib, overhead_gib)
+        row["budget"] = fit.budget / GiB
+        row["kv_capacity_seqs"] = fit.full_sequences
+        row["problems"] = fit.problems()   # what would stop vLLM from starting the engine
+        row["fits"] = row["total"] <= row["budget"] and not row["problems"]
         out["generator"] = row
     out["fits"] = all(out[k]["fits"] for k in ("learner", "generator") if k in out)
     return out
@@ -317,7 +347,9 @@ def format_plan(p: dict, lay: LearnerLayout | None, gen: GeneratorLayout | None)
         r = p["learner"]
         lines += [f"learner GPU (TP={lay.tp} PP={lay.pp} DP={lay.dp}, distributed optimizer "
                   f"{'on' if lay.distributed_optimizer else 'off'}, micro-batch {lay.micro_batch} x "
-                  f"{lay.seq_len} tokens, recompute {lay.recompute}; worst stage {r['stage']}, "
+                  f"{lay.seq_len} tokens, recompute {lay.recompute}"
+                  + (f" {'+'.join(lay.recompute_modules)}" if lay.recompute == "selective" else "")
+                  + f"; worst stage {r['stage']}, "
                   f"{r['params'] / 1e9:.3f} B params):"]
         for k in ("weights", "grads", "optimizer", "reference", "activations", "logits"):
             lines.append(f"  {k:<12} {r[k]:8.2f} GiB")
@@ -334,6 +366,7 @@ def format_plan(p: dict, lay: LearnerLayout | None, gen: GeneratorLayout | None)
         lines.append(f"  {'total':<12} {r['total']:8.2f} GiB of {r['budget']:.1f} "
                      f"(gpu_memory_utilization x GPU)  " + ("OK" if r["fits"] else "EXCEEDS")
                      + f"; KV room for {r['kv_capacity_seqs']} full-length sequences")
+        lines += [f"  vLLM would refuse to start: {p}" for p in r["problems"]]
     return "\n".join(lines)
 
 
@@ -341,7 +374,7 @@ def layouts_from_config(cfg) -> tuple[ModelShape, LearnerLayout, GeneratorLayout
     """Shape and layouts from a loaded :class:`megatron_rlhf.config.Config` (a cluster recipe).
 
     Reads model.source (HF folder), learner.{tensor,pipeline,data}_parallel, micro_batch_size,
-    distributed_optimizer, sequence_parallel, recompute; generators.{tensor_parallel,
+    distributed_optimizer, sequence_parallel, recompute, recompute_modules; generators.{tensor_parallel,
     max_model_len, max_num_seqs, max_num_batched_tokens, gpu_memory_utilization};
     placement.gpu_memory_gib.
     """
@@ -350,10 +383,13 @@ def layouts_from_config(cfg) -> tuple[ModelShape, LearnerLayout, GeneratorLayout
     lay = LearnerLayout(tp=ln.tensor_parallel, pp=ln.pipeline_parallel, dp=ln.data_parallel,
                         micro_batch=ln.micro_batch_size, seq_len=gn.max_model_len,
                         distributed_optimizer=ln.distributed_optimizer,
-                        sequence_parallel=ln.sequence_parallel, recompute=ln.recompute)
-    gen = GeneratorLayout(tp=gn.tensor_parallel, max_model_len=gn.max_model_len,
-                          concurrent_seqs=gn.max_num_seqs, max_batched_tokens=gn.max_num_batched_tokens,
-                          gpu_memory_utilization=gn.gpu_memory_utilization)
+                        sequence_parallel=ln.sequence_parallel, recompute=ln.recompute,
+                        recompute_modules=tuple(ln.recompute_modules))
+    kw = engine_args.engine_kwargs(gn, model=cfg.model.source, dtype=cfg.model.dtype, seed=cfg.run.seed,
+                                   device="cuda")   # what each GPU engine gets
+    gen = GeneratorLayout(tp=kw["tensor_parallel_size"], max_model_len=kw["max_model_len"],
+                          concurrent_seqs=kw["max_num_seqs"], max_batched_tokens=kw["max_num_batched_tokens"],
+                          gpu_memory_utilization=kw["gpu_memory_utilization"])
     return shape, lay, gen, cfg.placement.gpu_memory_gib
 
 
@@ -370,7 +406,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (prompt + completion)")
     ap.add_argument("--no-distributed-optimizer", action="store_true")
     ap.add_argument("--no-sequence-parallel", action="store_true")
-    ap.add_argument("--recompute", choices=("none", "full"), default="none")
+    ap.add_argument("--recompute", choices=("none", "full", "selective"), default="none")
+    ap.add_argument("--recompute-modules", default="core_attn",
+                    help="with --recompute selective: comma-separated core_attn,mlp")
     ap.add_argument("--no-reference", action="store_true", help="reference model not on learner GPUs")
     ap.add_argument("--gen-tp", type=int, default=1)
     ap.add_argument("--gen-max-model-len", type=int, default=None, help="default: --seq-len")
@@ -384,9 +422,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         if args.config:
-            repo = str(Path(__file__).resolve().parents[1])
-            if repo not in sys.path:  # this checkout's package, whatever else is installed
-                sys.path.insert(0, repo)
             from megatron_rlhf.config import load_config
 
             shape, lay, gen, mem = layouts_from_config(load_config(args.config, args.overrides))
@@ -397,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
             lay = LearnerLayout(tp=args.tp, pp=args.pp, dp=args.dp, micro_batch=args.micro_batch,
                                 seq_len=args.seq_len, distributed_optimizer=not args.no_distributed_optimizer,
                                 sequence_parallel=not args.no_sequence_parallel, recompute=args.recompute,
+                                recompute_modules=tuple(args.recompute_modules.split(",")),
                                 reference=not args.no_reference)
             gen = GeneratorLayout(tp=args.gen_tp, max_model_len=args.gen_max_model_len or args.seq_len,
                                   concurrent_seqs=args.gen_concurrent_seqs,

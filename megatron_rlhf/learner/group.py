@@ -79,7 +79,9 @@ class LearnerGroup:
         cpu_core: rank r is pinned to core ``cpu_core + r`` (modulo the cores of its node);
             -1: no pinning.
         rank_actor_options: ``ray.remote`` options of each rank actor (default one CPU; on GPU
-            clusters ``num_gpus=1`` and the learner role resource, see ``trainer.run._actor_options``).
+            clusters ``num_gpus=1`` and the learner role resource, see ``trainer.run._actor_options``),
+            or a list of them, one per rank (placement-group bundles:
+            ``megatron_rlhf.placement.ActorPlacement.learner_options``).
         timeout_s: upper bound of any wait on the ranks (seconds).
     Raises:
         ValueError: bad layout (raised by every rank's ``MegatronLearner``).
@@ -96,9 +98,10 @@ class LearnerGroup:
         self.timeout_s = float(timeout_s)
         c = learner_cfg
         self.world_size = c.tensor_parallel * c.pipeline_parallel * c.data_parallel
-        opts = {"num_cpus": 1, "max_restarts": 0, **(rank_actor_options or {})}
-        rank_cls = ray.remote(**opts)(_LearnerRank)
-        self._ranks = [rank_cls.remote() for _ in range(self.world_size)]
+        per_rank = (list(rank_actor_options) if isinstance(rank_actor_options, (list, tuple))
+                    else [rank_actor_options] * self.world_size)
+        self._ranks = [ray.remote(**{"num_cpus": 1, "max_restarts": 0, **(o or {})})(_LearnerRank).remote()
+                       for o in per_rank]
         self._closed = False
         try:
             address = self._get(self._ranks[0].rendezvous_address.remote())
@@ -145,7 +148,11 @@ class LearnerGroup:
         """:meth:`MegatronLearner.train_step` on every rank; the reporting rank's metrics
         (over the whole batch) plus ``time/group_train_s`` (wall time including the fan-out)."""
         t0 = time.perf_counter()
-        out = dict(self._all_with_shared_arg("train_step", batch)[self._report])
+        outs = self._all_with_shared_arg("train_step", batch)
+        skipped = [o.get("train/skipped_nonfinite") for o in outs]
+        if len(set(skipped)) > 1:   # the flag is all-reduced: ranks can only agree
+            raise RuntimeError(f"learner ranks disagree on skipping a non-finite update: {skipped}")
+        out = dict(outs[self._report])
         out["time/group_train_s"] = time.perf_counter() - t0
         return out
 

@@ -280,7 +280,8 @@ def loss_on_slice(algo: AlgorithmConfig, x: SliceInputs, totals: BatchTotals
     if name == "ppo":
         return ppo_loss(lp, x.old_logprobs, x.advantages, mask, ref_logprobs=ref, **pg)
     if name == "rloo":
-        return rloo_loss(lp, x.advantages, mask, ref_logprobs=ref, **ent, **agg, **glob)
+        return rloo_loss(lp, x.advantages, mask, ref_logprobs=ref, generator_logprobs=x.generator_logprobs,
+                         tis_cap=pg["tis_cap"], **ent, **agg, **glob)
     if name == "proximal_rloo":
         return proximal_rloo_loss(lp, x.old_logprobs, x.advantages, mask,
                                   level=algo.proximal_rloo_level, ref_logprobs=ref, **pg)
@@ -397,7 +398,8 @@ def microbatch_inputs(rows, seq_len: int, mask: torch.Tensor, x: BatchTensors, p
 def whole_batch_metrics(algo: AlgorithmConfig, x: BatchTensors, prep: Prepared, *,
                         ref_logprobs: torch.Tensor, first_logprobs: torch.Tensor,
                         last_logprobs: torch.Tensor | None, old_logprobs: torch.Tensor | None,
-                        entropy: torch.Tensor | None) -> dict[str, float]:
+                        entropy: torch.Tensor | None,
+                        sampling_temperature_logprobs: torch.Tensor | None = None) -> dict[str, float]:
     """The logged metrics of one batch, from ``[B, S]`` tensors of the whole batch (no grad).
 
     Args:
@@ -408,11 +410,19 @@ def whole_batch_metrics(algo: AlgorithmConfig, x: BatchTensors, prep: Prepared, 
         last_logprobs: those of the last update's forward when T > 1, else None.
         old_logprobs: pi_old (None: ``first_logprobs`` when the loss uses pi_old).
         entropy: per-token entropy of the last update's forward, or None.
+        sampling_temperature_logprobs: the policy's token logprobs (weights before this batch)
+            at the generators' sampling temperature when the loss trains at another one (DPO /
+            SFT losses at T != 1), else None (``first_logprobs`` already are).
     Returns:
         the loss function's metrics on the last update's logprobs (+ ``loss/total_first_update``
-        when T > 1), ``prep.metrics``, and from ``first_logprobs``: ``kl/ref_k3``, ``kl/ref_k1``,
-        ``logprobs/vllm_gap_abs_mean``, ``logprobs/vllm_gap_abs_max``; ``rollout/entropy_mc``
-        (the last three over completion tokens with a finite generator logprob; NaN without them).
+        when T > 1), ``prep.metrics``, ``kl/ref_k3`` and ``kl/ref_k1`` from ``first_logprobs``,
+        the train/inference mismatch at the sampling temperature (same weights, same
+        distribution, so only numerics or a failed weight sync make it non-zero):
+        ``logprobs/vllm_gap_abs_mean``, ``logprobs/vllm_gap_abs_max`` and
+        ``logprobs/token_mult_prob_error`` = mean over tokens of exp(|learner - generator|)
+        (NeMo-RL ``token_mult_prob_error``; 1.0 is a perfect match, its recipe tests require
+        < 1.05); and ``rollout/entropy_mc`` (these over completion tokens with a finite generator
+        logprob; NaN without them).
     """
     from megatron_rlhf.losses._common import k3_kl, masked_mean
 
@@ -437,10 +447,12 @@ def whole_batch_metrics(algo: AlgorithmConfig, x: BatchTensors, prep: Prepared, 
     if x.slp is None or not bool(on.any()):
         nan = float("nan")
         out.update({"logprobs/vllm_gap_abs_mean": nan, "logprobs/vllm_gap_abs_max": nan,
-                    "rollout/entropy_mc": nan})
+                    "logprobs/token_mult_prob_error": nan, "rollout/entropy_mc": nan})
     else:
-        gap = (first_logprobs - x.slp).abs()[on]
+        learner = first_logprobs if sampling_temperature_logprobs is None else sampling_temperature_logprobs
+        gap = (learner - x.slp).abs()[on].double()
         out.update({"logprobs/vllm_gap_abs_mean": float(gap.mean()),
                     "logprobs/vllm_gap_abs_max": float(gap.max()),
+                    "logprobs/token_mult_prob_error": float(torch.exp(gap).mean()),
                     "rollout/entropy_mc": float(-x.slp[on].mean())})
     return out

@@ -10,12 +10,18 @@ and only if this module created them.
 
 from __future__ import annotations
 
+import math
 import socket
 import threading
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ParallelGroups", "acquire", "release", "free_port", "gather_dp"]
+__all__ = ["ParallelGroups", "acquire", "release", "free_port", "gather_dp", "collective_timeout",
+           "DIST_TIMEOUT_ENV"]
+
+DIST_TIMEOUT_ENV = "MRLHF_DIST_TIMEOUT_S"
+"""Environment variable with the collective timeout in seconds (``slurm/ray_cluster.sh`` exports
+``placement.dist_timeout_s`` under this name; Ray workers inherit it)."""
 
 _LOCK = threading.Lock()
 _STATE: dict = {"refs": 0, "owns_pg": False, "owns_mp": False, "groups": None}
@@ -57,6 +63,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def collective_timeout():
+    """The timeout of every process group of a learner: ``$MRLHF_DIST_TIMEOUT_S`` seconds, else
+    1800 s (torch's gloo default; NCCL's default is 600 s). A collective that waits longer (a
+    dead or hung rank) raises instead of hanging the run.
+
+    Returns:
+        ``datetime.timedelta``.
+    Raises:
+        ValueError: the variable is not a number of seconds >= 1.
+    """
+    import datetime
+    import os
+
+    raw = os.environ.get(DIST_TIMEOUT_ENV, "1800")
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = 0.0
+    if not seconds >= 1:
+        raise ValueError(f"{DIST_TIMEOUT_ENV}={raw!r}: expected seconds >= 1 "
+                         "(placement.dist_timeout_s)")
+    return datetime.timedelta(seconds=seconds)
+
+
 def acquire(*, backend: str, tp: int = 1, pp: int = 1, rank: int = 0, world_size: int = 1,
             init_method: str | None = None) -> ParallelGroups:
     """Initialise (first call) or reuse (later calls) the process group and megatron groups.
@@ -66,6 +96,11 @@ def acquire(*, backend: str, tp: int = 1, pp: int = 1, rank: int = 0, world_size
         tp, pp: tensor / pipeline parallel sizes; ``dp = world_size // (tp * pp)``.
         rank, world_size: this process in the learner group (1 process for now).
         init_method: e.g. ``tcp://127.0.0.1:PORT``; default a free loopback port (world 1 only).
+
+    Every group gets :func:`collective_timeout`: the default group through
+    ``init_process_group(timeout=...)``, megatron's TP/PP/DP/... groups (and their gloo twins)
+    through ``initialize_model_parallel(distributed_timeout_minutes=...)`` (whole minutes,
+    rounded up: megatron's unit).
     Returns:
         a :class:`ParallelGroups` handle; call :func:`release` once per :func:`acquire`.
     Raises:
@@ -79,6 +114,7 @@ def acquire(*, backend: str, tp: int = 1, pp: int = 1, rank: int = 0, world_size
     if world_size % (tp * pp):
         raise ValueError(f"world_size={world_size} is not a multiple of tp*pp={tp * pp} "
                          "(learner.tensor_parallel * learner.pipeline_parallel)")
+    timeout = collective_timeout()
     with _LOCK:
         if not dist.is_initialized():
             if init_method is None:
@@ -86,11 +122,12 @@ def acquire(*, backend: str, tp: int = 1, pp: int = 1, rank: int = 0, world_size
                     raise ValueError("acquire: init_method is required when world_size > 1")
                 init_method = f"tcp://127.0.0.1:{free_port()}"
             dist.init_process_group(backend, init_method=init_method, rank=rank,
-                                    world_size=world_size)
+                                    world_size=world_size, timeout=timeout)
             _STATE["owns_pg"] = True
         if not ps.model_parallel_is_initialized():
-            ps.initialize_model_parallel(tensor_model_parallel_size=tp,
-                                         pipeline_model_parallel_size=pp)
+            ps.initialize_model_parallel(
+                tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                distributed_timeout_minutes=max(1, math.ceil(timeout.total_seconds() / 60)))
             _STATE["owns_mp"] = True
         elif (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()) != (tp, pp):
             raise ValueError(f"megatron parallel_state already initialised with TP="

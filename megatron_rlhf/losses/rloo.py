@@ -21,7 +21,7 @@ import torch
 
 from megatron_rlhf.losses._common import (_MAX_LOG_RATIO, aggregate, check_tokens,
                                           clipped_policy_loss, k3_kl, masked_mean,
-                                          resolve_denominators)
+                                          resolve_denominators, truncated_is_weights)
 
 __all__ = ["proximal_rloo_loss", "rloo_loss"]
 
@@ -35,14 +35,26 @@ def _check_adv(fn: str, advantages: torch.Tensor, mask: torch.Tensor) -> torch.T
 def rloo_loss(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
               ref_logprobs: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
               entropy_coef: float = 0.0, loss_agg: str = "sequence_sum",
-              global_num_sequences: float | None = None, global_num_tokens: float | None = None
+              global_num_sequences: float | None = None, global_num_tokens: float | None = None,
+              generator_logprobs: torch.Tensor | None = None, tis_cap: float | None = None
               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """RLOO: REINFORCE on the sequence logprob with a leave-one-out baseline.
+    """RLOO: REINFORCE on the sequence logprob with a leave-one-out baseline, with truncated
+    importance sampling against the generator when its samples are off-policy.
 
     Ahmadian et al. 2024, sec. 3.3, eq. 6: ``L = -1/N sum_i A_i log pi_theta(y_i | x)`` with
     ``log pi(y_i|x) = sum_t m_it logp_it`` (the default ``sequence_sum`` aggregation) and
-    ``A_i = R_i - mean_{j != i} R_j``. On-policy estimator: no ratio, no clipping (use
-    ``proximal_rloo_loss`` for stale samples). Gradient flows through ``logprobs`` (and ``entropy``).
+    ``A_i = R_i - mean_{j != i} R_j``. REINFORCE is an on-policy estimator; asynchronous samples
+    come from an older policy (staleness >= 1) and from vLLM's numerics, so with ``tis_cap`` each
+    token's term is weighted by ``w_it = min(pi_theta(y_it)/pi_gen(y_it), tis_cap)`` (detached:
+    the off-policy REINFORCE gradient ``E_gen[pi_theta/pi_gen A grad log pi_theta]``, truncated
+    per token as IMPALA's rho, Espeholt et al. 2018 eq. 1, and the TIS of the other
+    policy-gradient losses; :func:`~megatron_rlhf.losses._common.truncated_is_weights` with
+    pi_theta in the place of pi_old)::
+
+        L = agg_i,t( -A_i w_it logp_it )
+
+    No clipping (use ``proximal_rloo_loss`` for that). Gradient flows through ``logprobs`` (and
+    ``entropy``).
 
     Args:
         logprobs: ``[B, T]`` current-policy token logprobs, with grad.
@@ -50,21 +62,33 @@ def rloo_loss(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tens
         mask: ``[B, T]`` float completion mask.
         ref_logprobs: ``[B, T]`` or None (``kl/ref_*`` metrics only; the KL belongs in the reward).
         entropy, entropy_coef, loss_agg, global_num_sequences, global_num_tokens: see ``grpo_loss``.
+        generator_logprobs: ``[B, T]`` vLLM sampling logprobs (needed with ``tis_cap``; tokens
+            whose value is not finite are dropped and counted).
+        tis_cap: truncation of the importance weight (algorithm.tis_cap); None: plain RLOO.
     Returns:
         ``(loss, metrics)``: ``loss/total``, ``loss/policy``, ``adv/mean``, ``adv/std``,
-        ``kl/ref_k3``, ``kl/ref_k1``, ``entropy/mean``, ``loss/entropy_bonus`` (when inputs given).
+        ``kl/ref_k3``, ``kl/ref_k1``, ``entropy/mean``, ``loss/entropy_bonus``, ``tis/*``
+        (when inputs given).
     Raises:
-        ValueError: shapes, unknown ``loss_agg``, bad ``entropy_coef``.
+        ValueError: shapes, unknown ``loss_agg``, bad ``entropy_coef``, ``tis_cap`` without
+            ``generator_logprobs``.
     """
-    check_tokens("rloo_loss", mask, logprobs=logprobs, ref_logprobs=ref_logprobs, entropy=entropy)
+    check_tokens("rloo_loss", mask, logprobs=logprobs, ref_logprobs=ref_logprobs, entropy=entropy,
+                 generator_logprobs=generator_logprobs)
     adv = _check_adv("rloo_loss", advantages, mask)
     if entropy_coef < 0 or (entropy_coef > 0 and entropy is None):
         raise ValueError(f"rloo_loss: entropy_coef (algorithm.entropy_coef) must be >= 0 and needs "
                          f"entropy; got {entropy_coef}")
     n_seq, n_tok = resolve_denominators("rloo_loss", mask, global_num_sequences, global_num_tokens)
-    pg = aggregate(-adv[:, None] * logprobs, mask, loss_agg, n_seq, n_tok)
+    weights, pg_mask, tis_metrics = torch.ones_like(mask), mask, {}
+    if tis_cap is not None:
+        if generator_logprobs is None:
+            raise ValueError("rloo_loss: tis_cap (algorithm.tis_cap) is set but generator_logprobs is None")
+        weights, pg_mask, tis_metrics = truncated_is_weights(logprobs, generator_logprobs, mask, tis_cap)
+    pg = aggregate(-adv[:, None] * weights * logprobs, pg_mask, loss_agg, n_seq, n_tok)
     loss = pg
-    metrics = {"loss/policy": pg.detach(), "adv/mean": adv.mean(), "adv/std": adv.std(unbiased=False)}
+    metrics = {"loss/policy": pg.detach(), "adv/mean": adv.mean(), "adv/std": adv.std(unbiased=False),
+               **tis_metrics}
     loss = _ref_and_entropy_terms(loss, metrics, logprobs, mask, ref_logprobs, entropy, entropy_coef,
                                   loss_agg, n_seq, n_tok)
     metrics["loss/total"] = loss.detach()

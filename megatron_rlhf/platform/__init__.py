@@ -6,6 +6,8 @@
     platform.seed(seed)
     model = GPTModel(config, transformer_layer_spec=platform.layer_spec(config), ...)
 
+``platform/engine_args.py`` turns the ``generators`` config into vLLM engine arguments
+(:func:`engine_kwargs`, :func:`engine_env`) and checks that an engine fits (:func:`engine_fit`).
 ``platform/cpu.py`` holds all CPU shims, ``platform/gpu.py`` the TE/GPU spec; the GPU module is
 never imported on CPU and the CPU module (which imports megatron) only when a CPU platform is used.
 Importing this package has no side effects.
@@ -15,7 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Platform", "get_platform"]
+from megatron_rlhf.platform.engine_args import engine_env, engine_fit, engine_kwargs
+
+__all__ = ["Platform", "get_platform", "engine_kwargs", "engine_env", "engine_fit"]
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,38 @@ class Platform:
         import contextlib
 
         return contextlib.nullcontext()
+
+    def recompute_overrides(self, recompute: str, modules: list[str]) -> dict:
+        """``TransformerConfig`` fields for ``learner.recompute`` / ``learner.recompute_modules``
+        (megatron ``recompute_granularity``, ``recompute_method``, ``recompute_num_layers``,
+        ``recompute_modules``), validated for this platform.
+
+        CPU: ``full`` and ``selective`` run through megatron's ``tensor_parallel.checkpoint``,
+        which saves and restores CUDA RNG states; ``platform.cpu.install`` maps those calls to
+        no-ops (there is no CUDA generator; dropout draws from the CPU generator, which megatron
+        restores itself). GPU with Transformer Engine: ``core_attn`` is refused (TE's fused
+        attention keeps no score matrix, so recomputing it only costs time; megatron warns the
+        same), use ``mlp`` or ``full``.
+
+        Raises:
+            ValueError: ``recompute`` unknown, or a module the platform cannot recompute usefully.
+        """
+        if recompute == "none":
+            return {}
+        if self.is_cpu:
+            self.install(function_mode=False)
+        if recompute == "full":
+            return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+        if recompute != "selective":
+            raise ValueError(f"learner.recompute={recompute!r}: use none, full or selective")
+        if not self.is_cpu:
+            from megatron_rlhf.platform import gpu
+
+            if gpu.have_transformer_engine() and "core_attn" in modules:
+                raise ValueError("learner.recompute_modules contains core_attn, but Transformer "
+                                 "Engine's fused attention keeps no score matrix to save: use "
+                                 "learner.recompute_modules=[mlp], or learner.recompute=full")
+        return {"recompute_granularity": "selective", "recompute_modules": list(modules)}
 
     def synchronize(self) -> None:
         """Wait for queued device work (before timing); no-op on CPU."""

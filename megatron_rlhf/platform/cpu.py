@@ -9,6 +9,13 @@ only when CUDA is absent; it is idempotent and :func:`uninstall` restores torch.
   in ~60 places (RoPE ``inv_freq``, TP all-gather buffers, p2p shape buffers, DDP buffers,
   dist_checkpointing save).
 * P2 ``torch.cuda.synchronize`` -> no-op (p2p communication, checkpoint preload).
+* P5 ``torch.cuda.get_rng_state`` (also ``torch.cuda.random.get_rng_state``) -> an empty
+  ``uint8`` tensor: megatron's activation checkpointing (``tensor_parallel.checkpoint``, used by
+  ``learner.recompute`` full and selective) saves the CUDA RNG state before a recomputed region
+  and restores it after; there is no CUDA generator on CPU, so the state is an empty placeholder,
+  and megatron's restore (``_set_cuda_rng_state``) goes through ``torch.cuda._lazy_call``, which
+  queues the callback until CUDA initialises, i.e. never. The CPU generator (dropout) is saved
+  and restored by megatron itself (``torch.get_rng_state``).
 * P3 :class:`CudaToCpuMode`, a ``TorchFunctionMode`` that rewrites ``device="cuda"`` /
   ``"cuda:N"`` / int device literals and ``Tensor.cuda()`` / ``Tensor.to("cuda")`` to CPU
   (pipeline schedules' ``torch.zeros(..., device="cuda")``, tied embeddings under PP).
@@ -95,13 +102,18 @@ def optimizer_context():
         yield
 
 
+def _no_cuda_rng_state(device="cuda") -> torch.Tensor:
+    """P5: the CUDA RNG state of a machine without CUDA (an empty placeholder)."""
+    return torch.empty(0, dtype=torch.uint8)
+
+
 def is_installed() -> bool:
     """True when :func:`install` patched torch in this process."""
     return bool(_STATE["installed"])
 
 
 def install(function_mode: bool = True) -> bool:
-    """Install P1-P2 and, with ``function_mode``, P3 (see module doc) when CUDA is absent.
+    """Install P1, P2, P5 and, with ``function_mode``, P3 (see module doc) when CUDA is absent.
 
     Idempotent: repeated calls change nothing; a call with ``function_mode=True`` after one
     without adds P3. P3 costs ~15% of a CPU forward (every torch call goes through Python), and
@@ -117,9 +129,11 @@ def install(function_mode: bool = True) -> bool:
         return False
     with _LOCK:
         if not _STATE["installed"]:
-            _STATE["orig"] = (torch.cuda.current_device, torch.cuda.synchronize)
+            _STATE["orig"] = (torch.cuda.current_device, torch.cuda.synchronize,
+                              torch.cuda.get_rng_state, torch.cuda.random.get_rng_state)
             torch.cuda.current_device = lambda: torch.device("cpu")
             torch.cuda.synchronize = lambda *a, **k: None
+            torch.cuda.get_rng_state = torch.cuda.random.get_rng_state = _no_cuda_rng_state
             _STATE["installed"] = True
         if function_mode and _STATE["mode"] is None:
             mode = CudaToCpuMode()
@@ -143,7 +157,8 @@ def uninstall() -> None:
         if _STATE["mode"] is not None:
             _STATE["mode"].__exit__(None, None, None)
         if _STATE["installed"]:
-            torch.cuda.current_device, torch.cuda.synchronize = _STATE["orig"]
+            (torch.cuda.current_device, torch.cuda.synchronize, torch.cuda.get_rng_state,
+             torch.cuda.random.get_rng_state) = _STATE["orig"]
         _STATE.update(installed=False, mode=None, orig=None)
 
 

@@ -6,16 +6,27 @@ Never imported on CPU (``megatron_rlhf.platform.get_platform`` picks this module
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 __all__ = ["gpu_layer_spec", "seed", "have_transformer_engine"]
 
 
 def have_transformer_engine() -> bool:
-    """True when ``transformer_engine`` imports (TE fused attention/norm/linear available)."""
+    """True when ``transformer_engine.pytorch`` imports (TE's PyTorch modules: fused attention,
+    norm + linear). Importing only ``transformer_engine`` is not enough: the top-level package
+    installs without its PyTorch extension (e.g. ``pip install transformer-engine`` without the
+    ``[pytorch]`` extra, or a build without ``--no-build-isolation`` that skipped it), and
+    megatron's TE spec then fails at model build. A broken extension (``OSError`` from a missing
+    CUDA library) counts as absent and is logged."""
     try:
-        import transformer_engine  # noqa: F401
+        import transformer_engine.pytorch  # noqa: F401
     except ImportError:
+        return False
+    except OSError as e:  # e.g. libcudnn / libnvrtc not found
+        logging.getLogger(__name__).warning("transformer_engine.pytorch failed to load (%s); "
+                                            "using megatron's local layer spec", e)
         return False
     return True
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -484,7 +485,10 @@ class RunningRewardNormalizer:
     Reward-model scores have arbitrary offset and scale, and differ between tasks; normalising
     each task's rewards by its own running statistics puts tasks on one scale before pairing or
     logging (issue 7). Statistics merge batches exactly (Chan, Golub & LeVeque 1979 parallel
-    variance; Welford 1962), so the result does not depend on how rewards were batched.
+    variance; Welford 1962), so the result does not depend on how rewards were batched. Every
+    finite reward is accepted, however large (1e300): the statistics are kept as (count, mean,
+    std) and computed on values scaled by their largest magnitude, so nothing squares a huge
+    number (no ``OverflowError``, no inf).
 
     Args:
         eps: added to the std in :meth:`normalize` (reward units).
@@ -494,7 +498,7 @@ class RunningRewardNormalizer:
         if not eps > 0:
             raise ValueError(f"eps={eps}: must be > 0")
         self.eps = eps
-        self._stats: dict[str, tuple[int, float, float]] = {}  # task -> (count, mean, M2)
+        self._stats: dict[str, tuple[int, float, float]] = {}  # task -> (count, mean, std)
 
     def update(self, task: str, rewards: Sequence[float]) -> None:
         """Fold a batch of finite rewards of ``task`` into its statistics (non-finite ones are ignored)."""
@@ -502,20 +506,21 @@ class RunningRewardNormalizer:
         if not xs:
             return
         nb = len(xs)
-        mb = sum(xs) / nb
-        m2b = sum((x - mb) ** 2 for x in xs)
-        na, ma, m2a = self._stats.get(task, (0, 0.0, 0.0))
-        n = na + nb
-        delta = mb - ma
-        self._stats[task] = (n, ma + delta * nb / n, m2a + m2b + delta * delta * na * nb / n)
+        c = max(abs(x) for x in xs) or 1.0
+        ys = [x / c for x in xs]                 # in [-1, 1]
+        mb = sum(ys) / nb
+        sb = math.sqrt(sum((y - mb) * (y - mb) for y in ys) / nb)
+        self._stats[task] = _merge_moments(self._stats.get(task), (nb, mb * c, sb * c))
 
     def stats(self, task: str) -> tuple[int, float, float]:
         """``(count, mean, std)`` of ``task`` (population std; ``(0, 0.0, 1.0)`` before any update)."""
-        n, m, m2 = self._stats.get(task, (0, 0.0, 0.0))
-        return (n, m, math.sqrt(m2 / n)) if n else (0, 0.0, 1.0)
+        return self._stats.get(task, (0, 0.0, 1.0))
 
     def normalize(self, task: str, rewards: Sequence[float]) -> list[float]:
         """``(r - mean) / (std + eps)`` with the task's current statistics (call :meth:`update` first).
+
+        Finite for every finite input (halved before subtracting, so two huge rewards of opposite
+        sign cannot overflow; a quotient beyond the float range is clamped to it).
 
         Raises:
             KeyError: no reward of ``task`` was seen yet.
@@ -523,30 +528,54 @@ class RunningRewardNormalizer:
         if task not in self._stats:
             raise KeyError(f"RunningRewardNormalizer: no rewards of task {task!r} seen yet; call update() first")
         _, m, s = self.stats(task)
-        return [(float(r) - m) / (s + self.eps) for r in rewards]
+        half_den = (s + self.eps) / 2
+        big = sys.float_info.max
+        return [max(-big, min(big, (float(r) / 2 - m / 2) / half_den)) for r in rewards]
 
     def state_dict(self) -> dict:
-        """Checkpointable state: ``{"eps", "stats": {task: [count, mean, M2]}}`` (plain ints and
+        """Checkpointable state: ``{"eps", "moments": {task: [count, mean, std]}}`` (plain ints and
         floats: survives ``json.dumps``/``json.loads`` exactly, Python floats round-trip in JSON)."""
-        return {"eps": self.eps, "stats": {k: [int(v[0]), float(v[1]), float(v[2])] for k, v in self._stats.items()}}
+        return {"eps": self.eps,
+                "moments": {k: [int(v[0]), float(v[1]), float(v[2])] for k, v in self._stats.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` output (e.g. after a JSON round trip).
+        """Restore :meth:`state_dict` output (e.g. after a JSON round trip); the older form
+        ``{"eps", "stats": {task: [count, mean, M2]}}`` is read too.
 
         Raises:
-            ValueError: malformed state (missing keys, a stats entry that is not
-                ``[count >= 0, mean, M2 >= 0]`` of finite numbers); nothing is changed then.
+            ValueError: malformed state (missing keys, an entry that is not ``[count >= 0, mean,
+                std or M2 >= 0]`` of finite numbers); nothing is changed then.
         """
         try:
             eps = float(state["eps"])
-            stats = {str(k): (int(v[0]), float(v[1]), float(v[2])) for k, v in state["stats"].items()}
+            if "moments" in state:
+                stats = {str(k): (int(v[0]), float(v[1]), float(v[2])) for k, v in state["moments"].items()}
+            else:
+                stats = {str(k): (int(v[0]), float(v[1]), float(v[2])) for k, v in state["stats"].items()}
+                stats = {k: (n, m, math.sqrt(m2 / n) if n and m2 >= 0 else m2)
+                         for k, (n, m, m2) in stats.items()}
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
-            raise ValueError(f"RunningRewardNormalizer.load_state_dict: expected {{'eps', 'stats': {{task: "
-                             f"[count, mean, M2]}}}}, got {state!r:.200} ({e})") from e
-        bad = [k for k, (n, m, m2) in stats.items() if n < 0 or m2 < 0 or not (math.isfinite(m) and math.isfinite(m2))]
+            raise ValueError(f"RunningRewardNormalizer.load_state_dict: expected {{'eps', 'moments': {{task: "
+                             f"[count, mean, std]}}}}, got {state!r:.200} ({e})") from e
+        bad = [k for k, (n, m, s) in stats.items() if n < 0 or s < 0 or not (math.isfinite(m) and math.isfinite(s))]
         if not eps > 0 or bad:
             raise ValueError(f"RunningRewardNormalizer.load_state_dict: eps={eps} (must be > 0), bad stats for {bad}")
         self.eps, self._stats = eps, stats
+
+
+def _merge_moments(a: tuple[int, float, float] | None, b: tuple[int, float, float]) -> tuple[int, float, float]:
+    """``(count, mean, std)`` of the union of two samples given by theirs (Chan et al. 1979:
+    ``var = w_a var_a + w_b var_b + w_a w_b (mean_a - mean_b)^2``), computed on values scaled by
+    the largest magnitude involved so that nothing overflows."""
+    if a is None or a[0] == 0:
+        return b
+    (na, ma, sa), (nb, mb, sb) = a, b
+    n = na + nb
+    wa, wb = na / n, nb / n
+    c = max(abs(ma), abs(mb), sa, sb) or 1.0
+    d = ma / c - mb / c
+    var = wa * (sa / c) ** 2 + wb * (sb / c) ** 2 + wa * wb * d * d
+    return n, ma * wa + mb * wb, c * math.sqrt(var)
 
 
 def length_normalized_rewards(rewards: Sequence[float], lengths: Sequence[int]) -> list[float]:

@@ -7,6 +7,12 @@ so a crash at any point leaves the previous complete checkpoint intact and never
 after the new one is complete). Leftover ``.tmp-*`` folders of a crashed save are removed on the
 next save.
 
+Failures name the path and the cause (:class:`CheckpointError`): a file where the ``checkpoints``
+folder or ``step_N`` must go, and a full disk (``ENOSPC`` anywhere in the error chain, or under
+64 MiB free when the save failed: the learner's C++ writer reports a full disk only as
+``basic_ios::clear: iostream error``). A failed save removes its temporary folder and leaves the
+last complete checkpoint as it was.
+
 Layout of one checkpoint::
 
     step_N/
@@ -17,6 +23,7 @@ Layout of one checkpoint::
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -24,9 +31,15 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["CheckpointManager"]
+__all__ = ["CheckpointManager", "CheckpointError"]
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
+_LOW_DISK_BYTES = 64 * 2**20
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written; the message names the path and the cause (the last
+    complete checkpoint is untouched)."""
 
 
 class CheckpointManager:
@@ -42,7 +55,14 @@ class CheckpointManager:
             raise ValueError(f"checkpoint.keep_last must be >= 1, got {keep_last}")
         self.root = Path(root)
         self.keep_last = keep_last
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError) as e:
+            raise CheckpointError(f"cannot create the checkpoint folder {self.root}: {e.strerror} "
+                                  f"({e.filename}); a file is in the way: move it, or set another "
+                                  "run.output_dir / run.name") from e
+        except OSError as e:
+            raise CheckpointError(f"cannot create the checkpoint folder {self.root}: {e.strerror or e}") from e
 
     def complete_checkpoints(self) -> list[tuple[int, Path]]:
         """All complete checkpoints as ``(step, path)``, oldest first."""
@@ -61,24 +81,36 @@ class CheckpointManager:
         path = ckpts[-1][1]
         return path, json.loads((path / "trainer_state.json").read_text())
 
-    def save(self, step: int, trainer_state: dict, write_fn: Callable[[Path], None]) -> Path:
+    def save(self, step: int, trainer_state: dict, write_fn: Callable[[Path], None], *,
+             passthrough: tuple[type[BaseException], ...] = ()) -> Path:
         """Write checkpoint ``step_<step>`` atomically.
 
         Args:
             step: 1-based step number (learner batches finished).
             trainer_state: JSON-serialisable state (step, weight_version, sampler position, ...).
             write_fn: called with the temporary folder; writes the learner's files into it.
+            passthrough: exception types of ``write_fn`` re-raised as they are (after the cleanup),
+                not wrapped in :class:`CheckpointError` (errors that already name their cause).
         Returns:
             The final ``step_<step>`` path.
         Raises:
-            Whatever ``write_fn`` raises; the temporary folder is removed and no checkpoint
-            changes.
+            CheckpointError: a file (not a folder) is where ``step_<step>`` must go, or writing
+                failed (the message names the folder and the cause, "no space left on device"
+                for a full disk; the original error is the ``__cause__``); the temporary folder
+                is removed and no checkpoint changes.
         """
         for stale in self.root.glob(".tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
         tmp = self.root / f".tmp-step_{step}-{os.getpid()}"
         final = self.root / f"step_{step}"
-        tmp.mkdir(parents=True)
+        if final.exists() and not final.is_dir():
+            raise CheckpointError(f"cannot save checkpoint step {step}: {final} is a file, not a "
+                                  "checkpoint folder; move it away (nothing was written)")
+        try:
+            tmp.mkdir(parents=True)
+        except OSError as e:
+            raise CheckpointError(f"cannot save checkpoint step {step}: creating {tmp} failed: "
+                                  f"{_cause(e, self.root)}") from e
         try:
             write_fn(tmp)
             (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
@@ -88,12 +120,38 @@ class CheckpointManager:
                 shutil.rmtree(final)
             os.rename(tmp, final)
             _fsync_dir(self.root)
+        except passthrough:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        except Exception as e:
+            cause = _cause(e, self.root)   # before the cleanup frees the space
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(f"cannot save checkpoint step {step} into {tmp}: {cause}; the last "
+                                  "complete checkpoint is intact") from e
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         for _, old in self.complete_checkpoints()[:-self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
         return final
+
+
+def _cause(err: BaseException, root: Path) -> str:
+    """What went wrong, in words: "no space left on device" for a full disk, else the error."""
+    chain, e = [], err
+    while e is not None and len(chain) < 10:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    full = any(getattr(x, "errno", None) == errno.ENOSPC or "No space left" in str(x) for x in chain)
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        free = None
+    if full or (free is not None and free < _LOW_DISK_BYTES):
+        left = "" if free is None else f" ({free / 2**20:.1f} MiB free on the file system of {root})"
+        return f"no space left on device{left}: free space, or set run.output_dir to a larger disk"
+    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return f"{type(err).__name__}: {first}"
 
 
 def _fsync_dir(path: Path) -> None:

@@ -52,7 +52,8 @@ def mean_se(values: list[float]) -> tuple[float, float]:
     """Mean and standard error of the mean of ``values`` (one value per prompt).
 
     ``se = s / sqrt(n)`` with ``s`` the sample standard deviation (``n - 1`` in the denominator);
-    ``se = 0`` for a single value; ``(nan, nan)`` for none.
+    ``se = 0`` for a single value; ``(nan, nan)`` for none; ``inf`` when the squares overflow
+    (rewards of 1e300: logged as null, never an error).
     Source: Miller 2024, "Adding Error Bars to Evals", eq. 1.
     """
     n = len(values)
@@ -61,7 +62,7 @@ def mean_se(values: list[float]) -> tuple[float, float]:
     m = sum(values) / n
     if n == 1:
         return m, 0.0
-    var = sum((v - m) ** 2 for v in values) / (n - 1)
+    var = sum((v - m) * (v - m) for v in values) / (n - 1)   # huge values give inf, never OverflowError
     return m, math.sqrt(var / n)
 
 

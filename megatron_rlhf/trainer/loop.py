@@ -28,7 +28,7 @@ import time
 
 from megatron_rlhf.config import Config
 from megatron_rlhf.trainer.evaluate import PendingRows, eval_due
-from megatron_rlhf.trainer.rollout import ProducerError
+from megatron_rlhf.trainer.rollout import ProducerError, RewardError
 from megatron_rlhf.trainer.run import LearnerDiedError, Run, RunResult, resolve_model_dir
 from megatron_rlhf.trainer.staleness import split_by_staleness
 from megatron_rlhf.types import LearnerBatch
@@ -48,10 +48,16 @@ def train(cfg: Config, *, quiet: bool = False, generators: list | None = None) -
 
     Raises:
         ConfigError: a bad config or model folder (before any actor starts).
-        ProducerError: generation failed (cause attached: e.g. ``GeneratorDiedError`` when a
+        ProducerError: a task's reward failed (the message names the task and the reward function:
+            it raised or returned a non-finite value, see ``algorithm.invalid_rewards``), or
+            generation failed (cause attached: e.g. ``GeneratorDiedError`` when a
             generator worker died beyond ``generators.max_restarts``, ``WeightSyncError`` when
             ``generators.check_weight_sync`` found a worker with other weights than the learner).
         LearnerDiedError: the learner died (the last complete checkpoint is intact).
+        NonFiniteTrainingError: ``learner.max_skipped_steps`` steps in a row were skipped for a
+            non-finite loss or gradient.
+        CheckpointError: a checkpoint could not be written (path and cause named; the last
+            complete one is intact).
         TimeoutError: a remote wait exceeded ``async.timeout_s``.
     """
     run = Run.open(cfg, quiet=quiet, generators=generators)
@@ -172,6 +178,8 @@ def _take(batches: queue.Queue, timeout: float, stop) -> object | None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no rollout batch within async.timeout_s={timeout:.0f} s")
             continue
+        if isinstance(item, RewardError):   # names the task and its reward function
+            raise ProducerError(str(item)) from item
         if isinstance(item, BaseException):
             raise ProducerError(f"generation failed: {type(item).__name__}: {item}") from item
         return item

@@ -5,6 +5,12 @@ tools read them, so names are kept stable. Required keys of every row: ``step``,
 ``weight_version``, ``staleness/max``, ``reward/mean``, ``pairs/count``, ``pairs/skipped_prompts``,
 ``loss/total``, ``time/gen_s``, ``time/train_s``, ``time/sync_s``, ``time/learner_idle_s``,
 ``time/generator_idle_s``, ``response/len_mean_tokens``.
+
+Exactly one row per trained step, whatever crashed: a run that resumes from the checkpoint of
+step N keeps the rows of steps 1..N and moves every row above N (written after that checkpoint,
+for training the crash threw away), any duplicate and any torn last line aside into
+``metrics.crash-resumed_at_step_N-<UTC time>.jsonl`` (never deleted); the resumed run then appends
+N+1, N+2, ... . :attr:`MetricsLogger.rows` holds the whole run's rows, so the summary covers it.
 """
 
 from __future__ import annotations
@@ -12,10 +18,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsLogger", "REQUIRED_KEYS", "summarize", "summarize_evals", "task_names", "wandb_run_id"]
+__all__ = ["MetricsLogger", "REQUIRED_KEYS", "adopt_rows", "summarize", "summarize_evals", "task_names",
+           "wandb_run_id"]
 
 EVAL_METRICS = ("pass@1", "mean@k", "reward_mean", "len_mean_tokens")
 """Per-task eval values (``eval/<task>/<name>`` with ``.../se``; ``trainer.evaluate``)."""
@@ -40,14 +49,24 @@ class MetricsLogger:
         run_dir: the run folder.
         logging_cfg: ``megatron_rlhf.config.LoggingConfig`` (wandb switch, project, mode).
         config_dict: resolved config, given to wandb.
+        resume_step: the step of the checkpoint this session starts from (0: a fresh start); rows
+            of an earlier session up to it are kept (:attr:`rows`), the others moved aside (see
+            the module doc).
+    Attributes:
+        rows: every row of the run so far (earlier sessions' kept rows first).
+        aside: the file the discarded rows were moved to, or None.
+        adopted_wall_s: sum of ``time/step_s`` over the kept rows of earlier sessions.
     Raises:
         ValueError: a logged row lacks one of :data:`REQUIRED_KEYS`.
     """
 
-    def __init__(self, run_dir: str | os.PathLike, logging_cfg, config_dict: dict | None = None):
+    def __init__(self, run_dir: str | os.PathLike, logging_cfg, config_dict: dict | None = None, *,
+                 resume_step: int = 0):
         self.path = Path(run_dir) / "metrics.jsonl"
-        self.rows: list[dict] = []
+        self.rows, self.aside = adopt_rows(self.path, resume_step)
+        self.adopted_wall_s = sum(r.get("time/step_s") or 0.0 for r in self.rows)
         self._wandb = None
+        self.warn_mismatch = getattr(logging_cfg, "warn_token_mult_prob_error", float("inf"))
         if logging_cfg.wandb and logging_cfg.wandb_mode != "disabled":
             import wandb
 
@@ -56,15 +75,28 @@ class MetricsLogger:
                                      id=wandb_run_id(run_dir), resume="allow")
 
     def log(self, row: dict) -> dict:
-        """Write one step's metrics (values made JSON-plain; NaN/inf become null)."""
+        """Write one step's metrics (values made JSON-plain; NaN/inf become null). A
+        ``logprobs/token_mult_prob_error`` above ``logging.warn_token_mult_prob_error`` prints a
+        warning to stderr."""
         missing = [k for k in REQUIRED_KEYS if k not in row]
         if missing:
             raise ValueError(f"metrics row for step {row.get('step')} lacks {missing}")
         row = {k: _plain(v) for k, v in row.items()}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-            f.flush()
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+        except OSError as e:   # e.g. a full disk: name the file and the cause
+            raise OSError(e.errno, f"cannot append step {row['step']}'s metrics to {self.path}: "
+                                   f"{e.strerror}", str(self.path)) from e
         self.rows.append(row)
+        err = row.get("logprobs/token_mult_prob_error")
+        if err is not None and err > self.warn_mismatch:
+            print(f"[megatron-rlhf] warning: step {row['step']}: logprobs/token_mult_prob_error = "
+                  f"{err:.4f} > logging.warn_token_mult_prob_error = {self.warn_mismatch}: the learner "
+                  "and the generators disagree on the sampled tokens' probabilities (weights not "
+                  "synced, or a numerics mismatch); importance corrections and KL estimates are off",
+                  file=sys.stderr, flush=True)
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in row.items() if isinstance(v, (int, float))},
                             step=row["step"])
@@ -90,8 +122,49 @@ def wandb_run_id(run_dir: str | os.PathLike) -> str:
     return run_id
 
 
+def adopt_rows(path: Path, resume_step: int) -> tuple[list[dict], Path | None]:
+    """Keep the rows of steps ``1..resume_step`` of ``path`` (the last copy of each step, in step
+    order) and move every other line aside (module doc).
+
+    Args:
+        path: ``<run>/metrics.jsonl`` (may be missing).
+        resume_step: the resumed checkpoint's step (0: keep nothing).
+    Returns:
+        ``(kept rows, aside file or None when nothing was moved)``.
+    """
+    if not path.is_file():
+        return [], None
+    kept: dict[int, dict] = {}
+    moved: list[str] = []
+    for line in path.read_text(encoding="utf-8", errors="surrogateescape").splitlines():
+        try:
+            row = json.loads(line)
+            step = int(row["step"])
+        except (ValueError, KeyError, TypeError):
+            if line.strip():
+                moved.append(line)
+            continue
+        if 1 <= step <= resume_step:
+            if step in kept:
+                moved.append(json.dumps(kept[step]))
+            kept[step] = row
+        else:
+            moved.append(line)
+    rows = [kept[k] for k in sorted(kept)]
+    if not moved:
+        return rows, None
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    aside = path.with_name(f"metrics.crash-resumed_at_step_{resume_step}-{stamp}.jsonl")
+    with open(aside, "a", encoding="utf-8", errors="surrogateescape") as f:
+        f.write("".join(m + "\n" for m in moved))
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    os.replace(tmp, path)
+    return rows, aside
+
+
 def summarize(rows: list[dict], wall_s: float, edge: int = 3) -> dict:
-    """Run summary from this session's metric rows.
+    """Run summary from the run's metric rows (every session's, see :class:`MetricsLogger`).
 
     Returns a dict: ``steps``, ``reward_first``/``reward_last`` (mean ``reward/mean`` of the first
     and last ``edge`` steps), ``pairs_formed``, ``prompts_skipped``, ``gen_s_mean``,

@@ -32,6 +32,7 @@ version (``Completion.weight_version``), and the batch records its span
 
 from __future__ import annotations
 
+import math
 import queue
 import random
 import threading
@@ -46,11 +47,72 @@ from megatron_rlhf.rewards.reward_model import length_normalized_rewards
 from megatron_rlhf.trainer.staleness import trained_rollouts
 from megatron_rlhf.types import Rollout, RolloutGroup
 
-__all__ = ["WeightChannel", "PublishedWeights", "RolloutBatch", "RolloutProducer", "ProducerError"]
+__all__ = ["WeightChannel", "PublishedWeights", "RolloutBatch", "RolloutProducer", "ProducerError",
+           "RewardError", "check_rewards", "reward_name"]
 
 
 class ProducerError(RuntimeError):
     """The generation side failed; raised in the learner loop with the original as ``__cause__``."""
+
+
+class RewardError(RuntimeError):
+    """The reward of a task failed: its function raised, or did not return one finite number per
+    completion. The message names the task, the reward function and the first bad value."""
+
+
+def reward_name(fn: Callable) -> str:
+    """How errors name a reward function: its ``reward_name`` attribute (the trainer sets the
+    task's ``reward`` spec there), else its qualified name."""
+    return getattr(fn, "reward_name", None) or getattr(fn, "__qualname__", None) or repr(fn)
+
+
+def check_rewards(task: str, fn_name: str, rewards: Any, texts: list[str], *, skip: bool
+                  ) -> list[float | None]:
+    """Validate one reward call: one finite real number per completion.
+
+    Args:
+        task: the task's name (``tasks[].name``).
+        fn_name: the reward function, as :func:`reward_name` gives it.
+        rewards: what the function returned for ``texts``.
+        texts: the ``[N]`` completion texts it scored.
+        skip: ``algorithm.invalid_rewards == "skip"``: a bad value becomes None (its prompt is then
+            skipped and counted) instead of an error.
+    Returns:
+        ``[N]`` floats (None for a bad value when ``skip``).
+    Raises:
+        RewardError: not a sequence of ``N`` values (always), or (without ``skip``) a value that
+            is not a real number (None, a string, a list) or not finite (NaN, inf); the message
+            gives the task, the function, the completion's index and the value.
+    """
+    import numbers
+
+    head = f"the reward of task {task!r} ({fn_name}) failed"
+    try:
+        values = list(rewards)
+    except TypeError:
+        raise RewardError(f"{head}: it returned {type(rewards).__name__} {rewards!r:.80}, not a list of "
+                          f"{len(texts)} numbers") from None
+    if len(values) != len(texts):
+        raise RewardError(f"{head}: it returned {len(values)} rewards for {len(texts)} completions "
+                          "(one number per completion is needed)")
+    out: list[float | None] = []
+    for i, v in enumerate(values):
+        if hasattr(v, "item") and not isinstance(v, numbers.Real):   # numpy / torch scalars
+            try:
+                v = v.item()
+            except (ValueError, RuntimeError):
+                pass
+        ok = isinstance(v, numbers.Real) and math.isfinite(float(v))
+        if ok:
+            out.append(float(v))
+        elif skip:
+            out.append(None)
+        else:
+            what = "is not finite" if isinstance(v, numbers.Real) else "is not a number"
+            raise RewardError(f"{head}: reward {i} = {v!r:.80} {what} (completion {texts[i]!r:.80}); a "
+                              "reward function must return one finite number per completion (or set "
+                              "algorithm.invalid_rewards=skip to skip and count such completions)")
+    return out
 
 
 class WeightChannel:
@@ -215,9 +277,14 @@ class RolloutProducer:
             self.evals.serve_pending()
 
     # ------------------------------------------------------------------------------ scoring
-    def _score(self, prompts: list, groups: list) -> list[list[float]]:
+    def _score(self, prompts: list, groups: list) -> list[list[float | None]]:
         """Rewards ``[prompt][K]``: one call per task with all its completions of this round; the
-        tasks' scorers (math-verify process pool, reward-model actor) run concurrently."""
+        tasks' scorers (math-verify process pool, reward-model actor) run concurrently. Every
+        call is checked by :func:`check_rewards` (None marks a bad value with
+        ``algorithm.invalid_rewards=skip``).
+
+        Raises:
+            RewardError: a reward function raised or returned bad values (names the task)."""
         by_task: dict[str, list[int]] = {}
         for i, p in enumerate(prompts):
             by_task.setdefault(p.task, []).append(i)
@@ -225,10 +292,14 @@ class RolloutProducer:
         def score_task(task: str, idx: list[int]) -> list[float]:
             ps = [prompts[i] for i in idx for _ in groups[i]]
             texts = [c.text for i in idx for c in groups[i]]
-            out = list(self.reward_fns[task](ps, texts))
-            if len(out) != len(texts):
-                raise ValueError(f"tasks[{task}].reward returned {len(out)} rewards for {len(texts)} completions")
-            return out
+            fn = self.reward_fns[task]
+            try:
+                out = fn(ps, texts)
+            except Exception as e:  # noqa: BLE001 - any failure of a user's reward is named
+                raise RewardError(f"the reward of task {task!r} ({reward_name(fn)}) failed: "
+                                  f"{type(e).__name__}: {e}") from e
+            return check_rewards(task, reward_name(fn), out, texts,
+                                 skip=self.algo.invalid_rewards == "skip")
 
         results: dict[str, list[float]] = {}
         if len(by_task) == 1:
@@ -242,7 +313,7 @@ class RolloutProducer:
         for task, idx in by_task.items():
             flat, pos = results[task], 0
             for i in idx:
-                out[i] = [float(x) for x in flat[pos:pos + len(groups[i])]]
+                out[i] = flat[pos:pos + len(groups[i])]
                 pos += len(groups[i])
         return out
 
@@ -282,6 +353,7 @@ class RolloutProducer:
         per_task = {t: {"drawn": 0, "skipped": 0, "surplus": 0, "rewards": [], "lens": [], "tokens": 0}
                     for t in quotas}
         rollouts: list[Rollout] = []
+        invalid = [0, 0]   # completions with an invalid reward, prompts skipped for them
         drawn = truncated = 0
         gen_s = reward_s = 0.0
         versions = set()
@@ -310,6 +382,11 @@ class RolloutProducer:
             round_trainable = {t: 0 for t in draws}
             for prompt, comps, rw in zip(prompts, groups, rewards):
                 task = prompt.task
+                if any(r is None for r in rw):   # algorithm.invalid_rewards=skip: never trains
+                    per_task[task]["skipped"] += 1
+                    invalid[0] += sum(r is None for r in rw)
+                    invalid[1] += 1
+                    continue
                 self.normalizer.update(task, rw)
                 group = [Rollout(prompt=prompt, completion=c, reward=r) for c, r in zip(comps, rw)]
                 rollouts.extend(group)
@@ -336,6 +413,7 @@ class RolloutProducer:
                             idle_s, versions)
         stats.update(self.pool.take_stats())
         stats.update(sync)
+        stats["reward/invalid_completions"], stats["reward/invalid_prompts"] = invalid
         producer_state = {"normalizer": self.normalizer.state_dict(), "rates": dict(self.rates)}
         return RolloutBatch(index=k, weight_version=min(versions), groups=tuple(chosen),
                             sampler_state=self.sampler.state_dict(), rng_state=self.rng.getstate(),
@@ -387,7 +465,7 @@ class RolloutProducer:
                 pre + "units": len(mine), pre + "quota": quotas[t], pre + "drawn": st["drawn"],
                 pre + "skipped": st["skipped"], pre + "surplus": st["surplus"],
                 pre + "reward_mean": mean(st["rewards"]),
-                pre + "reward_norm_mean": mean([(r - m_t) / (s_t + 1e-6) for r in st["rewards"]]),
+                pre + "reward_norm_mean": mean(self.normalizer.normalize(t, st["rewards"]) if n_t else []),
                 pre + "reward_per_token": mean(length_normalized_rewards(st["rewards"], st["lens"])),
                 pre + "len_mean_tokens": mean(st["lens"]), pre + "yield_ema": self.rates[t]})
             if self.algo.unit == "pair" and mine:

@@ -11,6 +11,7 @@ are left running). The verbs the loop calls (:meth:`train_step`, :meth:`publish`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -24,13 +25,18 @@ from megatron_rlhf.generator.pool import GeneratorPool
 from megatron_rlhf.generator.weight_sync import PublishedWeights, make_transport
 from megatron_rlhf.trainer.checkpoint import CheckpointManager
 from megatron_rlhf.trainer.metrics import MetricsLogger, summarize
+from megatron_rlhf.trainer.preflight import check_model_source, preflight
 from megatron_rlhf.trainer.rollout import RolloutProducer, WeightChannel
 
-__all__ = ["Run", "RunResult", "LearnerDiedError", "resolve_model_dir"]
+__all__ = ["Run", "RunResult", "LearnerDiedError", "NonFiniteTrainingError", "resolve_model_dir"]
 
 
 class LearnerDiedError(RuntimeError):
     """The learner actor died; the run stops (the last complete checkpoint is left intact)."""
+
+
+class NonFiniteTrainingError(RuntimeError):
+    """``learner.max_skipped_steps`` steps in a row had a non-finite loss or gradient."""
 
 
 class RunResult(dict):
@@ -57,11 +63,12 @@ class Run:
         self.cfg, self.say, self.run_dir = cfg, say, cfg.run_dir
         self.timeout = cfg.async_.timeout_s
         self.learner = self.transport = self.channel = self.producer = self.thread = None
-        self.pool = self.metrics = self.reward = self.evals = None
+        self.pool = self.metrics = self.reward = self.placement = self.evals = None
         self.rm_actors: dict = {}
         self.generators: list = []
         self.shared_generators: list = []
         self.started_ray = False
+        self.skipped_in_row = 0
 
     @classmethod
     def open(cls, cfg: Config, *, quiet: bool = False, generators: list | None = None) -> "Run | RunResult":
@@ -88,8 +95,9 @@ class Run:
         """Everything before any actor starts: model, pre-flight checks, data, plug-ins, folder."""
         cfg, say, run_dir = self.cfg, self.say, self.run_dir
         say(f"run folder {run_dir}")
+        check_model_source(cfg.model)
         self.model_dir = resolve_model_dir(cfg.model)
-        _preflight(cfg, self.model_dir)
+        self.plugins = preflight(cfg, self.model_dir)    # before any actor starts: a bad config stops here
         try:
             self.sampler, self.data_counts, self.pad_id, self.eval_by_task = _load_prompts(cfg, self.model_dir)
         except (ValueError, FileNotFoundError) as e:   # names tasks[].data.*: a config problem
@@ -105,7 +113,6 @@ class Run:
             if saved.is_file() and _config_differs(cfg, saved):
                 say(f"note: this config differs from the one the run used ({saved}); it was not applied")
             return done_before
-        self.plugins = _import_plugins(cfg)             # before any actor starts: a bad config stops here
         self.reward_models = _resolve_reward_models(cfg)
         for task, folder in self.reward_models.items():
             say(f"task {task}: reward model {folder}{_rm_accuracy(folder)}")
@@ -126,10 +133,12 @@ class Run:
             self.reward = MathVerifyReward(num_workers=1)
         self.started_ray = _init_ray(cfg, extra_cpus=len(set(self.reward_models.values())))
         self.shared_generators = list(generators or [])
-        self.rm_actors = _build_reward_models(cfg, self.reward_models)
+        self.placement = _placement(cfg, len(set(self.reward_models.values())), timeout)
+        self.rm_actors = _build_reward_models(cfg, self.reward_models, self.placement)
         reward_fns = _reward_fns(cfg, self.reward, self.rm_actors, self.plugins, timeout)
         live = cfg.run.mode != "train_only"   # train_only replays saved batches: no vLLM engine
-        self.learner, self.generators = _build_actors(cfg, self.model_dir, self.shared_generators, live)
+        self.learner, self.generators = _build_actors(cfg, self.model_dir, self.shared_generators,
+                                                      self.placement, live)
         self.transport = make_transport(cfg.generators, self.run_dir)
         self.probe = (_probe_tokens(self.sampler, cfg.generators.max_model_len)
                       if cfg.generators.check_weight_sync else None)
@@ -148,8 +157,11 @@ class Run:
                                   f"this config's tasks ({e}); resume with the same tasks[] and run.seed, "
                                   "or start a new run (another run.name)") from e
             self.say(f"resuming from {path.name} (step {self.start_step}, weight version {self.version})")
-        ray.get([a.__ray_ready__.remote() for a in (self.learner, *self.generators, *self.rm_actors.values())],
-                timeout=timeout)
+        with _learner_guard("start-up", self.ckpts):
+            ray.get([a.__ray_ready__.remote() for a in (self.learner, *self.generators, *self.rm_actors.values())],
+                    timeout=timeout)
+            if live and hasattr(self.transport, "setup"):   # nccl: form the broadcast group
+                self.transport.setup(self.learner, self.generators, timeout)
         self.channel = WeightChannel(PublishedWeights(version=0))
         self.batches = queue.Queue(maxsize=1)
         if not live:
@@ -162,14 +174,13 @@ class Run:
             self.say(f"train_only: replaying the saved batches of {folder} (no generator, no eval)")
             self.producer = ReplayProducer(folder, self.batches, self.start_step, cfg.run.num_steps)
             self.thread = threading.Thread(target=self.producer.run, name="rollout-replay", daemon=True)
-            self.metrics = MetricsLogger(self.run_dir, cfg.logging, config_to_dict(cfg))
+            self._open_metrics()
             return
-        if hasattr(self.transport, "setup"):   # nccl: form the broadcast group
-            self.transport.setup(self.learner, self.generators, timeout)
         if self.version > 0:  # the generators start from the base weights: hand them the resumed ones
             self.publish(self.version)
         elif self.shared_generators:  # reused actors hold an earlier run's weights: reset to version 0
-            start = self.transport.publish(self.learner, 0, timeout, None)
+            with _learner_guard("the export of the starting weights", self.ckpts):
+                start = self.transport.publish(self.learner, 0, timeout, None)
             ray.get([self.transport.push(g, start) for g in self.shared_generators], timeout=timeout)
         self.pool = GeneratorPool(self.generators, transport=self.transport, generator_cfg=cfg.generators,
                                   timeout_s=timeout, probe=self.probe,
@@ -184,7 +195,15 @@ class Run:
             rng_state=rng_state, producer_state=producer_state, seed=cfg.run.seed, timeout_s=timeout,
             evals=self.evals)
         self.thread = threading.Thread(target=self.producer.run, name="rollout-producer", daemon=True)
-        self.metrics = MetricsLogger(self.run_dir, cfg.logging, config_to_dict(cfg))
+        self._open_metrics()
+
+    def _open_metrics(self) -> None:
+        """The metrics logger (rows above the resumed step moved aside, see ``MetricsLogger``)."""
+        self.metrics = MetricsLogger(self.run_dir, self.cfg.logging, config_to_dict(self.cfg),
+                                     resume_step=self.start_step)
+        if self.metrics.aside is not None:
+            self.say(f"metrics rows after step {self.start_step} (training lost in a crash) moved to "
+                     f"{self.metrics.aside.name}")
 
     # ----- the verbs of the loop -------------------------------------------------------------------
     def call(self, ref, what: str):
@@ -199,10 +218,24 @@ class Run:
 
     def train_step(self, learner_batch, step: int) -> dict:
         """One learner update on ``learner_batch`` (step ``step``, 1-based); returns its metrics
-        (``{"loss/total": None}`` in ``rollout_only``: nothing is trained)."""
+        (``{"loss/total": None}`` in ``rollout_only``: nothing is trained).
+
+        Raises:
+            NonFiniteTrainingError: this is the ``learner.max_skipped_steps``-th step in a row
+                that the learner skipped for a non-finite loss or gradient.
+        """
         if not self.trains:
             return {"loss/total": None}
-        return self.call(self.learner.train_step.remote(learner_batch), f"train_step of step {step}")
+        out = self.call(self.learner.train_step.remote(learner_batch), f"train_step of step {step}")
+        self.skipped_in_row = self.skipped_in_row + 1 if out.get("train/skipped_nonfinite") else 0
+        limit = self.cfg.learner.max_skipped_steps
+        if self.skipped_in_row >= limit:
+            raise NonFiniteTrainingError(
+                f"steps {step - limit + 1}..{step}: the loss or gradient was not finite "
+                f"{limit} steps in a row (learner.max_skipped_steps={limit}); no update was applied "
+                f"(grad/norm {out.get('grad/norm')}, loss {out.get('loss/total')}): check the rewards' "
+                "scale, the learning rate and learner.optimizer.clip_grad")
+        return out
 
     def keep(self, batch) -> None:
         """Save ``batch`` to ``<run>/rollouts/`` (``trainer.batch_io``) in ``rollout_only`` or with
@@ -220,7 +253,12 @@ class Run:
         version, so the eval finds the engines at it). Returns the eval's ``Future`` or None."""
         if self.cfg.run.mode != "train":   # debug modes: weights never change / no engine to push to
             return self.evals.request(eval_step) if eval_step is not None and self.evals else None
-        weights = self.transport.publish(self.learner, version, self.timeout, self.probe)
+        what = f"the weight publish of version {version}"
+        with _learner_guard(what, self.ckpts):
+            weights = self.transport.publish(self.learner, version, self.timeout, self.probe)
+        # the object-store transport only waits for the export's ref, which is ready (as an error)
+        # when the learner died: a call queued behind the export confirms it, cheaply
+        self.call(self.learner.get_weight_version.remote(), what)
         fut = self.evals.request(eval_step, weights) if eval_step is not None and self.evals else None
         if generation:
             self.channel.publish(weights)
@@ -237,7 +275,8 @@ class Run:
         state = {"step": step, "weight_version": version, "sampler_state": batch.sampler_state,
                  "rng_state": batch.rng_state, "producer_state": batch.producer_state, "time": time.time()}
         self.ckpts.save(step, state, lambda tmp: self.call(
-            self.learner.save_checkpoint.remote(str(tmp / "learner")), f"checkpoint save of step {step}"))
+            self.learner.save_checkpoint.remote(str(tmp / "learner")), f"checkpoint save of step {step}"),
+            passthrough=(LearnerDiedError,))
         return step
 
     def finish(self, done: int, wall_s: float, stopped_early: bool) -> RunResult:
@@ -251,7 +290,7 @@ class Run:
         if not stopped_early and cfg.checkpoint.export_hf and self.trains and (done > self.start_step or not (
                 run_dir / "hf_final" / "config.json").is_file()):
             _export_final(self, run_dir, self.model_dir)
-        result = RunResult(summarize(self.metrics.rows, wall_s))
+        result = RunResult(summarize(self.metrics.rows, wall_s + self.metrics.adopted_wall_s))
         result.update(run_dir=str(run_dir), stopped_early=stopped_early, resumed_from_step=self.start_step,
                       data=self.data_counts, prompts_too_long=self.too_long,
                       generator_restarts=self.pool.restarts if self.pool else 0,
@@ -276,6 +315,8 @@ class Run:
                 ray.kill(actor)
         if self.transport is not None:
             self.transport.close()
+        if self.placement is not None:
+            self.placement.remove()
         if self.started_ray:
             ray.shutdown()
 
@@ -296,10 +337,20 @@ def _learner_call(ref, what: str, timeout: float, ckpts: CheckpointManager):
         ray.exceptions.GetTimeoutError: no answer within ``async.timeout_s``.
     """
     import ray
+
+    with _learner_guard(what, ckpts):
+        return ray.get(ref, timeout=timeout)
+
+
+@contextlib.contextmanager
+def _learner_guard(what: str, ckpts: CheckpointManager):
+    """Every learner call (train_step, checkpoint save, weight publish, final export) runs inside
+    this: an actor death (``RayActorError``, also when raised by the transport's own ``ray.get``)
+    becomes :class:`LearnerDiedError` naming ``what`` and the last complete checkpoint."""
     from ray.exceptions import RayActorError
 
     try:
-        return ray.get(ref, timeout=timeout)
+        yield
     except RayActorError as e:
         latest = ckpts.latest()
         where = (f"the last complete checkpoint {latest[0]} is intact: rerun the same command to resume "
@@ -377,44 +428,68 @@ def _actor_options(role: str, gpus: int) -> dict:
     return opts
 
 
-def _build_actors(cfg: Config, model_dir: Path, generators: list | None = None, with_generators: bool = True):
+def _placement(cfg: Config, reward_models: int, timeout: float):
+    """Ray placement groups for a GPU cluster run (``placement.gpus_per_node > 0`` and GPUs in the
+    Ray cluster): :class:`megatron_rlhf.placement.ActorPlacement`, reserved before any actor starts
+    (a shortfall raises ``ConfigError``); ``None`` on CPU and local runs."""
+    import ray
+
+    from megatron_rlhf.placement import ActorPlacement, BundleLayout
+
+    if cfg.placement.gpus_per_node == 0 or ray.cluster_resources().get("GPU", 0) == 0:
+        return None
+    return ActorPlacement(BundleLayout.from_config(cfg, reward_models), timeout_s=timeout,
+                          engine_backend=cfg.generators.distributed_executor_backend)
+
+
+def _build_actors(cfg: Config, model_dir: Path, generators: list | None = None, placement=None,
+                  with_generators: bool = True):
+    """The learner (one rank, or a ``LearnerGroup`` coordinator of one actor per rank) and the
+    generators (none without ``with_generators``: ``run.mode: train_only``); with ``placement``,
+    every rank and engine in its placement-group bundle."""
     import ray
 
     from megatron_rlhf.learner.actor import MegatronLearner
 
-    pin = cfg.generators.cpu_core
+    pin, g = cfg.generators.cpu_core, cfg.generators
     lc = cfg.learner
+    world = lc.tensor_parallel * lc.pipeline_parallel * lc.data_parallel
     kw = dict(model_dir=str(model_dir), learner_cfg=lc, algorithm_cfg=cfg.algorithm,
               dtype=cfg.model.dtype, seed=cfg.run.seed, total_steps=cfg.run.num_steps,
-              temperature=cfg.generators.temperature if cfg.algorithm.is_policy_gradient else 1.0,
-              cpu_core=pin + cfg.generators.num_workers if pin >= 0 else -1)
-    if lc.tensor_parallel * lc.pipeline_parallel * lc.data_parallel == 1:
-        learner = ray.remote(**_actor_options("learner", 1))(MegatronLearner).remote(**kw)
+              temperature=cfg.generators.temperature,   # the learner picks each loss's own
+              cpu_core=pin + g.num_workers * g.tensor_parallel if pin >= 0 else -1)
+    rank_opts = ([{"max_restarts": 0, **placement.learner_options(r)} for r in range(world)] if placement
+                 else [_actor_options("learner", 1)] * world)
+    if world == 1:
+        learner = ray.remote(**rank_opts[0])(MegatronLearner).remote(**kw)
     else:  # a coordinator actor (no CPU/GPU of its own) driving one actor per learner rank
         from megatron_rlhf.learner.group import LearnerGroup
 
         learner = ray.remote(num_cpus=0, max_restarts=0)(LearnerGroup).remote(
-            rank_actor_options=_actor_options("learner", 1), timeout_s=cfg.async_.timeout_s, **kw)
+            rank_actor_options=rank_opts, timeout_s=cfg.async_.timeout_s, **kw)
     if not with_generators:
         return learner, []
-    return learner, (list(generators) if generators else _build_generators(cfg, model_dir))
+    return learner, (list(generators) if generators else _build_generators(cfg, model_dir, placement))
 
 
-def _build_generators(cfg: Config, model_dir: Path) -> list:
+def _build_generators(cfg: Config, model_dir: Path, placement=None) -> list:
     """``generators.num_workers`` VLLMGenerator actors: worker i has engine seed ``run.seed + i``
-    (distinct samples), is pinned to core ``cpu_core + i`` (CPU, unless -1) and is restarted by
-    Ray up to ``generators.max_restarts`` times when its process dies."""
+    (distinct samples), is pinned to core ``cpu_core + i`` (CPU, TP 1, unless -1; TP > 1: its
+    workers bind cores ``cpu_core + i*TP + r``), sits in its placement-group bundle on GPU clusters,
+    and is restarted by Ray up to ``generators.max_restarts`` times when its process dies."""
     import ray
 
     from megatron_rlhf.generator.vllm_engine import VLLMGenerator
 
     g = cfg.generators
-    opts = _actor_options("generator", g.tensor_parallel)
-    opts["max_restarts"] = g.max_restarts
-    gen_cls = ray.remote(**opts)(VLLMGenerator)
-    return [gen_cls.remote(model_dir=str(model_dir), generator_cfg=g, dtype=cfg.model.dtype,
-                           seed=cfg.run.seed + i, cpu_core=g.cpu_core + i if g.cpu_core >= 0 else -1)
-            for i in range(g.num_workers)]
+    out = []
+    for i in range(g.num_workers):
+        opts = placement.engine_options(i) if placement else _actor_options("generator", g.tensor_parallel)
+        opts["max_restarts"] = g.max_restarts
+        out.append(ray.remote(**opts)(VLLMGenerator).remote(
+            model_dir=str(model_dir), generator_cfg=g, dtype=cfg.model.dtype, seed=cfg.run.seed + i,
+            cpu_core=g.cpu_core + i if g.cpu_core >= 0 else -1, engine_index=i))
+    return out
 
 
 def _load_prompts(cfg: Config, model_dir: Path):
@@ -508,27 +583,6 @@ def _completed_run(cfg: Config, ckpts: CheckpointManager, run_dir: Path) -> RunR
     return result
 
 
-def _preflight(cfg: Config, model_dir: Path) -> None:
-    """Checks that need the model or the machine, run before any actor starts.
-
-    Raises:
-        ConfigError: the model does not split over ``learner.tensor_parallel`` /
-            ``pipeline_parallel``, or ``generators.transport=nccl`` without a visible CUDA GPU.
-    """
-    import torch
-
-    from megatron_rlhf.learner.model import check_divisible, load_hf_config
-
-    try:
-        check_divisible(load_hf_config(model_dir), tensor_parallel=cfg.learner.tensor_parallel,
-                        pipeline_parallel=cfg.learner.pipeline_parallel)
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
-    if cfg.generators.transport == "nccl" and not torch.cuda.is_available():
-        raise ConfigError("config key 'generators.transport' = 'nccl' needs CUDA GPUs on the learner and "
-                          "the generators (none is visible here); use 'object_store' or 'filesystem'")
-
-
 def _config_differs(cfg: Config, saved: Path) -> bool:
     """Whether ``cfg`` differs from the config saved at ``saved`` (ignoring unreadable files)."""
     from megatron_rlhf.config import load_config
@@ -569,10 +623,11 @@ def _resolve_reward_models(cfg: Config) -> dict[str, Path]:
     return out
 
 
-def _build_reward_models(cfg: Config, folders: dict[str, Path]) -> dict:
+def _build_reward_models(cfg: Config, folders: dict[str, Path], placement=None) -> dict:
     """One ``RewardModelWorker`` Ray actor per reward-model folder (tasks sharing a folder share
-    the actor): one CPU, and on GPU clusters one GPU of the generator nodes (the ``mrlhf_generator``
-    resource of slurm/ray_cluster.sh; the placement check counts it beside the vLLM engines)."""
+    the actor): one CPU, and on GPU clusters one GPU of the generator nodes (its placement-group
+    bundle, or the ``mrlhf_generator`` resource of slurm/ray_cluster.sh; the placement check counts
+    it beside the vLLM engines)."""
     import ray
 
     from megatron_rlhf.rewards.server import RewardModelWorker
@@ -584,29 +639,10 @@ def _build_reward_models(cfg: Config, folders: dict[str, Path]) -> dict:
             continue
         d = folders[task.name]
         if d not in by_dir:
-            opts = _actor_options("generator", 1)
+            opts = placement.reward_options(len(by_dir)) if placement else _actor_options("generator", 1)
             by_dir[d] = ray.remote(**opts)(RewardModelWorker).remote(
                 model_dir=str(d), dtype=cfg.model.dtype, batch_size=task.reward.batch_size)
         out[task.name] = by_dir[d]
-    return out
-
-
-def _import_plugins(cfg: Config) -> dict:
-    """Task name -> the imported ``module:function`` reward plug-in of every plug-in task.
-
-    Raises:
-        ConfigError: a plug-in that cannot be imported (named by its task).
-    """
-    import importlib
-
-    out = {}
-    for task in cfg.tasks:
-        if task.kind == "plugin":
-            mod, _, fn = task.reward.partition(":")
-            try:
-                out[task.name] = getattr(importlib.import_module(mod), fn)
-            except (ImportError, AttributeError) as e:
-                raise ConfigError(f"tasks[{task.name}].reward = {task.reward!r} cannot be imported: {e}") from e
     return out
 
 
@@ -620,10 +656,13 @@ def _reward_fns(cfg: Config, math_reward, rm_actors: dict, plugins: dict, timeou
     for task in cfg.tasks:
         if task.kind == "math_verify":
             fns[task.name] = lambda ps, texts, f=math_reward: f(texts, [p.answer for p in ps])
+            fns[task.name].reward_name = "math_verify"
         elif task.kind == "reward_model":
             fns[task.name] = lambda ps, texts, a=rm_actors[task.name]: ray.get(
                 a.score.remote([p.text for p in ps], list(texts)), timeout=timeout)
+            fns[task.name].reward_name = f"reward model {task.reward.reward_model}"
         else:
             fns[task.name] = lambda ps, texts, f=plugins[task.name]: f(list(texts), [p.answer for p in ps])
+            fns[task.name].reward_name = task.reward
     return fns
 

@@ -1,0 +1,225 @@
+"""Pre-flight: every check that needs the disk, the model or the machine, run once before any
+actor starts (config values themselves are checked when the config loads).
+
+Each failure is a :class:`~megatron_rlhf.config.ConfigError` naming the config key, the path or
+value and the fix, instead of an error from deep inside Megatron, vLLM or transformers after the
+actors started:
+
+* ``model.source``: an HF folder needs ``config.json`` of a supported architecture
+  (:func:`megatron_rlhf.convert.mapping.supported_model_types`), a tokenizer and readable
+  ``*.safetensors`` files (each header is parsed; a truncated or corrupt file is named); any other
+  folder must be a Megatron checkpoint.
+* ``generators.max_model_len`` at most the model's ``max_position_embeddings``.
+* The model splits over ``learner.tensor_parallel`` / ``pipeline_parallel``;
+  ``generators.transport=nccl`` needs a CUDA GPU.
+* A vLLM engine fits its device (``platform.engine_args.check_engines``): its weights fit the memory
+  vLLM may use and its KV cache holds at least one ``generators.max_model_len`` sequence.
+* Reward plug-ins (``tasks[].reward: module:function``) import (any error at import, a
+  ``SyntaxError`` included, is reported with its task) and are callable.
+* The run folder ``<run.output_dir>/<run.name>`` can be created and written (no file in the way of
+  it or of its ``checkpoints`` folder, a writable disk).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from megatron_rlhf.config import Config, ConfigError
+
+__all__ = ["check_model_source", "preflight", "check_model_folder", "check_output_folder",
+           "import_plugins"]
+
+
+def check_model_source(model_cfg) -> None:
+    """``model.source`` before it is resolved: an HF folder (``config.json`` and
+    ``*.safetensors``) or a Megatron checkpoint folder.
+
+    Raises:
+        ConfigError: neither (names what is missing).
+    """
+    if model_cfg.source == "smollm2":
+        return
+    from megatron_rlhf.convert.dist_ckpt import resolve_checkpoint
+
+    src = Path(os.path.expanduser(model_cfg.source)).resolve()
+    key = f"config key 'model.source' = {model_cfg.source!r}"
+    has_config, has_weights = (src / "config.json").is_file(), any(src.glob("*.safetensors"))
+    if has_config and has_weights:
+        return
+    try:
+        resolve_checkpoint(src)
+        return
+    except FileNotFoundError:
+        pass
+    if has_config:
+        raise ConfigError(f"{key}: {src} has config.json but no *.safetensors weights; save the model "
+                          "with safetensors (save_pretrained(..., safe_serialization=True))")
+    raise ConfigError(f"{key}: {src} has no config.json, so it is no Hugging Face model folder "
+                      "(config.json, *.safetensors, tokenizer files), and no Megatron checkpoint "
+                      "either; point model.source at one of those, or use 'smollm2'")
+
+
+def preflight(cfg: Config, model_dir: Path) -> dict:
+    """Every pre-flight check (module doc) on the resolved HF folder ``model_dir``.
+
+    Returns:
+        Task name -> imported reward plug-in (:func:`import_plugins`).
+    Raises:
+        ConfigError: the first failed check.
+    """
+    import torch
+
+    from megatron_rlhf.platform.engine_args import check_engines
+
+    check_model_folder(cfg, model_dir)
+    check_engines(cfg, model_dir)   # vLLM could not start the engine: weights too big, KV < one sequence
+    if cfg.generators.transport == "nccl" and not torch.cuda.is_available():
+        raise ConfigError("config key 'generators.transport' = 'nccl' needs CUDA GPUs on the learner and "
+                          "the generators (none is visible here); use 'object_store' or 'filesystem'")
+    plugins = import_plugins(cfg)
+    check_output_folder(cfg)
+    return plugins
+
+
+def check_model_folder(cfg: Config, model_dir: Path) -> None:
+    """config.json, architecture, layout, context length, tokenizer and safetensors headers of
+    the HF folder ``model_dir``.
+
+    Raises:
+        ConfigError: names ``model.source`` (or the learner / generator key) and the file.
+    """
+    from megatron_rlhf.convert.mapping import get_arch
+    from megatron_rlhf.learner.model import check_divisible, load_hf_config
+
+    key = f"config key 'model.source' = {cfg.model.source!r}"
+    try:
+        hf = load_hf_config(model_dir)
+    except Exception as e:  # noqa: BLE001 - transformers raises OSError, ValueError, KeyError, ...
+        raise ConfigError(f"{key}: {model_dir}/config.json cannot be read: {type(e).__name__}: {e}") from e
+    try:
+        get_arch(hf)
+    except ValueError as e:
+        raise ConfigError(f"{key}: {e}") from e
+    try:
+        check_divisible(hf, tensor_parallel=cfg.learner.tensor_parallel,
+                        pipeline_parallel=cfg.learner.pipeline_parallel)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    positions = _max_positions(hf)
+    if positions and cfg.generators.max_model_len > positions:
+        raise ConfigError(f"config key 'generators.max_model_len' = {cfg.generators.max_model_len} is "
+                          f"invalid: the model ({model_dir}) has max_position_embeddings="
+                          f"{hf.max_position_embeddings} ({positions} positions with its RoPE scaling); "
+                          f"set it to at most {positions}")
+    _check_tokenizer(key, model_dir)
+    _check_safetensors(key, model_dir)
+
+
+def _max_positions(hf) -> int | None:
+    """The context the model supports: ``max_position_embeddings`` times the RoPE scaling factor
+    of a scaled RoPE (``rope_type`` other than ``default``), as vLLM derives it."""
+    positions = getattr(hf, "max_position_embeddings", None)
+    scaling = getattr(hf, "rope_scaling", None) or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    factor = float(scaling.get("factor", 1.0)) if kind not in ("default", None) else 1.0
+    return int(positions * factor) if positions else None
+
+
+def _check_tokenizer(key: str, model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    try:
+        AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - a missing tokenizer surfaces as many error types
+        files = sorted(p.name for p in Path(model_dir).iterdir() if "token" in p.name or p.suffix == ".model")
+        raise ConfigError(f"{key}: no usable tokenizer in {model_dir} (tokenizer files there: "
+                          f"{files or 'none'}; expected tokenizer.json or tokenizer.model with "
+                          f"tokenizer_config.json): {type(e).__name__}: {str(e)[:300]}") from e
+
+
+def _check_safetensors(key: str, model_dir: Path) -> None:
+    """Parse the header of every weights file (cheap: the tensors are not read)."""
+    import json
+
+    from safetensors import safe_open
+
+    index = Path(model_dir) / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"{key}: {index} is not a valid safetensors index ({e})") from e
+        files = [Path(model_dir) / n for n in names]
+    else:
+        files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"{key}: {model_dir} holds no *.safetensors weights")
+    for f in files:
+        if not f.is_file():
+            raise ConfigError(f"{key}: {f} is listed in {index.name} but missing")
+        try:
+            with safe_open(str(f), "pt") as h:
+                h.keys()
+        except Exception as e:  # noqa: BLE001 - SafetensorError, OSError
+            raise ConfigError(f"{key}: weights file {f} is corrupt or truncated ({e}); re-download or "
+                              "re-export the model") from e
+
+
+def import_plugins(cfg: Config) -> dict:
+    """Task name -> the imported ``module:function`` reward plug-in of every plug-in task.
+
+    Raises:
+        ConfigError: a plug-in whose import fails in any way (missing module, ``SyntaxError``, an
+            exception raised by the module's code) or that is missing or not callable; names the
+            task and the plug-in.
+    """
+    import importlib
+
+    out = {}
+    for task in cfg.tasks:
+        if task.kind != "plugin":
+            continue
+        mod, _, name = task.reward.partition(":")
+        head = f"config key 'tasks[{task.name}].reward' = {task.reward!r}"
+        try:
+            module = importlib.import_module(mod)
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - a user's module may raise anything
+            where = f" ({e.filename}, line {e.lineno})" if isinstance(e, SyntaxError) else ""
+            raise ConfigError(f"{head}: importing module {mod!r} failed: {type(e).__name__}: "
+                              f"{e}{where}; fix the module or the dotted path") from e
+        fn = getattr(module, name, None)
+        if fn is None:
+            raise ConfigError(f"{head}: module {mod!r} has no {name!r}")
+        if not callable(fn):
+            raise ConfigError(f"{head}: {mod}.{name} is a {type(fn).__name__}, not a function "
+                              "fn(completions, answers) -> rewards")
+        out[task.name] = fn
+    return out
+
+
+def check_output_folder(cfg: Config) -> Path:
+    """Create the run folder (and its parents) and check it is writable.
+
+    Returns:
+        The run folder.
+    Raises:
+        ConfigError: a file where ``run.output_dir``, the run folder or its ``checkpoints`` folder
+            must go, or a folder that cannot be created or written (names the path and the cause).
+    """
+    run_dir = cfg.run_dir
+    for path, key in ((run_dir.parent, "run.output_dir"), (run_dir, "run.name"),
+                      (run_dir / "checkpoints", "run.name")):
+        if path.exists() and not path.is_dir():
+            raise ConfigError(f"config key '{key}': {path} is a file, but the run needs a folder there; "
+                              f"move the file or choose another {key}")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=run_dir, prefix=".write-test-"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"config key 'run.output_dir': cannot write the run folder {run_dir}: "
+                          f"{e.strerror or e} ({e.filename or run_dir}); choose a writable "
+                          "run.output_dir") from e
+    return run_dir

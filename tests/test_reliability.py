@@ -1,0 +1,430 @@
+"""Reliability (issue 16): nothing trains on garbage, nothing is written twice or outside the run
+folder, and every failure names its cause. Unit-level tests (no Ray, no vLLM; the learner
+in-process); the end-to-end ones are in ``tests/test_reliability_loop.py``.
+
+Bad-input tests are tables: a new case is one line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import queue
+import threading
+from pathlib import Path
+
+import pytest
+
+from megatron_rlhf.config import AlgorithmConfig, ConfigError, GeneratorConfig, load_config
+from megatron_rlhf.data.mix import MultiTaskSampler
+from megatron_rlhf.generator.weight_sync import PublishedWeights
+from megatron_rlhf.rollout.pairs import select_pair
+from megatron_rlhf.trainer.rollout import RewardError, RolloutProducer, WeightChannel
+from tests.test_learner_losses import _groups, _params, _vocab, make_learner  # noqa: F401 - fixture
+from tests.test_producer import FakePool, _prompts
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.timeout(120)
+
+
+# ------------------------------------------------------------------------- config (failures 3, 6)
+BAD_CONFIG = [  # (override, what the error must say)
+    ("run.name=..", r"'run\.name' = '\.\.'.*plain folder name"),
+    ("run.name=.", r"'run\.name' = '\.'.*plain folder name"),
+    ("run.name=a/b", r"'run\.name'.*plain folder name"),
+    ("run.name=", r"'run\.name'.*plain folder name"),
+    ("learner.optimizer.lr=.inf", r"'learner\.optimizer\.lr' = inf must be a finite number"),
+    ("learner.optimizer.lr=.nan", r"'learner\.optimizer\.lr' = nan must be a finite number"),
+    ("learner.optimizer.lr=0", r"'learner\.optimizer\.lr'.*> 0"),
+    ("algorithm.kl_beta=-.inf", r"'algorithm\.kl_beta' = -inf must be a finite number"),
+    ("async.timeout_s=.inf", r"'async\.timeout_s' = inf must be a finite number"),
+    ("algorithm.max_prompts_per_step=1", r"'algorithm\.max_prompts_per_step' = 1.*prompts_per_step \(2\)"),
+    ("learner.max_skipped_steps=0", r"'learner\.max_skipped_steps'"),
+    ("algorithm.invalid_rewards=ignore", r"'algorithm\.invalid_rewards'.*error or skip"),
+    ("logging.warn_token_mult_prob_error=0.5", r"'logging\.warn_token_mult_prob_error'"),
+]
+
+
+@pytest.mark.parametrize("override, message", BAD_CONFIG, ids=[c[0] for c in BAD_CONFIG])
+def test_bad_config_values_are_refused_naming_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(REPO / "configs" / "ci_tiny.yaml", [override])
+
+
+# ------------------------------------------------------------------------- rewards (failures 1, 7)
+def _nan_for_odd(ps, texts):
+    return [float("nan") if i % 2 else 1.0 for i in range(len(texts))]
+
+
+def _inf_once(ps, texts):
+    return [float("inf")] + [0.0] * (len(texts) - 1)
+
+
+def _none_rewards(ps, texts):
+    return [None] * len(texts)
+
+
+def _string_rewards(ps, texts):
+    return ["1.0"] * len(texts)
+
+
+def _one_short(ps, texts):
+    return [1.0] * (len(texts) - 1)
+
+
+def _a_float(ps, texts):
+    return 1.0
+
+
+def _raises(ps, texts):
+    raise ZeroDivisionError("the scorer divided by zero")
+
+
+def _huge(ps, texts):   # finite but huge, two values per group so every loss can train
+    return [1e300 * (1 + i % 2) * (-1) ** (i // 2) for i in range(len(texts))]
+
+
+BAD_REWARDS = [  # (reward function, algorithm.loss, what the error must say)
+    (_nan_for_odd, "grpo", r"reward of task 'math' \(nan_for_odd\) failed: reward 1 = nan is not finite"),
+    (_nan_for_odd, "rloo", r"reward of task 'math' \(nan_for_odd\) failed: reward 1 = nan is not finite"),
+    (_nan_for_odd, "online_dpo", r"reward of task 'math' \(nan_for_odd\) failed: reward 1 = nan"),
+    (_inf_once, "ppo", r"reward of task 'math' \(inf_once\) failed: reward 0 = inf is not finite"),
+    (_none_rewards, "group_dpo", r"reward of task 'math' \(none_rewards\) failed: reward 0 = None is not a number"),
+    (_string_rewards, "best_of_k_sft", r"reward of task 'math' \(string_rewards\) failed: reward 0 = '1\.0' is not a number"),
+    (_one_short, "grpo", r"reward of task 'math' \(one_short\) failed: it returned 15 rewards for 16 completions"),
+    (_a_float, "grpo", r"reward of task 'math' \(a_float\) failed: it returned float 1\.0, not a list"),
+    (_raises, "proximal_rloo", r"reward of task 'math' \(raises\) failed: ZeroDivisionError: the scorer divided"),
+]
+
+
+def _producer(fn, loss="grpo", num_batches=1, **algo):
+    fn.reward_name = fn.__name__.lstrip("_")
+    sampler = MultiTaskSampler({"math": _prompts("math", 40)}, {"math": 1.0}, seed=0)
+    out: queue.Queue = queue.Queue(maxsize=1)
+    prod = RolloutProducer(
+        pool=FakePool(), sampler=sampler, reward_fns={"math": fn}, pair_fn=select_pair,
+        channel=WeightChannel(PublishedWeights(version=0)), out_queue=out,
+        algorithm_cfg=AlgorithmConfig(loss=loss, samples_per_prompt=4, prompts_per_step=4, **algo),
+        generator_cfg=GeneratorConfig(prompts_per_request=4), staleness_bound=100, first_batch=0,
+        num_batches=num_batches, min_version=0, seed=0, timeout_s=60)
+    threading.Thread(target=prod.run, daemon=True).start()
+    return [out.get(timeout=60) for _ in range(num_batches)]
+
+
+@pytest.mark.parametrize("fn, loss, message", BAD_REWARDS, ids=[f"{f.__name__}-{l}" for f, l, _ in BAD_REWARDS])
+def test_invalid_rewards_stop_the_run_naming_task_function_and_value(fn, loss, message):
+    (item,) = _producer(fn, loss)
+    assert isinstance(item, RewardError), item
+    assert "generation" not in str(item)
+    with pytest.raises(RewardError, match=message):
+        raise item
+
+
+def test_loop_reports_a_reward_failure_as_the_reward_of_the_task_not_as_generation():
+    """The loop turns what the producer put on its queue into ProducerError: a reward failure keeps
+    the producer's message (task and reward function), anything else is a generation failure."""
+    from megatron_rlhf.trainer.loop import _take
+    from megatron_rlhf.trainer.rollout import ProducerError
+
+    stop = type("Stop", (), {"requested": False})()
+    for item, message in [
+            (RewardError("the reward of task 'math' (tests.plugins:x) failed: reward 1 = nan is not finite"),
+             r"^the reward of task 'math' \(tests\.plugins:x\) failed: reward 1 = nan"),
+            (RuntimeError("engine died"), r"^generation failed: RuntimeError: engine died")]:
+        q: queue.Queue = queue.Queue()
+        q.put(item)
+        with pytest.raises(ProducerError, match=message) as info:
+            _take(q, 5.0, stop)
+        assert info.value.__cause__ is item
+
+
+def test_invalid_rewards_skip_mode_skips_and_counts_those_prompts():
+    def half_nan(ps, texts):   # the prompts with an even index get one NaN completion
+        return [float("nan") if p.index % 2 == 0 and i % 4 == 0 else float(len(t) % 2 + i % 2)
+                for i, (p, t) in enumerate(zip(ps, texts))]
+
+    (batch,) = _producer(half_nan, "grpo", invalid_rewards="skip", skip_uniform_groups=False)
+    assert not isinstance(batch, BaseException), batch
+    assert batch.stats["reward/invalid_prompts"] >= 1
+    assert batch.stats["reward/invalid_completions"] == batch.stats["reward/invalid_prompts"]
+    assert batch.stats["pairs/skipped_prompts"] >= batch.stats["reward/invalid_prompts"]
+    assert all(g.prompt.index % 2 == 1 for g in batch.groups)
+    assert all(math.isfinite(r.reward) for g in batch.groups for r in g.rollouts)
+    assert math.isfinite(batch.stats["reward/mean"])
+
+
+@pytest.mark.parametrize("loss", ["online_dpo", "grpo", "rloo", "ppo"])
+def test_huge_finite_rewards_never_overflow_the_normaliser(loss):
+    (batch,) = _producer(_huge, loss)
+    assert not isinstance(batch, BaseException), batch
+    for key in ("reward/mean", "task/math/reward_norm_mean", "task/math/reward_per_token"):
+        assert math.isfinite(batch.stats[key]), (key, batch.stats[key])
+    for g in batch.groups:
+        assert all(math.isfinite(r) for r in (g.loss_rewards or g.rewards))
+
+
+def test_normaliser_statistics_of_1e300_rewards_are_exact_and_finite():
+    from megatron_rlhf.rewards.reward_model import RunningRewardNormalizer
+
+    n = RunningRewardNormalizer()
+    n.update("t", [1e300, 3e300])
+    n.update("t", [-1e300, 1e300])
+    count, mean, std = n.stats("t")
+    assert count == 4 and mean == pytest.approx(1e300) and std == pytest.approx(math.sqrt(2) * 1e300)
+    z = n.normalize("t", [1e300, 3e300, -1.7e308])
+    assert z[0] == pytest.approx(0.0, abs=1e-12) and z[1] == pytest.approx(math.sqrt(2))
+    assert all(math.isfinite(v) for v in z)
+    m = RunningRewardNormalizer()
+    m.load_state_dict(json.loads(json.dumps(n.state_dict())))
+    assert m.stats("t") == n.stats("t")
+
+
+# ------------------------------------------------------------------------- data (failure 8)
+def test_invalid_utf8_lines_are_skipped_and_counted_never_altered(tmp_path):
+    from megatron_rlhf.data.jsonrecords import read_json_records
+
+    f = tmp_path / "d.jsonl"
+    f.write_bytes(b'{"input": "Caf\xe9 has 0 cr\xe8mes", "target": "1"}\n'
+                  b'{"input": "Caf\xc3\xa9 has 2", "target": "2"}\n')
+    recs, bad = read_json_records(f)
+    assert bad == 1 and recs[0] is None and recs[1] == {"input": "Café has 2", "target": "2"}
+    arr = tmp_path / "d.json"
+    arr.write_bytes(b'[\n{"input": "ok"},\n{"input": "cr\xe8me"}\n]')
+    with pytest.raises(ValueError, match="line 3 is not valid UTF-8"):
+        read_json_records(arr)
+
+
+# ------------------------------------------------------------------------- metrics (failure 2)
+CRASHES = [  # (rows on disk when the driver died, step of the last complete checkpoint, rows after the resumed run)
+    ([1, 2, 3], 2, [1, 2, 3]),                    # killed after row 3, before its checkpoint
+    ([1, 2, 3, 4, 5], 3, [1, 2, 3, 4, 5, 6]),     # checkpoint.interval=3, killed after row 5
+    ([1, 2, 3, 3, 4], 4, [1, 2, 3, 4, 5, 6]),     # a duplicate left by an older version
+    ([1, 2], 0, [1, 2, 3]),                       # no checkpoint yet: the run starts over
+]
+
+
+def _row(step, tag):
+    from megatron_rlhf.trainer.metrics import REQUIRED_KEYS
+
+    return {**{k: 0.0 for k in REQUIRED_KEYS}, "step": step, "weight_version": step, "tag": tag,
+            "time/step_s": 1.0}
+
+
+@pytest.mark.parametrize("on_disk, ckpt_step, after", CRASHES)
+def test_metrics_hold_one_row_per_step_after_crash_and_resume(tmp_path, on_disk, ckpt_step, after):
+    from megatron_rlhf.config import LoggingConfig
+    from megatron_rlhf.trainer.metrics import MetricsLogger, summarize
+
+    lines = [json.dumps(_row(s, "old")) for s in on_disk]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 9, "torn')
+    logger = MetricsLogger(tmp_path, LoggingConfig(), resume_step=ckpt_step)
+    for s in range(ckpt_step + 1, after[-1] + 1):
+        logger.log(_row(s, "new"))
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == after
+    assert [r["tag"] for r in rows] == ["old"] * ckpt_step + ["new"] * (len(after) - ckpt_step)
+    (aside,) = tmp_path.glob(f"metrics.crash-resumed_at_step_{ckpt_step}-*.jsonl")
+    moved = aside.read_text().splitlines()
+    assert len(moved) == len(on_disk) - ckpt_step + 1 and moved[-1] == '{"step": 9, "torn'
+    assert summarize(logger.rows, 1.0)["steps"] == len(after) == len(logger.rows)
+
+
+# ------------------------------------------------------------------------- folders and disk (failure 5)
+def _fails_like_a_full_disk(tmp):
+    (tmp / "learner").mkdir()
+    with open("/dev/full", "wb") as f:          # the kernel answers ENOSPC
+        f.write(b"x" * 4096)
+        f.flush()
+
+
+def _iostream_error(tmp):
+    (tmp / "learner").mkdir()
+    (tmp / "learner" / "part.distcp").write_bytes(b"x" * 10)
+    raise RuntimeError("basic_ios::clear: iostream error")
+
+
+SAVE_FAILURES = [  # (what is in the way or fails, disk free bytes seen after the failure, message)
+    ("step_file", None, r"step_2 is a file, not a checkpoint folder"),
+    ("enospc", None, r"cannot save checkpoint step 2 into .*\.tmp-step_2-\d+: no space left on device"),
+    ("iostream", 1024, r"cannot save checkpoint step 2 into .*: no space left on device \(0\.0 MiB free"),
+    ("iostream", None, r"cannot save checkpoint step 2 into .*: RuntimeError: basic_ios::clear"),
+]
+
+
+@pytest.mark.parametrize("case, free, message", SAVE_FAILURES)
+def test_failed_save_names_path_and_cause_and_keeps_the_last_checkpoint(tmp_path, monkeypatch, case,
+                                                                         free, message):
+    import shutil
+    from collections import namedtuple
+
+    from megatron_rlhf.trainer.checkpoint import CheckpointError, CheckpointManager
+
+    ckpts = CheckpointManager(tmp_path / "checkpoints", keep_last=2)
+    ckpts.save(1, {"step": 1}, lambda tmp: (tmp / "learner").mkdir())
+    if case == "step_file":
+        (tmp_path / "checkpoints" / "step_2").write_text("not a checkpoint")
+    if free is not None:
+        usage = namedtuple("usage", "total used free")
+        monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 10**9 - free, free))
+    write = _fails_like_a_full_disk if case == "enospc" else _iostream_error if case == "iostream" else None
+    with pytest.raises(CheckpointError, match=message):
+        ckpts.save(2, {"step": 2}, write or (lambda tmp: None))
+    path, state = ckpts.latest()
+    assert path.name == "step_1" and state == {"step": 1}
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
+
+
+def test_a_file_where_the_checkpoint_folder_goes_is_named(tmp_path):
+    from megatron_rlhf.trainer.checkpoint import CheckpointError, CheckpointManager
+
+    (tmp_path / "checkpoints").write_text("")
+    with pytest.raises(CheckpointError, match=r"checkpoint folder .*checkpoints.*a file is in the way"):
+        CheckpointManager(tmp_path / "checkpoints")
+
+
+# ------------------------------------------------------------------------- rloo with stale samples
+def test_rloo_weights_each_token_by_the_truncated_ratio_to_the_generator():
+    import torch
+
+    from megatron_rlhf.losses.rloo import rloo_loss
+
+    lp = torch.tensor([[-1.0, -2.0], [-0.5, -1.5]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    gen = lp.detach() - torch.log(torch.tensor([[1.5, 0.5], [3.0, 1.0]]))  # pi/pi_gen = 1.5, 0.5, 3 -> cap 2
+    adv = torch.tensor([1.0, -2.0])
+    loss, m = rloo_loss(lp, adv, mask, generator_logprobs=gen, tis_cap=2.0)
+    w = torch.tensor([[1.5, 0.5], [2.0, 0.0]])
+    expect = (-(1.0 * (1.5 * -1.0 + 0.5 * -2.0)) - (-2.0 * 2.0 * -0.5)) / 2   # sequence_sum / N
+    assert float(loss) == pytest.approx(expect)
+    loss.backward()
+    torch.testing.assert_close(lp.grad, -adv[:, None] * w / 2)
+    assert float(m["tis/capped_frac"]) == pytest.approx(1 / 3)
+    on_policy, _ = rloo_loss(lp, adv, mask, generator_logprobs=lp.detach(), tis_cap=2.0)
+    plain, _ = rloo_loss(lp, adv, mask)
+    assert float(on_policy) == pytest.approx(float(plain))   # fresh samples: weight 1, plain RLOO
+
+
+# ------------------------------------------------------------------------- learner (failure 1)
+@pytest.mark.timeout(180)
+def test_learner_skips_a_step_with_a_nonfinite_loss_and_leaves_weights_unchanged(make_learner, tiny_llama_dir):
+    """Rewards of 1e300 are finite in Python but inf in the learner's float32: GRPO's advantages
+    and loss become NaN. The update is skipped (no optimizer step), counted, and the next, finite
+    batch trains normally."""
+    import dataclasses
+
+    import torch
+
+    from megatron_rlhf.types import LearnerBatch
+
+    vocab = _vocab(tiny_llama_dir)
+    learner = make_learner(tiny_llama_dir, "grpo")
+    groups = _groups(vocab, num_prompts=2)
+    huge = [dataclasses.replace(g, loss_rewards=tuple(1e300 * (i % 2) for i in range(len(g.rollouts))))
+            for g in groups]
+    before = _params(learner)
+    m = learner.train_step(LearnerBatch.from_groups(huge, "group", pad_id=1, pad_to_multiple=4))
+    assert m["train/skipped_nonfinite"] == 1.0 and m["train/update_ok"] == 0.0
+    assert math.isnan(m["grad/norm"]) and learner.weight_version == 1
+    assert all(torch.equal(before[n], p) for n, p in _params(learner).items())
+    m = learner.train_step(LearnerBatch.from_groups(groups, "group", pad_id=1, pad_to_multiple=4))
+    assert m["train/skipped_nonfinite"] == 0.0 and math.isfinite(m["grad/norm"])
+    assert any(not torch.equal(before[n], p) for n, p in _params(learner).items())
+
+
+# ------------------------------------------------------------------------- pre-flight (failures 3, 5, 6)
+def _copy_model(src: Path, dst: Path, skip=lambda name: False) -> Path:
+    import shutil
+
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        if f.is_file() and not skip(f.name):
+            shutil.copy(f, dst / f.name)
+    return dst
+
+
+def _empty(src, dst):
+    dst.mkdir()
+    return dst, []
+
+
+def _config_only(src, dst):
+    return _copy_model(src, dst, lambda n: n.endswith(".safetensors")), []
+
+
+def _gpt2(src, dst):
+    d = _copy_model(src, dst)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(model_type="gpt2", architectures=["GPT2LMHeadModel"], n_embd=128, n_layer=2, n_head=4)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d, []
+
+
+def _no_tokenizer(src, dst):
+    return _copy_model(src, dst, lambda n: "token" in n or n in ("vocab.json", "merges.txt")), []
+
+
+def _truncated_weights(src, dst):
+    d = _copy_model(src, dst)
+    f = next(d.glob("*.safetensors"))
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    return d, []
+
+
+def _plugin(code: str):
+    def make(src, dst):
+        pkg = dst.parent / "plugins_pf"
+        pkg.mkdir(exist_ok=True)
+        (pkg / "bad_reward.py").write_text(code)
+        return src, [f"tasks.0.reward=bad_reward:score"]
+    return make
+
+
+def _file_at(rel: str, key: str):
+    def make(src, dst):
+        out = dst.parent / "out"
+        target = out / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text("I am a file")
+        return src, [f"run.output_dir={out / key}", "run.name=r"]
+    return make
+
+
+PREFLIGHT = [  # (how the model folder / config is broken, what the error must say)
+    (_empty, r"'model\.source'.*has no config\.json, so it is no Hugging Face model folder"),
+    (_config_only, r"'model\.source'.*has config\.json but no \*\.safetensors"),
+    (_gpt2, r"'model\.source'.*model_type='gpt2' is not supported.*llama"),
+    (_no_tokenizer, r"'model\.source'.*no usable tokenizer in"),
+    (_truncated_weights, r"'model\.source'.*weights file .*\.safetensors is corrupt or truncated"),
+    (lambda s, d: (s, ["generators.max_model_len=4096"]),
+     r"'generators\.max_model_len' = 4096.*max_position_embeddings=1024 \(1024 positions"),
+    (_plugin("def score(:\n"), r"'tasks\[math\]\.reward'.*SyntaxError.*bad_reward\.py, line 1"),
+    (_plugin("raise RuntimeError('no GPU here')\n"), r"'tasks\[math\]\.reward'.*RuntimeError: no GPU here"),
+    (_plugin("import sys\nsys.exit(3)\n"), r"'tasks\[math\]\.reward'.*SystemExit"),
+    (_plugin("score = 0.5\n"), r"bad_reward\.score is a float, not a function"),
+    (_plugin("other = 1\n"), r"module 'bad_reward' has no 'score'"),
+    (_file_at("x", "x"), r"'run\.output_dir'.*out/x is a file, but the run needs a folder"),
+    (_file_at("o/r", "o"), r"'run\.name'.*o/r is a file, but the run needs a folder"),
+    (_file_at("o/r/checkpoints", "o"), r"checkpoints is a file, but the run needs a folder"),
+    (_file_at("x", "x/deeper"), r"'run\.output_dir': cannot write the run folder .*Not a directory"),
+]
+
+
+@pytest.mark.parametrize("breaks, message", PREFLIGHT, ids=[str(i) for i in range(len(PREFLIGHT))])
+def test_preflight_stops_before_any_actor_naming_key_and_cause(tiny_llama_dir, tmp_path, monkeypatch,
+                                                               breaks, message):
+    import sys
+
+    import ray
+
+    from megatron_rlhf.trainer.run import Run
+
+    monkeypatch.syspath_prepend(str(tmp_path / "plugins_pf"))
+    sys.modules.pop("bad_reward", None)
+    model, overrides = breaks(tiny_llama_dir, tmp_path / "model")
+    cfg = load_config(REPO / "configs" / "ci_tiny.yaml", [
+        f"model.source={model}", f"run.output_dir={tmp_path / 'runs'}", "logging.progress=false",
+        "tasks.0.reward=tests.plugins:char_parity", *overrides])
+    with pytest.raises(ConfigError, match=message):
+        Run.open(cfg, quiet=True)
+    assert not ray.is_initialized()
+    sys.modules.pop("bad_reward", None)

@@ -1,0 +1,201 @@
+"""Reliability (issue 16) in the real loop on CPU: tiny random Llama, one shared vLLM generator
+and one Ray cluster for the module (``train(..., generators=[...])``, as in test_loop_losses).
+
+* non-finite updates are skipped and counted, and the run stops after learner.max_skipped_steps;
+* metrics.jsonl holds one row per step after a crash between a row and its checkpoint (failure 2);
+* a dead learner is reported with the last complete checkpoint in every learner call (failure 4);
+* the train/inference mismatch metrics stay flat with unchanged weights (failure 9).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+pytestmark = [pytest.mark.integration]
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _cfg(model_dir, out_dir, name, *extra):
+    from megatron_rlhf.config import load_config
+
+    return load_config(REPO / "configs" / "ci_tiny.yaml", [
+        f"model.source={model_dir}", f"run.output_dir={out_dir}", f"run.name={name}",
+        "tasks.0.reward=tests.plugins:char_parity", "logging.progress=false",
+        "checkpoint.export_hf=false", "checkpoint.interval=0", *extra])
+
+
+def _rows(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def generator(ray_cluster, tiny_llama_dir):
+    """One vLLM generator actor for every run of the module."""
+    import ray
+
+    from megatron_rlhf.config import load_config
+    from megatron_rlhf.generator.vllm_engine import VLLMGenerator
+
+    cfg = load_config(REPO / "configs" / "ci_tiny.yaml", [f"model.source={tiny_llama_dir}",
+                                                         "generators.temperature=0.7"])
+    gen = ray.remote(num_cpus=1, max_restarts=0)(VLLMGenerator).remote(
+        model_dir=str(tiny_llama_dir), generator_cfg=cfg.generators, dtype="float32", seed=0, cpu_core=-1)
+    ray.get(gen.__ray_ready__.remote(), timeout=600)
+    yield gen
+    ray.kill(gen)
+
+
+# ------------------------------------------------------------------------- non-finite updates (failure 1)
+@pytest.mark.timeout(300)
+def test_nonfinite_updates_are_skipped_counted_and_stop_the_run_after_max_skipped_steps(
+        generator, tiny_llama_dir, tmp_path):
+    """Rewards of 1e300 pass validation (finite) but overflow the learner's float32 GRPO
+    advantages: every update is skipped; the second in a row stops the run."""
+    from megatron_rlhf.trainer.loop import train
+    from megatron_rlhf.trainer.run import NonFiniteTrainingError
+
+    cfg = _cfg(tiny_llama_dir, tmp_path, "inf", "algorithm.loss=grpo", "generators.temperature=0.7",
+               "tasks.0.reward=tests.plugins:huge_parity", "learner.max_skipped_steps=2",
+               "run.num_steps=4", "checkpoint.interval=1")
+    with pytest.raises(NonFiniteTrainingError, match=r"steps 1\.\.2: the loss or gradient was not finite 2 steps"):
+        train(cfg, quiet=True, generators=[generator])
+    rows = _rows(tmp_path / "inf")
+    assert [r["step"] for r in rows] == [1]
+    assert rows[0]["train/skipped_nonfinite"] == 1.0 and rows[0]["grad/norm"] is None
+    assert rows[0]["train/update_ok"] == 0.0
+
+
+# ------------------------------------------------------------------------- metrics after a crash (failure 2)
+@pytest.mark.timeout(400)
+def test_rerun_after_crash_between_row_and_checkpoint_leaves_one_row_per_step(generator, tiny_llama_dir,
+                                                                               tmp_path):
+    """The driver died after writing row 2 but before checkpoint step_2 was complete (the folder
+    is removed, as a crash mid-save leaves it); the re-run resumes from step_1, moves the old row
+    2 aside and writes its own: rows 1, 2 once each, and the summary covers both."""
+    from megatron_rlhf.trainer.loop import train
+
+    cfg = _cfg(tiny_llama_dir, tmp_path, "crash", "algorithm.loss=online_dpo", "checkpoint.interval=1",
+               "run.num_steps=2")
+    train(cfg, quiet=True, generators=[generator])
+    run_dir = tmp_path / "crash"
+    first = _rows(run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "step_2")
+    (run_dir / "summary.json").unlink()
+    res = train(cfg, quiet=True, generators=[generator])
+    rows = _rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2] and res["resumed_from_step"] == 1
+    assert rows[0] == first[0]
+    (aside,) = run_dir.glob("metrics.crash-resumed_at_step_1-*.jsonl")
+    assert [json.loads(x)["step"] for x in aside.read_text().splitlines()] == [2]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["first_step"] == 1 and summary["last_step"] == 2
+
+
+# ------------------------------------------------------------------------- dead learner (failure 4)
+class _Learner:
+    """Stands in for the learner actor: every verb the trainer calls; killed before the test."""
+
+    def train_step(self, batch):
+        return {}
+
+    def save_checkpoint(self, path):
+        Path(path).mkdir(parents=True)
+
+    def export_weights(self):
+        return []
+
+    def get_weight_version(self):
+        return 0
+
+    def export_hf(self, out, base):
+        return None
+
+
+@pytest.fixture(scope="module")
+def dead_learner(ray_cluster):
+    """A learner stand-in actor, killed (and waited for until it is dead)."""
+    import ray
+
+    learner = ray.remote(num_cpus=0, max_restarts=0)(_Learner).remote()
+    ray.get(learner.__ray_ready__.remote())
+    ray.kill(learner)
+    with pytest.raises(ray.exceptions.RayActorError):   # ray.kill is asynchronous: wait for the death
+        for _ in range(100):
+            ray.get(learner.__ray_ready__.remote(), timeout=10)
+    return learner
+
+
+def _train_step(run):
+    run.train_step(None, 2)
+
+
+def _save(run):
+    run.save(2, 2, SimpleNamespace(sampler_state={}, rng_state=None, producer_state={}))
+
+
+def _publish(run):
+    run.publish(2)
+
+
+def _export(run):
+    from megatron_rlhf.trainer.run import _export_final
+
+    _export_final(run, run.run_dir, run.model_dir)
+
+
+LEARNER_CALLS = [  # (the loop's verb, how the error names it)
+    (_train_step, "during train_step of step 2"),
+    (_save, "during checkpoint save of step 2"),
+    (_publish, "during the weight publish of version 2"),
+    (_export, "during the final HF export"),
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("verb, what", LEARNER_CALLS, ids=[v.__name__.strip("_") for v, _ in LEARNER_CALLS])
+def test_learner_death_in_any_learner_call_names_the_last_complete_checkpoint(dead_learner, tmp_path, verb, what):
+    from megatron_rlhf.config import load_config
+    from megatron_rlhf.generator.weight_sync import PublishedWeights, make_transport
+    from megatron_rlhf.trainer.checkpoint import CheckpointManager
+    from megatron_rlhf.trainer.rollout import WeightChannel
+    from megatron_rlhf.trainer.run import LearnerDiedError, Run
+
+    cfg = load_config(REPO / "configs" / "ci_tiny.yaml", [f"run.output_dir={tmp_path}", "async.timeout_s=60"])
+    run = Run(cfg, lambda *a: None)
+    run.learner, run.model_dir, run.probe = dead_learner, tmp_path, None
+    run.ckpts = CheckpointManager(tmp_path / "checkpoints")
+    run.ckpts.save(1, {"step": 1}, lambda tmp: None)
+    run.transport = make_transport(cfg.generators, tmp_path)
+    run.channel = WeightChannel(PublishedWeights(version=0))
+    with pytest.raises(LearnerDiedError, match=f"the learner died {what} .*step_1 is intact: rerun"):
+        verb(run)
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_1"]
+    assert run.channel.latest().version == 0
+
+
+# ------------------------------------------------------------------------- mismatch metric (failure 9)
+@pytest.mark.timeout(500)
+def test_mismatch_at_the_sampling_temperature_stays_flat_over_8_steps_with_unchanged_weights(
+        generator, tiny_llama_dir, tmp_path, capfd):
+    """online_dpo trains at temperature 1 but samples at 0.7: the gap is measured at 0.7, so with
+    weights that do not move (lr 1e-30) it is numerics only, the same at every step. The warning
+    threshold is set to 1.0 so that the warning path runs too."""
+    from megatron_rlhf.trainer.loop import train
+
+    cfg = _cfg(tiny_llama_dir, tmp_path, "gap", "algorithm.loss=online_dpo", "generators.temperature=0.7",
+               "learner.optimizer.lr=1e-30", "run.num_steps=8", "logging.warn_token_mult_prob_error=1.0")
+    train(cfg, quiet=True, generators=[generator])
+    rows = _rows(tmp_path / "gap")
+    gaps = [r["logprobs/vllm_gap_abs_mean"] for r in rows]
+    errs = [r["logprobs/token_mult_prob_error"] for r in rows]
+    assert len(rows) == 8
+    assert max(gaps) < 1e-3, gaps                      # was 0.25-0.33 nats comparing T=1 with T=0.7
+    assert all(1.0 <= e < 1.001 for e in errs), errs   # NeMo-RL's recipe bound is 1.05
+    assert max(errs) - min(errs) < 1e-3 and max(gaps) - min(gaps) < 1e-3
+    assert "warning: step 1: logprobs/token_mult_prob_error" in capfd.readouterr().err
