@@ -13,7 +13,9 @@ No Ray: one process, or one per GPU with torchrun (ranks rendezvous through torc
 
 Each step trains on ``--pairs`` synthetic preference pairs (2 sequences each) of ``--seq`` tokens
 (``--variable``: completion lengths drawn uniformly from [seq/4, seq], to see length grouping at
-work): a reference forward, a policy forward + backward, one Adam step.
+work; ``--max-tokens N``: micro-batches under a token budget instead of ``--mbs`` rows, and the
+result reports ``padding_fraction_rows`` / ``padding_fraction_token_budget``: the same batches
+planned both ways): a reference forward, a policy forward + backward, one Adam step.
 
 Model FLOPs (what MFU counts; recomputation and padding are not useful work), per the PaLM
 convention (Chowdhery et al. 2022, appendix B; the same matmul count as Narayanan et al. 2021,
@@ -145,6 +147,22 @@ def make_batch(pairs: int, seq: int, vocab: int, variable: bool, seed: int):
     return LearnerBatch(input_ids=ids, loss_mask=mask, weight_version=0)
 
 
+def planned_padding(lengths: list[int], a, learner) -> tuple[tuple[float, int], tuple[float, int]]:
+    """``(batch/padding_fraction, micro-batches)`` of the same rows planned with ``--mbs``
+    sequences per micro-batch and with the ``--max-tokens`` budget (``(nan, 0)`` when no budget),
+    over all DP ranks."""
+    from megatron_rlhf.learner.batching import padding_fraction, plan_microbatches
+
+    pad = a.tp if learner.sequence_parallel else 1
+
+    def frac(max_tokens: int) -> tuple[float, int]:
+        plans = [plan_microbatches(lengths, rows_per_microbatch=a.mbs, dp_rank=d, dp_size=a.dp,
+                                   pad_multiple=pad, max_tokens=max_tokens) for d in range(a.dp)]
+        return padding_fraction(lengths, plans), sum(len(p) for p in plans)
+
+    return frac(0), (frac(a.max_tokens) if a.max_tokens else (float("nan"), 0))
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
@@ -161,7 +179,9 @@ def main(argv=None) -> dict:
     p.add_argument("--variable", action="store_true", help="random completion lengths")
     p.add_argument("--dtype", default=None, help="float32 (CPU default) or bfloat16 (GPU default)")
     p.add_argument("--distributed-optimizer", action="store_true")
-    p.add_argument("--recompute", choices=["none", "full"], default="none")
+    p.add_argument("--recompute", choices=["none", "full", "selective"], default="none")
+    p.add_argument("--max-tokens", type=int, default=0,
+                   help="learner.max_tokens_per_microbatch (0: --mbs sequences per micro-batch)")
     p.add_argument("--peak-tflops", type=float, default=None)
     p.add_argument("--workdir", default=None, help="where preset weights are written (default: a temp dir)")
     a = p.parse_args(argv)
@@ -187,14 +207,15 @@ def main(argv=None) -> dict:
             time.sleep(1)
     cfg = LearnerConfig(tensor_parallel=a.tp, pipeline_parallel=a.pp, data_parallel=a.dp,
                         micro_batch_size=a.mbs, distributed_optimizer=a.distributed_optimizer,
-                        recompute=a.recompute, optimizer=OptimizerConfig(lr=1e-6))
+                        recompute=a.recompute, max_tokens_per_microbatch=a.max_tokens,
+                        optimizer=OptimizerConfig(lr=1e-6))
     t0 = time.perf_counter()
     learner = MegatronLearner(model_dir=str(model_dir), learner_cfg=cfg, algorithm_cfg=AlgorithmConfig(),
                               dtype=dtype, total_steps=a.steps + a.warmup, rank=rank, world_size=world,
                               init_method="env://" if world > 1 else None)
     build_s = time.perf_counter() - t0
     hf = learner.hf_config
-    times, tokens, flops, pad, pad_unsorted = [], 0, 0.0, [], []
+    times, tokens, flops, pad, pad_unsorted, pad_rows, pad_budget = [], 0, 0.0, [], [], [], []
     for step in range(a.warmup + a.steps):
         batch = make_batch(a.pairs, a.seq, hf.vocab_size, a.variable, seed=step)
         learner.platform.synchronize()
@@ -208,6 +229,9 @@ def main(argv=None) -> dict:
             flops += sum(n * 4 * model_flops_per_token(hf, n) for n in lengths)
             pad.append(m["batch/padding_fraction"])
             pad_unsorted.append(m["batch/padding_fraction_unsorted"])
+            rows_plan, budget_plan = planned_padding(lengths, a, learner)
+            pad_rows.append(rows_plan)
+            pad_budget.append(budget_plan)
     peak, peak_src = peak_flops(device, a.peak_tflops)
     secs = sum(times)
     res = {"model": a.preset or str(model_dir), "device": device, "dtype": dtype,
@@ -219,6 +243,13 @@ def main(argv=None) -> dict:
            "mfu": None if peak is None else round(flops / secs / (peak * world), 4),
            "peak": peak_src, "padding_fraction": round(sum(pad) / len(pad), 4),
            "padding_fraction_unsorted": round(sum(pad_unsorted) / len(pad_unsorted), 4),
+           # the same batches planned both ways (pure planning, whatever --max-tokens ran)
+           "padding_fraction_rows": round(sum(f for f, _ in pad_rows) / len(pad_rows), 4),
+           "microbatches_rows": sum(n for _, n in pad_rows) / len(pad_rows),
+           "padding_fraction_token_budget": (round(sum(f for f, _ in pad_budget) / len(pad_budget), 4)
+                                             if a.max_tokens else None),
+           "microbatches_token_budget": (sum(n for _, n in pad_budget) / len(pad_budget)
+                                         if a.max_tokens else None),
            "torch_threads": torch.get_num_threads()}
     learner.close()
     if rank == 0:

@@ -263,9 +263,11 @@ class GeneratorConfig:
     ``cpu_core + num_workers`` (modulo the cores available), so the overlap of generation and
     training is real; -1 disables pinning (use it when there are fewer cores than processes)."""
     inflight_updates: bool = False
-    """Push a newer published weight version to a worker between its generate requests, not only at
-    batch boundaries. A batch may then span several versions; every completion records its
-    version and the batch's staleness counts from the oldest one."""
+    """Push a newer published weight version to the workers as soon as it is published, not only at
+    batch boundaries: a worker with requests running loads it between two engine steps and its
+    running requests continue under the new weights (``sync/midrequest_pushes``). A batch, and a
+    completion, may then span several versions: every completion records the versions of its
+    first and last token, and staleness counts from the oldest."""
     check_weight_sync: bool = False
     """After every weight push, compare each worker's teacher-forced logprobs of a fixed probe
     sequence with the learner's (same version) and raise ``WeightSyncError`` beyond
@@ -366,10 +368,13 @@ class LearnerConfig:
     without TE megatron-core 0.16-0.19's ``CheckpointWithoutOutput`` takes its fp8 branch and
     fails. Default megatron's ``["core_attn"]``."""
     max_tokens_per_microbatch: int = 0
-    """Token budget of a micro-batch (0 = off: ``micro_batch_size`` sequences each). When set,
-    sequences sorted by length are packed into micro-batches of at most this many tokens
-    (rows x padded length; pairs and groups kept whole where the loss needs them, a unit longer
-    than the budget gets a micro-batch of its own); ``micro_batch_size`` then only caps the rows."""
+    """Token budget of a micro-batch (0 = off: ``micro_batch_size`` sequences each). When set it
+    replaces ``micro_batch_size``: sequences sorted by length are packed into micro-batches of at
+    most this many token slots (rows x the micro-batch's padded length; pairs and groups kept whole
+    where the loss needs them, a unit over the budget runs alone), so short completions share a
+    micro-batch and long ones do not run out of memory. The loss keeps whole-batch denominators:
+    the gradient equals the one-micro-batch gradient (tests/test_token_budget.py). Padded
+    micro-batches (no THD packing: that needs Transformer Engine's attention, GPU only, not done)."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     ref_sync_interval: int = 0
     """Copy policy -> reference every r learner batches (0 = never; Lanchantin et al. 2025)."""
@@ -544,6 +549,12 @@ class AsyncConfig:
     reaches s."""
     timeout_s: float = 1800.0
     """Upper bound of any single remote wait (seconds); nothing waits forever."""
+    watchdog_factor: float = 5.0
+    """Hang watchdog (``trainer/watchdog.py``): when a step has run more than this many times the
+    median finished step, log the pending remote calls and every process's Python stack, once per
+    step, and go on waiting until ``timeout_s``. 0 turns it off."""
+    watchdog_min_steps: int = 3
+    """Finished steps the watchdog needs before it judges a step (the median of fewer is noise)."""
 
     def __post_init__(self):
         _check(self.max_staleness >= 0, "async.max_staleness", self.max_staleness, ">= 0")
@@ -557,6 +568,9 @@ class AsyncConfig:
                    f">= async.sync_interval ({self.sync_interval}): weights arrive only every "
                    "sync_interval batches, so a smaller bound would wait forever")
         _check(self.timeout_s > 0, "async.timeout_s", self.timeout_s, "> 0")
+        _check(self.watchdog_factor == 0 or self.watchdog_factor > 1, "async.watchdog_factor",
+               self.watchdog_factor, "0 (off) or a number > 1 (times the median step)")
+        _check(self.watchdog_min_steps >= 1, "async.watchdog_min_steps", self.watchdog_min_steps, ">= 1")
 
     @property
     def staleness_bound(self) -> int:

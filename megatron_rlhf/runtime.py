@@ -2,13 +2,28 @@
 
 Nothing here runs at import: callers apply it explicitly (``apply_process_env()``), and the
 same mapping goes to Ray actors through ``runtime_env={"env_vars": process_env()}``.
+
+Also the helper processes' protection from signals sent to a whole process group (Ctrl-C in a
+terminal, ``timeout``, ``kill -- -PGID``, a scheduler signalling a job step): the driver must
+outlive them long enough to finish its step and checkpoint, so the processes it depends on must
+not die of the same signal. :class:`LocalRayHead` starts the embedded Ray cluster in a session of
+its own; :func:`ignore_stop_signals` is the initializer of helper process pools; ``python -m
+megatron_rlhf.runtime guard -- CMD`` runs a Ray node under SLURM (slurm/ray_cluster.sh).
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
-__all__ = ["process_env", "apply_process_env", "pin_to_core"]
+__all__ = ["process_env", "apply_process_env", "pin_to_core", "LocalRayHead", "ignore_stop_signals",
+           "session_pids"]
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def process_env(tmp_dir: str | None = None) -> dict[str, str]:
@@ -78,3 +93,182 @@ def pin_to_core(core: int) -> None:
     import torch
 
     torch.set_num_threads(1)
+
+
+# ---------------------------------------------------------------------------------- signals
+def ignore_stop_signals() -> None:
+    """Ignore SIGTERM and SIGINT in this process (the initializer of helper process pools: the
+    driver that owns the pool stops it itself after its checkpoint)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def _set_parent_death_signal(sig: int) -> None:
+    """Linux ``prctl(PR_SET_PDEATHSIG, sig)``: this process gets ``sig`` when the thread that
+    started it exits (kept across exec; man 2 prctl). No-op elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(1, int(sig), 0, 0, 0) != 0:   # 1 = PR_SET_PDEATHSIG
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+
+
+def _own_session_fate_shared() -> None:   # preexec_fn of the detached child
+    os.setsid()
+    _set_parent_death_signal(signal.SIGTERM)
+
+
+def session_pids(sid: int) -> list[int]:
+    """PIDs of every live process whose session id is ``sid`` (Linux ``/proc``)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if os.getsid(int(d.name)) == sid:
+                    out.append(int(d.name))
+            except (ProcessLookupError, PermissionError):
+                continue
+    return out
+
+
+def _kill_session(sid: int, grace_s: float) -> None:
+    """SIGKILL every process left in session ``sid`` after ``grace_s`` seconds."""
+    deadline = time.monotonic() + grace_s
+    while session_pids(sid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in session_pids(sid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalRayHead:
+    """A one-node Ray cluster on loopback, started with ``ray start --head --block`` in a session
+    of its own, for the driver to connect to with ``ray.init(address=head.address)``.
+
+    ``ray.init()`` would start the GCS and raylet in the driver's process group, where a signal
+    to the group (Ctrl-C, ``timeout``, ``kill -- -PGID``) kills them while the driver is still
+    finishing its step and checkpoint (issue 17). Here they live in their own session, so only the
+    driver stops them (:meth:`stop`); if the driver dies, the kernel sends SIGTERM to ``ray start``
+    (``PR_SET_PDEATHSIG``), which stops its processes (Ray's own fate sharing kills the rest).
+    Ports are free ports picked here, and the temp folder is private (``ray start`` records its
+    address there; in the default ``/tmp/ray`` a bare ``ray.init()`` of another program on the
+    machine would join this cluster).
+
+    Args:
+        num_cpus: logical CPUs the node declares.
+        log_path: file for ``ray start``'s output.
+        start_timeout_s: how long the head may take to come up.
+
+    Raises:
+        RuntimeError: ``ray start`` exited or did not report "Ray runtime started" in time (its
+            log is named).
+    """
+
+    def __init__(self, num_cpus: int, log_path: str | os.PathLike, start_timeout_s: float = 300.0):
+        import tempfile
+
+        self.temp_dir = tempfile.mkdtemp(prefix="mrlhf_ray_", dir="/tmp")  # short: socket paths <108
+        self.port = _free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.log_path = Path(log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        ray_bin = Path(sys.executable).with_name("ray")
+        cmd = [str(ray_bin) if ray_bin.exists() else "ray", "start", "--head", "--block",
+               f"--port={self.port}", "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}",
+               "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={self.temp_dir}",
+               f"--dashboard-port={_free_port()}", f"--ray-client-server-port={_free_port()}",
+               f"--dashboard-agent-listen-port={_free_port()}",
+               f"--dashboard-agent-grpc-port={_free_port()}"]
+        env = dict(os.environ, **process_env())
+        env.pop("RAY_ADDRESS", None)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=env, preexec_fn=_own_session_fate_shared)
+        self.sid = self.proc.pid
+        self._wait_started(start_timeout_s)
+
+    def _wait_started(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"ray start --head exited with {self.proc.returncode}; see {self.log_path}")
+            if b"Ray runtime started" in self.log_path.read_bytes():
+                return
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"the local Ray head did not start within {timeout_s:.0f} s; see {self.log_path}")
+
+    def pids(self) -> list[int]:
+        """PIDs of every process of this cluster (its session: GCS, raylet, workers, actors)."""
+        return session_pids(self.sid)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM to ``ray start`` (it stops its processes), then SIGKILL to whatever is left of
+        the session after ``timeout_s``; removes the temp folder. Idempotent."""
+        import shutil
+
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        _kill_session(self.sid, grace_s=min(timeout_s, 10.0))
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def guard_main(argv: list[str]) -> int:
+    """``python -m megatron_rlhf.runtime guard -- CMD ...``: run CMD (a ``ray start --block``) in a
+    session of its own and ignore SIGTERM/SIGINT, so that a signal SLURM sends to the whole job
+    step does not stop the Ray node under the trainer's checkpoint; SIGUSR1 (which srun forwards,
+    sent by slurm/ray_cluster.sh once the trainer has exited) stops CMD with SIGTERM, then SIGKILLs
+    what is left of its session after 30 s. If this guard dies (SIGKILL at the end of the job),
+    CMD gets SIGTERM from the kernel. Returns CMD's exit status (0 after a SIGUSR1 stop)."""
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    if not argv:
+        print("usage: python -m megatron_rlhf.runtime guard -- CMD [ARG ...]", file=sys.stderr)
+        return 64
+    proc = subprocess.Popen(argv, preexec_fn=_own_session_fate_shared)
+    stopping = []
+
+    def on_stop_signal(signum, frame):
+        print(f"[guard] {signal.Signals(signum).name} ignored: the trainer stops Ray after its checkpoint",
+              file=sys.stderr, flush=True)
+
+    def on_usr1(signum, frame):
+        stopping.append(True)
+        if proc.poll() is None:
+            proc.terminate()
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, on_stop_signal)
+    signal.signal(signal.SIGUSR1, on_usr1)
+    while True:
+        try:
+            rc = proc.wait()
+            break
+        except InterruptedError:
+            continue
+    _kill_session(proc.pid, grace_s=30.0 if stopping else 1.0)
+    return 0 if stopping else rc
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["guard"]:
+        sys.exit("usage: python -m megatron_rlhf.runtime guard -- CMD [ARG ...]")
+    sys.exit(guard_main(sys.argv[2:]))

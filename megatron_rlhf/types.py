@@ -41,7 +41,12 @@ class Completion:
             after temperature).
         finish_reason: ``"stop"`` (EOS/stop string) or ``"length"`` (hit ``max_new_tokens``).
         text: detokenised completion.
-        weight_version: learner version of the weights that produced it.
+        weight_version: learner version of the weights that sampled its FIRST token: the oldest
+            version in it, the one staleness is measured from.
+        weight_version_last: version that sampled its last token (``None`` given: the same as
+            ``weight_version``). Larger than ``weight_version`` when new weights were loaded
+            while it was being generated (``generators.inflight_updates``); each token's
+            ``logprobs`` entry is then that of the version that sampled it.
     """
 
     token_ids: tuple[int, ...]
@@ -49,6 +54,19 @@ class Completion:
     finish_reason: str
     text: str
     weight_version: int
+    weight_version_last: int | None = None
+
+    def __post_init__(self):
+        if self.weight_version_last is None:
+            object.__setattr__(self, "weight_version_last", self.weight_version)
+        if self.weight_version_last < self.weight_version:
+            raise ValueError(f"Completion: weight_version_last={self.weight_version_last} < "
+                             f"weight_version={self.weight_version} (the first token's version is the oldest)")
+
+    @property
+    def weight_version_first(self) -> int:
+        """Version of the first token (= ``weight_version``, the oldest)."""
+        return self.weight_version
 
 
 @dataclass(frozen=True)

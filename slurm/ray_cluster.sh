@@ -15,7 +15,11 @@
 #      on the next MRLHF_GENERATOR_NODES nodes; both on every node when a single node does both, CPU
 #      only); amount = GPUs of the node (CPUs when it has none). Actors that request
 #      `resources={"mrlhf_learner": 1}` therefore land on learner nodes only, so learners and vLLM
-#      engines never share a GPU. One log per node: <run>/logs/ray-<node>-<job>.log;
+#      engines never share a GPU. One log per node: <run>/logs/ray-<node>-<job>.log. Each `ray start`
+#      runs under `python -m megatron_rlhf.runtime guard`, in a session of its own, with SIGTERM and
+#      SIGINT ignored, and each srun client in a session of its own (`setsid`: srun ends its step when
+#      it gets SIGTERM): a signal SLURM sends to every step of the job (`scancel --signal=TERM
+#      [--full]`, `#SBATCH --signal=TERM@N` without `B:`) does not stop Ray under the checkpoint;
 #   4. waits until all nodes have joined (MRLHF_RAY_JOIN_TIMEOUT_S, default 300 s), then runs
 #      `MRLHF_TRAIN_CMD --config CONFIG key=value ...` (default `python train.py`) with
 #      RAY_ADDRESS=<head ip>:<port>, as `cmd & wait` (a bash trap runs only after the foreground
@@ -26,8 +30,10 @@
 #      (`scontrol requeue $SLURM_JOB_ID`: a job that exits 0 is COMPLETED and would not run again,
 #      `--requeue` alone only covers node failure and preemption). The requeued job starts this
 #      script again and train.py resumes from the latest complete checkpoint of the run folder;
-#   6. stops the Ray steps (SIGTERM to their srun, SIGKILL after 30 s) and exits with the trainer's
-#      exit code.
+#   6. stops the Ray steps (SIGUSR1 to their srun, forwarded to the guard, which stops Ray; SIGKILL
+#      after 30 s) and exits with the trainer's exit code.
+# A signal to the whole batch step (`scancel --full`) reaches the trainer directly as well: it
+# checkpoints once; the log's tee ignores the signal so the trainer's output is not cut.
 #
 # Environment (all optional; the sbatch scripts set the MRLHF_*_NODES/GPUS ones from the config):
 #   MRLHF_REPO                repo root (default: the folder above this script)
@@ -79,7 +85,8 @@ print(load_config(sys.argv[1], sys.argv[2:]).run_dir)' "$CONFIG" "${OVERRIDES[@]
 LOG_DIR=$RUN_DIR/logs
 mkdir -p "$LOG_DIR"
 echo "ray_cluster.sh: job $JOB (restart $RESTARTS): logs in $LOG_DIR"
-exec > >(tee -a "$LOG_DIR/driver-$JOB.log") 2>&1
+# tee ignores SIGTERM/SIGINT: a signal to the whole batch step must not cut the trainer's output
+exec > >(trap '' TERM INT; exec tee -a "$LOG_DIR/driver-$JOB.log") 2>&1
 echo "=== $(date -Is) job $JOB restart $RESTARTS on $(hostname -s): config $CONFIG ${OVERRIDES[*]}"
 
 # 2. Network / NCCL environment (inherited by srun steps, hence by every Ray worker) --------
@@ -146,24 +153,27 @@ GPU_STEP=(); [ "$GPUS" -gt 0 ] && GPU_STEP=(--gpus-per-node="$GPUS")
 echo "nodes: ${NODES[*]} (learner nodes $LEARNER_NODES, generator nodes $GENERATOR_NODES, shared=$SHARED); $GPUS GPUs, $CPUS CPUs per node; RAY_ADDRESS=$RAY_ADDRESS"
 
 SRUN_PIDS=()
-srun --overlap --nodes=1 --ntasks=1 -w "$HEAD" "${GPU_STEP[@]}" --kill-on-bad-exit=0 \
+# `setsid`: the srun clients live in a session of their own, so a signal to the whole batch step
+# (`scancel --full`) does not reach them (srun ends its step on SIGTERM: "forcing job termination")
+setsid srun --overlap --nodes=1 --ntasks=1 -w "$HEAD" "${GPU_STEP[@]}" --kill-on-bad-exit=0 \
      --output="$LOG_DIR/ray-%N-$JOB.log" --open-mode=append \
-  "$RAY_BIN" start --head --block --node-ip-address="$HEAD_IP" --port="$PORT" \
+  "$PY" -m megatron_rlhf.runtime guard -- "$RAY_BIN" start --head --block --node-ip-address="$HEAD_IP" --port="$PORT" \
      --num-cpus="$CPUS" --num-gpus="$GPUS" --resources="$(role_resources 0)" \
      --include-dashboard=false --disable-usage-stats \
      --temp-dir="${MRLHF_RAY_TMPDIR:-/tmp/ray_mrlhf_$JOB}" "${EXTRA[@]}" &
 SRUN_PIDS+=($!)
 for ((i = 1; i < NNODES; i++)); do
-  srun --overlap --nodes=1 --ntasks=1 -w "${NODES[$i]}" "${GPU_STEP[@]}" --kill-on-bad-exit=0 \
+  setsid srun --overlap --nodes=1 --ntasks=1 -w "${NODES[$i]}" "${GPU_STEP[@]}" --kill-on-bad-exit=0 \
        --output="$LOG_DIR/ray-%N-$JOB.log" --open-mode=append \
-    "$RAY_BIN" start --block --address="$RAY_ADDRESS" --num-cpus="$CPUS" --num-gpus="$GPUS" \
+    "$PY" -m megatron_rlhf.runtime guard -- "$RAY_BIN" start --block --address="$RAY_ADDRESS" --num-cpus="$CPUS" --num-gpus="$GPUS" \
        --resources="$(role_resources "$i")" --disable-usage-stats "${EXTRA[@]}" &
   SRUN_PIDS+=($!)
 done
 
 stop_ray() {
   local pid
-  for pid in "${SRUN_PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null; done
+  # SIGUSR1, which srun forwards to the guard: it stops `ray start` (SIGTERM is ignored there)
+  for pid in "${SRUN_PIDS[@]}"; do kill -USR1 "$pid" 2>/dev/null; done
   for _ in $(seq 60); do
     local alive=0
     for pid in "${SRUN_PIDS[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done

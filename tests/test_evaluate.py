@@ -53,8 +53,9 @@ def test_heldout_slice_is_fixed_and_disjoint_from_training():
     # at most holdout_frac of a small task
     _, small, _ = split_eval_prompts(tasks, {"math": prompts[:30]}, cfg, load_eval=None)
     assert len(small["math"]) == 6
-    with pytest.raises(ValueError, match="eval_data"):
-        split_eval_prompts(tasks, {"math": prompts[:3]}, cfg, load_eval=None)
+    tiny_train, tiny_held, tiny_counts = split_eval_prompts(tasks, {"math": prompts[:3]}, cfg, load_eval=None)
+    assert tiny_held["math"] == [] and tiny_train["math"] == prompts[:3]   # too small: trained, not evaluated
+    assert tiny_counts["math"]["eval_prompts"] == 0
 
 
 def test_eval_file_prompts_are_taken_out_of_training():

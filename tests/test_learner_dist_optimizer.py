@@ -32,21 +32,9 @@ def _cfg(tp=1, dp=1, **kw) -> LearnerConfig:
 
 
 def adam_state(learner) -> dict[str, dict[str, torch.Tensor]]:
-    """This rank's distributed-optimizer state by policy parameter name: ``{"start": int,
-    "fp32_param"/"exp_avg"/"exp_avg_sq": flat fp32 tensor of the range [start, start+n)}`` of the
-    parameter's flattened elements this DP rank owns (megatron-core DistributedOptimizer internals:
-    ``_get_model_param_range_map``, ``_get_main_param_and_optimizer_states``)."""
-    opt = learner.optimizer
-    opt = getattr(opt, "chained_optimizers", [opt])[0]
-    out = {}
-    for name, p in learner.policy.named_parameters():
-        if p not in opt.model_param_gbuf_map:
-            continue
-        rng = opt._get_model_param_range_map(p)["param"]
-        st = opt._get_main_param_and_optimizer_states(p)
-        out[name] = {"start": rng.start, **{k: st[k].detach().clone().flatten()
-                                            for k in ("param", "exp_avg", "exp_avg_sq")}}
-    return out
+    from megatron_rlhf.learner.checkpoint import distributed_optimizer_state
+
+    return distributed_optimizer_state(learner.optimizer, learner.policy)
 
 
 def _params(learner) -> dict[str, torch.Tensor]:
@@ -180,6 +168,26 @@ def test_tp2_dp2_checkpoint_resumes_exactly_and_selective_recompute_keeps_gradie
         err = max((none["grads"][k] - sel["grads"][k]).abs().max().item() for k in none["grads"])
         assert err <= TOL, f"selective recompute changed the gradients by {err}"
         assert sel["attention_calls"] == 2 * none["attention_calls"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_a_save_before_the_first_step_leaves_training_unchanged(tiny_llama_dir, tmp_path):
+    """Saving a never-stepped distributed optimizer primes its state: that must equal a fresh Adam."""
+    from megatron_rlhf.learner.actor import MegatronLearner
+
+    kw = dict(model_dir=str(tiny_llama_dir), learner_cfg=_cfg(), algorithm_cfg=AlgorithmConfig(), total_steps=4)
+    a, b = MegatronLearner(**kw), MegatronLearner(**kw)
+    try:
+        a.save_checkpoint(str(tmp_path / "ck0"))
+        for learner in (a, b):
+            learner.train_step(_batch(seed=0))
+        pa, pb = _params(a), _params(b)
+        assert max((pa[k] - pb[k]).abs().max().item() for k in pa) == 0.0
+        assert b.load_checkpoint(str(tmp_path / "ck0")) == 0   # and it loads (step 0, zero moments)
+        assert all(s["exp_avg"].abs().max() == 0 for s in adam_state(b).values())
+    finally:
+        b.close()
+        a.close()
 
 
 @pytest.mark.timeout(30)

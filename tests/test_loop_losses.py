@@ -124,4 +124,4 @@ def test_math_and_chat_mix_with_a_reward_model_actor(generator, tiny_llama_dir, 
         assert r["task/chat/reward_mean"] not in (0.0, 1.0)         # scalar RM scores, not 0/1
     state = json.loads((Path(res["run_dir"]) / "checkpoints" / "step_2" / "trainer_state.json").read_text())
     assert set(state["sampler_state"]["tasks"]) == {"math", "chat"}
-    assert set(state["producer_state"]["normalizer"]["stats"]) == {"math", "chat"}
+    assert set(state["producer_state"]["normalizer"]["moments"]) == {"math", "chat"}

@@ -61,9 +61,10 @@ def _where(placement: ActorPlacement, learners: int, engines: int, rms: int):
 
 @pytest.mark.timeout(300)
 def test_scaled_70b_layout_puts_each_pipeline_stage_tp_group_on_its_own_node(cluster, tmp_path):
-    # 70B recipe scaled: learner TP=4 x PP=2 on 2 nodes of 4 GPUs, 2 engines of TP=2 on 1 node
-    layout = _layout("online-dpo-llama3.1-70b-8n8g-tp8pp2.yaml", tmp_path, "learner.tensor_parallel=4", "learner.data_parallel=1",
-                     "learner.pipeline_parallel=2", "placement.learner_nodes=2", "placement.generator_nodes=1",
+    # 70B recipe (TP8 x PP2) scaled: learner TP=4 x PP=2 on 2 nodes of 4 GPUs, 2 engines of TP=2 on 1 node
+    layout = _layout("online-dpo-llama3.1-70b-8n8g-tp8pp2.yaml", tmp_path, "learner.tensor_parallel=4",
+                     "learner.pipeline_parallel=2", "learner.data_parallel=1", "placement.learner_nodes=2",
+                     "placement.generator_nodes=1",
                      "generators.num_workers=2", "generators.tensor_parallel=2")
     assert layout.learner == (4, 4) and layout.engines == (2, 2)
     p = ActorPlacement(layout, timeout_s=60)
@@ -97,14 +98,16 @@ def test_layouts_the_cluster_cannot_hold_fail_before_any_placement_group_naming_
     from ray.util import placement_group_table
 
     before = len(placement_group_table())
-    three_stages = _layout("online-dpo-llama3.1-70b-8n8g-tp8pp2.yaml", tmp_path, "learner.tensor_parallel=4", "learner.data_parallel=1",
-                           "learner.pipeline_parallel=3", "placement.learner_nodes=3", "placement.generator_nodes=1",
+    three_stages = _layout("online-dpo-llama3.1-70b-8n8g-tp8pp2.yaml", tmp_path, "learner.tensor_parallel=4",
+                           "learner.pipeline_parallel=3", "learner.data_parallel=1", "placement.learner_nodes=3",
+                           "placement.generator_nodes=1",
                            "generators.num_workers=2", "generators.tensor_parallel=2")
     with pytest.raises(ConfigError, match=r"learner group \(12 ranks\) needs 3 node\(s\) with 4 GPUs each .* "
                                           r"has 2: short by 1 node"):
         ActorPlacement(three_stages, timeout_s=30)
-    three_engines = _layout("online-dpo-llama3.1-70b-8n8g-tp8pp2.yaml", tmp_path, "learner.tensor_parallel=4", "learner.data_parallel=1",
-                            "learner.pipeline_parallel=2", "placement.learner_nodes=2", "placement.generator_nodes=2",
+    three_engines = _layout("online-dpo-llama3.1-70b-8n8g-tp8pp2.yaml", tmp_path, "learner.tensor_parallel=4",
+                            "learner.pipeline_parallel=2", "learner.data_parallel=1", "placement.learner_nodes=2",
+                            "placement.generator_nodes=2",
                             "generators.num_workers=3", "generators.tensor_parallel=2")
     with pytest.raises(ConfigError, match=r"3 vLLM engine\(s\) of generators.tensor_parallel=2 .* need 6 GPUs .* "
                                           r"only 2 engine\(s\) fit, short by 2 GPU"):

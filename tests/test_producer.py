@@ -48,6 +48,23 @@ class FakePool:
     def take_stats(self):
         return {}
 
+    def stream(self, n, draw, refresh=None):
+        """One worker: each request's completions are handed over before the next draw."""
+        while True:
+            prompts = draw()
+            if not prompts:
+                return
+            yield prompts, self.generate(prompts, n)
+
+    def reseed(self, seed, batch_index):
+        self.reseeds = getattr(self, "reseeds", []) + [(seed, batch_index)]
+
+    def state_dict(self):
+        return {"expected_len": 1.0, "seen_completions": 0}
+
+    def load_state_dict(self, state):
+        pass
+
     def generate(self, prompts, n, refresh=None):
         self.calls.append([p.task for p in prompts])
         out = []

@@ -123,7 +123,7 @@ def test_invalid_rewards_stop_the_run_naming_task_function_and_value(fn, loss, m
 def test_loop_reports_a_reward_failure_as_the_reward_of_the_task_not_as_generation():
     """The loop turns what the producer put on its queue into ProducerError: a reward failure keeps
     the producer's message (task and reward function), anything else is a generation failure."""
-    from megatron_rlhf.trainer.loop import _take
+    from megatron_rlhf.trainer.run import _take
     from megatron_rlhf.trainer.rollout import ProducerError
 
     stop = type("Stop", (), {"requested": False})()

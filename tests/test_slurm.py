@@ -182,3 +182,41 @@ def test_sbatch_runs_ci_config_to_the_end_and_resumes_after_term_and_requeue(slu
     assert _ckpt_steps(run)[-1] == num_steps
     text = log.read_text()
     assert "restart 1" in text and f"step_{ckpt}" in text, text[-3000:]
+
+
+@pytest.mark.timeout(1500)
+def test_sbatch_whole_step_sigterm_checkpoints_exits_0_and_resubmit_resumes(slurm_env, tiny_llama_dir, tmp_path):
+    """``scancel --signal=TERM --full`` (every process of the batch step: the batch shell, train.py,
+    the log's tee, the srun clients) and ``scancel --signal=TERM JOB.0`` (the step running the Ray
+    head). The Ray step ignores it (its guard), the srun clients never see it (own session), train.py finishes its step and writes a checkpoint (made slow here, 20 s, by the test
+    hook), the job exits 0 with no Ray process left, and a resubmitted job resumes and finishes."""
+    env = dict(slurm_env, MRLHF_TEST_SLOW_SAVE_S="20")
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    num_steps = 4
+    common = (f"run.num_steps={num_steps}", "checkpoint.interval=0", "checkpoint.export_hf=false")
+    jid = _submit(env, runs, tiny_llama_dir, "step_signal", *common)
+    run, log = runs / "step_signal", runs / f"slurm-{jid}.out"
+    deadline = time.time() + 600
+    while not _steps(run):
+        assert time.time() < deadline, f"no step 1 after 600 s: {_job(env, jid)}"
+        assert _job(env, jid).get("JobState") not in DONE_STATES, log.read_text()[-3000:]
+        time.sleep(0.2)
+    subprocess.run(["scancel", "--signal=TERM", "--full", jid], env=env, check=True)
+    subprocess.run(["scancel", "--signal=TERM", f"{jid}.0"], env=env, check=True)   # step 0: the Ray head
+    info = _wait(env, jid, DONE_STATES, 600, log)
+    driver_log = (run / "logs" / f"driver-{jid}.log").read_text()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, driver_log[-3000:])
+    first = _steps(run)
+    assert _ckpt_steps(run) == [first[-1]] and first[-1] < num_steps, (first, driver_log[-3000:])
+    assert "signal SIGTERM: finishing this step" in driver_log
+    ray_log = "".join(p.read_text() for p in (run / "logs").glob(f"ray-*-{jid}.log"))
+    assert "SIGTERM ignored" in ray_log, ray_log[-2000:]
+    time.sleep(3)
+    assert not _ray_processes(env["MRLHF_RAY_TMPDIR"]), "Ray processes left after the job"
+
+    jid = _submit(slurm_env, runs, tiny_llama_dir, "step_signal", *common)
+    info = _wait(slurm_env, jid, DONE_STATES, 600, runs / f"slurm-{jid}.out")
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", info
+    assert _steps(run) == list(range(1, num_steps + 1))
+    assert _ckpt_steps(run)[-1] == num_steps

@@ -57,7 +57,10 @@ def evaluate_folder(model_dir: str | Path, cfg, *, step: int | None = None) -> d
     plugins = import_plugins(cfg)
     folders = setup._resolve_reward_models(cfg)
     math = MathVerifyReward(num_workers=1) if any(t.kind == "math_verify" for t in cfg.tasks) else None
-    started = setup._init_ray(cfg, extra_cpus=len(set(folders.values())))
+    import tempfile
+
+    scratch = Path(tempfile.mkdtemp(prefix="mrlhf-evaluate-"))   # Ray's stack dumps (hang watchdog)
+    head = setup._init_ray(cfg, scratch, scratch / "stacks", extra_cpus=len(set(folders.values())))
     actors = []
     try:
         rm_actors = setup._build_reward_models(cfg, folders)
@@ -78,8 +81,10 @@ def evaluate_folder(model_dir: str | Path, cfg, *, step: int | None = None) -> d
             math.close()
         for a in actors:
             ray.kill(a)
-        if started:
+        if head is not None:   # this call connected to (or started) the cluster: leave it as found
             ray.shutdown()
+            if head:
+                head.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

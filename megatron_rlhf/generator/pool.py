@@ -2,11 +2,15 @@
 
 Used by the rollout producer (one controller thread; the pool is not thread-safe):
 
-* :meth:`GeneratorPool.generate` spreads one round of prompts over the live workers, balanced by
-  expected tokens (:func:`balance`: cost of a prompt = its tokens + K x the running mean
-  completion length; longest-processing-time-first greedy), sends one request per worker, and
-  waits with ``ray.wait`` (bounded by ``timeout_s`` per request). Results come back in prompt
-  order, each completion stamped with the version of the worker that produced it.
+* :meth:`GeneratorPool.stream` keeps every worker busy while the caller's ``draw()`` gives
+  prompts: each finished request is yielded (for scoring) as it arrives, and its worker gets its
+  next prompts right after: no round barrier across workers. Remote waits
+  use ``ray.wait`` (bounded by ``timeout_s`` per request). With a ``refresh`` callable (inflight
+  updates) a newer published version is pushed to every worker as soon as it appears, also to
+  workers whose requests are running (``VLLMGenerator`` loads it between engine steps).
+* :meth:`GeneratorPool.generate` is one balanced round through :meth:`stream` (one request per
+  worker, split by expected tokens: :func:`balance`, cost of a prompt = its tokens + K x the
+  running mean completion length; longest-processing-time-first greedy); results in prompt order.
 * :meth:`GeneratorPool.push` loads a published weight version on every worker through the
   transport (``weight_sync``), records bytes / seconds / GB/s, and, with
   ``generators.check_weight_sync``, compares every worker's probe logprobs with the learner's.
@@ -14,7 +18,7 @@ Used by the rollout producer (one controller thread; the pool is not thread-safe
   ``ActorUnavailableError`` while it restarts) or exceeds ``timeout_s`` (then it is killed with
   ``ray.kill(no_restart=False)``) is restarted by Ray (``max_restarts``): the pool waits until it
   answers again, pushes the current weights to it (the version the pool's workers hold), and
-  re-sends its unfinished prompts to it. A worker that answers with another weight version than
+  re-sends its unfinished prompts to it. A worker that answers with an older weight version than
   the pool gave it (Ray restarted it between requests and ran the request on the fresh engine)
   is treated the same way, so no batch is silently generated with base weights. Each restart
   prints a line and counts in
@@ -22,10 +26,12 @@ Used by the rollout producer (one controller thread; the pool is not thread-safe
   ``generators.max_restarts`` is exceeded, :class:`GeneratorDiedError` stops the run.
 
 Metrics (:meth:`GeneratorPool.take_stats`, per batch): ``generator/<i>/tokens_per_s`` (completion
-tokens / seconds of its requests), ``generator/<i>/idle_s`` (seconds worker i waited inside
-generate rounds for the slowest worker), ``generator/<i>/prompts``, ``generator/<i>/weight_version``,
-``generator/restarts`` (cumulative), ``sync/inflight_pushes`` / ``sync/inflight_s`` (pushes made
-between requests of this batch, their seconds).
+tokens / seconds of its requests), ``generator/<i>/idle_s`` (seconds worker i had no request
+while the batch still needed prompts; see :meth:`GeneratorPool.stream`), ``generator/<i>/prompts``,
+``generator/<i>/weight_version``, ``generator/restarts`` (cumulative), ``sync/inflight_pushes`` /
+``sync/inflight_s`` (pushes made during this batch's generation, their seconds),
+``sync/midrequest_pushes`` (worker loads among them that happened while the worker had requests
+running), ``sync/inflight_check_max_abs_diff`` (nats; the probe check after those pushes, when on).
 
 Sources: Ray docs "Fault tolerance -> Actor fault tolerance" (``max_restarts``,
 ``RayActorError``, ``ActorUnavailableError``, ``ActorDiedError``); Graham 1969 (LPT scheduling).
@@ -36,12 +42,12 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from megatron_rlhf.generator.weight_sync import PublishedWeights, WeightTransport, compare_probe
 from megatron_rlhf.types import Completion, Prompt
 
-__all__ = ["GeneratorPool", "GeneratorDiedError", "balance"]
+__all__ = ["GeneratorPool", "GeneratorDiedError", "balance", "batch_seed"]
 
 
 class GeneratorDiedError(RuntimeError):
@@ -69,6 +75,15 @@ def balance(costs: list[float], num_bins: int) -> list[list[int]]:
         bins[b].append(i)
         loads[b] += costs[i]
     return [sorted(b) for b in bins]
+
+
+def batch_seed(seed: int, batch_index: int, worker: int) -> int:
+    """Engine seed of ``worker`` for batch ``batch_index`` of a run seeded ``seed``: a 31-bit
+    number from ``random.Random`` seeded with the string ``"seed/batch/worker"`` (SHA-512 based,
+    the same in every process and Python run)."""
+    import random
+
+    return random.Random(f"{seed}/{batch_index}/{worker}").getrandbits(31)
 
 
 @dataclass
@@ -114,8 +129,10 @@ class GeneratorPool:
         self._seen_completions = 0
         self._log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.batch_index = -1   # set by the producer; only used in messages
-        self._inflight_pushes, self._inflight_sync_s = 0, 0.0
-        self._temperature: float | None = None
+        self._inflight_pushes, self._inflight_sync_s, self._midrequest_pushes = 0, 0.0, 0
+        self._inflight_check: float | None = None
+        self._pending: tuple[dict, int] = ({}, 0)   # generate requests in flight (the watchdog's view)
+        self._temperature: float | None = None      # generate()'s per-call temperature (the eval's)
 
     @property
     def num_workers(self) -> int:
@@ -131,85 +148,186 @@ class GeneratorPool:
 
         return ray.get([w.handle.pid.remote() for w in self.workers], timeout=self.timeout_s)
 
+    def reseed(self, seed: int, batch_index: int) -> None:
+        """Reseed every worker's engine for batch ``batch_index``: worker i gets
+        :func:`batch_seed` ``(seed, batch_index, i)``, so each batch samples the same completions
+        whenever it is generated (an uninterrupted run or a resumed one)."""
+        import ray
+
+        ray.get([w.handle.reseed.remote(batch_seed(seed, batch_index, w.index)) for w in self.workers],
+                timeout=self.timeout_s)
+
+    def pending_calls(self) -> list[str]:
+        """The generate requests in flight, one line each (for the hang watchdog; any thread)."""
+        pending, n = self._pending
+        now = time.perf_counter()
+        return [f"generator {w.index}: generate({len(ps)} prompts x {n} samples, batch {self.batch_index}, "
+                f"weight version {w.version}) for {now - t0:.0f} s" for w, ps, t0, _ in list(pending.values())]
+
+    def state_dict(self) -> dict:
+        """What the prompt split depends on: the running mean completion length (JSON-plain)."""
+        return {"expected_len": self.expected_len, "seen_completions": self._seen_completions}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`."""
+        self.expected_len = float(state["expected_len"])
+        self._seen_completions = int(state["seen_completions"])
+
     # ------------------------------------------------------------------------------ generate
-    def generate(self, prompts: list[Prompt], n: int,
-                 refresh: Callable[[], PublishedWeights] | None = None,
-                 temperature: float | None = None) -> list[list[Completion]]:
-        """Sample ``n`` completions for every prompt, spread over the workers.
+    def stream(self, n: int, draw: Callable[[], list[Prompt]],
+               refresh: Callable[[], PublishedWeights] | None = None,
+               ) -> Iterator[tuple[list[Prompt], list[list[Completion]]]]:
+        """Keep every worker busy while ``draw`` gives prompts; yield each request as it finishes.
+
+        No round barrier: each finished request is handed to the caller at once (who scores it
+        while the other workers keep generating), and right after that the free worker gets its
+        next prompts if ``draw()`` still has any. Refilling after the caller's turn, not before,
+        lets ``draw()`` see the finished request's scores: a request that completes the batch
+        does not start another one that would only be waited for. Ends when nothing runs and
+        ``draw()`` gave no prompt to any free worker.
 
         Args:
-            prompts: this round's prompts.
             n: completions per prompt (K).
-            refresh: inflight updates: returns the newest published weights; a worker holding an
-                older version gets them before its request.
-            temperature: sampling temperature of this round (``None``: ``generators.temperature``;
-                ``0``: greedy; the evaluation uses both).
-        Returns:
-            ``out[i]`` = the ``n`` completions of ``prompts[i]``.
+            draw: prompts for one request of a free worker; ``[]`` = the batch needs no more
+                prompts now. Called in the caller's thread, between yields.
+            refresh: inflight updates: returns the newest published weights; checked whenever
+                the pool waits, and a newer version is pushed to every worker holding an older
+                one at once, also to workers with requests running (they load it between two
+                engine steps and continue: ``sync/midrequest_pushes``).
+        Yields:
+            ``(prompts, groups)`` of one finished request: ``groups[i]`` = the ``n`` completions
+            of ``prompts[i]``.
         Raises:
             GeneratorDiedError: a worker died beyond its restarts.
             ray.exceptions.RayTaskError: a worker raised (bad prompt, broken engine).
+
+        ``generator/<i>/idle_s`` counts the seconds worker i had no request while ``draw()``
+        still gave prompts: from when its result was seen (or, for a result found ready when
+        the caller handed control back, from when the pool yielded: an upper bound) to its next
+        submission, so it includes the caller's scoring of that result. Time with nothing to
+        draw (batch complete, staleness handshake) is not idle.
         """
+        import ray
+
+        free = {w.index: time.perf_counter() for w in self.workers}   # worker -> free since
+        pending: dict = {}
+        self._pending = (pending, n)
+        yielded_at: float | None = None   # set while checking what finished during the caller's turn
+        while True:
+            self._refresh(refresh)
+            self._fill(free, pending, n, draw)
+            if not pending:
+                return
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=0 if yielded_at is not None else 0.2)
+            if not ready:
+                if yielded_at is None:
+                    self._check_timeouts(pending, n)
+                yielded_at = None
+                continue
+            w, prompts, t_sub, v_sub = pending.pop(ready[0])
+            groups = self._collect(w, ready[0], prompts, n, t_sub, v_sub, pending)
+            if groups is None:
+                continue
+            free[w.index] = yielded_at if yielded_at is not None else time.perf_counter()
+            t_yield = time.perf_counter()
+            yield prompts, groups
+            yielded_at = t_yield
+
+    def generate(self, prompts: list[Prompt], n: int,
+                 refresh: Callable[[], PublishedWeights] | None = None,
+                 temperature: float | None = None) -> list[list[Completion]]:
+        """Sample ``n`` completions for every prompt, spread over the workers (one request per
+        worker, balanced by expected tokens: :func:`balance`; through :meth:`stream`).
+
+        ``temperature``: sampling temperature of these requests (``None``: ``generators.temperature``;
+        ``0``: greedy; the evaluation, ``trainer.evaluate``, uses both).
+
+        Returns:
+            ``out[i]`` = the ``n`` completions of ``prompts[i]``.
+        """
+        if not prompts:
+            return []
+        if temperature is not None:
+            self._temperature = temperature
+            try:
+                return self.generate(prompts, n, refresh)
+            finally:
+                self._temperature = None
+        costs = [len(p.token_ids) + n * self.expected_len for p in prompts]
+        parts = [idx for idx in balance(costs, self.num_workers) if idx]
+        chunks = [[prompts[i] for i in idx] for idx in parts]
+        where = {id(c): idx for c, idx in zip(chunks, parts)}   # stream yields draw()'s own list
+        todo = list(chunks)
+        out: list[list[Completion] | None] = [None] * len(prompts)
+        for ps, groups in self.stream(n, lambda: todo.pop(0) if todo else [], refresh):
+            for i, g in zip(where[id(ps)], groups):
+                out[i] = g
+        return out  # type: ignore[return-value]
+
+    def _fill(self, free: dict, pending: dict, n: int, draw: Callable[[], list[Prompt]]) -> None:
+        """Give every free worker a request while ``draw()`` has prompts (idle time counted)."""
+        for w in self.workers:
+            if w.index not in free:
+                continue
+            prompts = draw()   # yielded back as this very list
+            now = time.perf_counter()
+            if not prompts:   # nothing needed now: this wait is not idle time
+                for i in free:
+                    free[i] = now
+                return
+            w.idle_s += max(0.0, now - free.pop(w.index))
+            pending[self._submit(w, prompts, list(range(len(prompts))), n)] = (w, prompts, now, w.version)
+
+    def _refresh(self, refresh: Callable[[], PublishedWeights] | None) -> None:
+        if refresh is None:
+            return
+        latest = refresh()
+        if latest.version > min(self.versions()):
+            res = self.push(latest, only_stale=True)
+            self._inflight_pushes += 1
+            self._inflight_sync_s += res.get("time/sync_s", 0.0)
+            if "sync/check_max_abs_diff" in res:
+                self._inflight_check = max(self._inflight_check or 0.0, res["sync/check_max_abs_diff"])
+
+    def _collect(self, w: _Worker, ref, prompts: list[Prompt], n: int, t_sub: float, v_sub: int,
+                 pending: dict) -> list[list[Completion]] | None:
+        """The groups of a finished request, or None after re-queueing it on a restarted worker."""
         import ray
         from ray.exceptions import RayActorError
 
-        if not prompts:
-            return []
-        if refresh is not None:
-            latest = refresh()
-            if latest.version > min(self.versions()):
-                res = self.push(latest, only_stale=True)
-                self._inflight_pushes += 1
-                self._inflight_sync_s += res.get("time/sync_s", 0.0)
-        self._temperature = temperature
-        costs = [len(p.token_ids) + n * self.expected_len for p in prompts]
-        parts = balance(costs, self.num_workers)
-        out: list[list[Completion] | None] = [None] * len(prompts)
-        pending: dict = {}
-        t_round = time.perf_counter()
-        busy = [0.0] * self.num_workers
-        for w, idx in zip(self.workers, parts):
-            if idx:
-                pending[self._submit(w, prompts, idx, n)] = (w, idx, time.perf_counter())
-        while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)
-            now = time.perf_counter()
-            for ref in ready:
-                w, idx, t0 = pending.pop(ref)
-                try:
-                    groups = ray.get(ref)
-                except RayActorError as e:
-                    self._recover(w, e, len(idx))
-                    pending[self._submit(w, prompts, idx, n)] = (w, idx, time.perf_counter())
-                    continue
-                stamped = {c.weight_version for g in groups for c in g}
-                if stamped and stamped != {w.version}:
-                    # Ray restarted the process between requests and ran this one on the fresh
-                    # engine (base weights): same treatment as a death in flight
-                    self._recover(w, RuntimeError(f"worker answered with weight versions {sorted(stamped)}, "
-                                                  f"expected {w.version} (restarted silently)"), len(idx))
-                    pending[self._submit(w, prompts, idx, n)] = (w, idx, time.perf_counter())
-                    continue
-                dt = time.perf_counter() - t0
-                busy[w.index] += dt
-                w.busy_s += dt
-                self._record(w, [prompts[i] for i in idx], groups)
-                for i, g in zip(idx, groups):
-                    out[i] = g
-            for ref, (w, idx, t0) in list(pending.items()):
-                if now - t0 > self.timeout_s:   # hung: kill it, Ray restarts it, redo its prompts
-                    del pending[ref]
-                    ray.kill(w.handle, no_restart=False)
-                    self._recover(w, TimeoutError(f"no answer within async.timeout_s={self.timeout_s:.0f} s"),
-                                  len(idx))
-                    pending[self._submit(w, prompts, idx, n)] = (w, idx, time.perf_counter())
-        wall = time.perf_counter() - t_round
-        for w in self.workers:
-            w.idle_s += max(0.0, wall - busy[w.index])
-        return out  # type: ignore[return-value]
+        try:
+            groups = ray.get(ref)
+        except RayActorError as e:
+            self._recover(w, e, len(prompts))
+            pending[self._submit(w, prompts, list(range(len(prompts))), n)] = (w, prompts, time.perf_counter(), w.version)
+            return None
+        first = [c.weight_version for g in groups for c in g]
+        if first and min(first) < v_sub:
+            # Ray restarted the process between requests and ran this one on the fresh engine
+            # (base weights): same treatment as a death in flight
+            self._recover(w, RuntimeError(f"worker answered with weight version {min(first)}, expected "
+                                          f">= {v_sub} (restarted silently)"), len(prompts))
+            pending[self._submit(w, prompts, list(range(len(prompts))), n)] = (w, prompts, time.perf_counter(), w.version)
+            return None
+        w.busy_s += time.perf_counter() - t_sub
+        self._record(w, prompts, groups)
+        return groups
+
+    def _check_timeouts(self, pending: dict, n: int) -> None:
+        """Kill a worker whose request exceeded ``timeout_s``; Ray restarts it; redo its prompts."""
+        import ray
+
+        now = time.perf_counter()
+        for ref, (w, prompts, t0, _) in list(pending.items()):
+            if now - t0 > self.timeout_s:
+                del pending[ref]
+                ray.kill(w.handle, no_restart=False)
+                self._recover(w, TimeoutError(f"no answer within async.timeout_s={self.timeout_s:.0f} s"),
+                              len(prompts))
+                pending[self._submit(w, prompts, list(range(len(prompts))), n)] = (w, prompts, time.perf_counter(), w.version)
 
     def _submit(self, w: _Worker, prompts: list[Prompt], idx: list[int], n: int):
-        if self._temperature is None:   # the round's temperature (generate's argument)
+        if self._temperature is None:
             return w.handle.generate.remote([prompts[i] for i in idx], n)
         return w.handle.generate.remote([prompts[i] for i in idx], n, self._temperature)
 
@@ -301,6 +419,7 @@ class GeneratorPool:
             try:
                 results.append(ray.get(ref, timeout=self.timeout_s))
                 w.version = weights.version
+                self._midrequest_pushes += bool(results[-1].get("midrequest", False))
             except RayActorError as e:  # died while loading: restart, which pushes current again
                 self.current = weights
                 self._recover(w, e, 0)
@@ -336,8 +455,12 @@ class GeneratorPool:
     def take_stats(self) -> dict:
         """Per-worker metrics since the previous call (then reset); see the module docstring."""
         out: dict = {"generator/restarts": self.restarts, "generator/num_workers": self.num_workers,
-                     "sync/inflight_pushes": self._inflight_pushes, "sync/inflight_s": self._inflight_sync_s}
-        self._inflight_pushes, self._inflight_sync_s = 0, 0.0
+                     "sync/inflight_pushes": self._inflight_pushes, "sync/inflight_s": self._inflight_sync_s,
+                     "sync/midrequest_pushes": self._midrequest_pushes}
+        if self._inflight_check is not None:
+            out["sync/inflight_check_max_abs_diff"] = self._inflight_check
+        self._inflight_pushes, self._inflight_sync_s, self._midrequest_pushes = 0, 0.0, 0
+        self._inflight_check = None
         for w in self.workers:
             p = f"generator/{w.index}"
             out[f"{p}/tokens_per_s"] = w.tokens / w.busy_s if w.busy_s else 0.0

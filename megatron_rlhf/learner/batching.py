@@ -13,7 +13,10 @@ ranks, and grouped into micro-batches that are each cut to their own longest row
   the batch's advantages are computed (GRPO, PPO, RLOO, best-of-K SFT);
 * units are sorted longest first and dealt round-robin over DP ranks, so ranks get equal unit
   counts (+-1) and similar token loads; each rank packs its units greedily, in that order, into
-  micro-batches of at most ``rows_per_microbatch`` rows (a unit larger than that runs alone);
+  micro-batches of at most ``rows_per_microbatch`` rows, or, with a token budget
+  (``learner.max_tokens_per_microbatch``), of at most ``max_tokens`` slots (rows x the
+  micro-batch's padded length; the first unit of a micro-batch is its longest, so short rows share
+  a micro-batch and long ones get few companions); a unit larger than the cap runs alone;
 * a micro-batch's length is rounded up to ``pad_multiple`` (the TP size under sequence
   parallelism, which splits the sequence over TP ranks).
 
@@ -95,7 +98,7 @@ def unit_sizes(group_ids) -> list[int]:
 
 def plan_microbatches(lengths: list[int], *, rows_per_microbatch: int, dp_rank: int = 0,
                       dp_size: int = 1, pairs: bool = True, pad_multiple: int = 1,
-                      units: list[int] | None = None) -> list[MicroBatch]:
+                      units: list[int] | None = None, max_tokens: int = 0) -> list[MicroBatch]:
     """Micro-batches of DP rank ``dp_rank`` (see module doc).
 
     Args:
@@ -106,15 +109,20 @@ def plan_microbatches(lengths: list[int], *, rows_per_microbatch: int, dp_rank: 
         pairs: without ``units``: keep rows 2i and 2i+1 together (DPO); False: every row is a unit.
         pad_multiple: round each micro-batch length up to a multiple of this.
         units: sizes of consecutive units (e.g. :func:`unit_sizes`); overrides ``pairs``.
+        max_tokens: token budget of a micro-batch (0: off); when set it replaces
+            ``rows_per_microbatch``: a micro-batch takes units while ``rows x padded length`` stays
+            within it (a unit over the budget by itself runs alone).
     Returns:
         this rank's micro-batches, longest first; empty when the rank gets no unit.
     Raises:
         ValueError: ``pairs`` with an odd number of rows, ``units`` not summing to ``B``, or bad sizes.
     """
     n = len(lengths)
-    if rows_per_microbatch < 1 or dp_size < 1 or not 0 <= dp_rank < dp_size or pad_multiple < 1:
+    if rows_per_microbatch < 1 or dp_size < 1 or not 0 <= dp_rank < dp_size or pad_multiple < 1 \
+            or max_tokens < 0:
         raise ValueError(f"plan_microbatches: rows_per_microbatch={rows_per_microbatch}, "
-                         f"dp_rank={dp_rank}, dp_size={dp_size}, pad_multiple={pad_multiple}")
+                         f"dp_rank={dp_rank}, dp_size={dp_size}, pad_multiple={pad_multiple}, "
+                         f"max_tokens={max_tokens}")
     if units is None:
         if pairs and n % 2:
             raise ValueError(f"plan_microbatches: {n} rows cannot form DPO pairs (need an even count)")
@@ -125,9 +133,15 @@ def plan_microbatches(lengths: list[int], *, rows_per_microbatch: int, dp_rank: 
     rows_of = [tuple(range(a, a + w)) for a, w in zip(starts, units)]
     ulen = [max(lengths[r] for r in u) for u in rows_of]
     order = sorted(range(len(rows_of)), key=lambda u: (-ulen[u], u))  # longest first, stable
+    def fits(chunk: list[int], u: int) -> bool:
+        rows = sum(units[v] for v in chunk) + units[u]
+        if not max_tokens:
+            return rows <= rows_per_microbatch
+        return rows * _round_up(max(ulen[v] for v in (*chunk, u)), pad_multiple) <= max_tokens
+
     chunks: list[list[int]] = []
     for u in order[dp_rank::dp_size]:
-        if chunks and sum(units[v] for v in chunks[-1]) + units[u] <= rows_per_microbatch:
+        if chunks and fits(chunks[-1], u):
             chunks[-1].append(u)
         else:
             chunks.append([u])

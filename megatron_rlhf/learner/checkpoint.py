@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["save_learner_checkpoint", "load_learner_checkpoint", "write_hf_folder",
-           "STATE_FILE", "state_file"]
+           "STATE_FILE", "state_file", "distributed_optimizer_state"]
 
 STATE_FILE = "learner_state.pt"
 _WEIGHT_PATTERNS = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json",
@@ -95,14 +95,22 @@ def _prime_empty_state(optimizer) -> None:
     ``DistributedOptimizer.state_dict()`` reads the step from the per-parameter state and asserts
     one exists (megatron-core 0.16.1 to 0.19 ``distrib_optimizer.py``), so a fresh optimizer
     cannot build its loading state dict; Megatron-LM never hits it because it loads into TE's
-    FusedAdam, whose step lives in the param groups. The real tensors and step are overwritten by
-    the checkpoint right after."""
+    FusedAdam, whose step lives in the param groups. ``load_state_dict`` allocates the moments with
+    ``torch.empty``; they are zeroed here, so the primed state is exactly a fresh Adam state (step 0,
+    zero moments) and training on after a save at step 0 is unchanged. On load the checkpoint
+    overwrites it."""
     for opt in _distributed_optimizers(optimizer):
         if len(opt.optimizer.state):
             continue
         groups = [{k: v for k, v in g.items() if k != "params"} | {"step": 0}
                   for g in opt.optimizer.state_dict()["param_groups"]]
-        opt.load_state_dict({"optimizer": {"param_groups": groups}})
+        with torch.no_grad():
+            opt.load_state_dict({"optimizer": {"param_groups": groups}})
+            for st in opt.optimizer.state.values():
+                for k, v in st.items():
+                    if torch.is_tensor(v) and k != "step":
+                        v.zero_()
+    _unshare_steps(optimizer)
 
 
 def _save_optimizer(optimizer, model, groups, folder: Path) -> None:
@@ -165,6 +173,35 @@ def _reapply_common_state(optimizer, state) -> None:
         [v for _, v in sorted(state.items())]
     for opt, part in zip(opts, parts):
         opt.load_state_dict({k: v for k, v in part.items() if k in ("optimizer", "grad_scaler")})
+
+
+def distributed_optimizer_state(optimizer, model) -> dict[str, dict]:
+    """This rank's distributed-optimizer state by parameter name of ``model`` (for checks:
+    ``bench/gpu_check.py``, tests).
+
+    Returns:
+        ``{name: {"start": int, "param": Tensor, "exp_avg": Tensor, "exp_avg_sq": Tensor}}``:
+        flat fp32 copies of the elements ``[start, start + n)`` of the flattened parameter that
+        this DP rank owns (fp32 master weight and Adam moments); parameters this rank owns no part
+        of are absent. Source: megatron-core ``DistributedOptimizer._get_model_param_range_map``
+        and ``_get_main_param_and_optimizer_states`` (0.16 to 0.19).
+    Raises:
+        ValueError: ``optimizer`` holds no DistributedOptimizer.
+    """
+    opts = _distributed_optimizers(optimizer)
+    if not opts:
+        raise ValueError("distributed_optimizer_state: not a distributed optimizer "
+                         "(learner.distributed_optimizer=false)")
+    out = {}
+    for name, p in model.named_parameters():
+        opt = next((o for o in opts if p in o.model_param_gbuf_map), None)
+        if opt is None:
+            continue
+        st = opt._get_main_param_and_optimizer_states(p)
+        out[name] = {"start": opt._get_model_param_range_map(p)["param"].start,
+                     **{k: st[k].detach().float().clone().flatten().cpu()
+                        for k in ("param", "exp_avg", "exp_avg_sq")}}
+    return out
 
 
 def _coords(learner) -> dict:

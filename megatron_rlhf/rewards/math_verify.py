@@ -131,6 +131,10 @@ def _ready(hold_s: float) -> int:
 def _worker_init() -> None:
     import logging
 
+    from megatron_rlhf.runtime import ignore_stop_signals
+
+    ignore_stop_signals()   # a signal to the driver's process group: the driver stops the pool itself
+
     logging.getLogger("math_verify").setLevel(logging.CRITICAL)
     import math_verify  # noqa: F401  (pay the sympy import once per worker, not per item)
 

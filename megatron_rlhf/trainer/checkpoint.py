@@ -31,6 +31,8 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
+from megatron_rlhf.testing.faults import kill_point
+
 __all__ = ["CheckpointManager", "CheckpointError"]
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
@@ -112,7 +114,9 @@ class CheckpointManager:
             raise CheckpointError(f"cannot save checkpoint step {step}: creating {tmp} failed: "
                                   f"{_cause(e, self.root)}") from e
         try:
+            _test_delay()
             write_fn(tmp)
+            kill_point("save", step)
             (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
             (tmp / "COMPLETE").write_text(f"step {step}\n")
             _fsync_dir(tmp)
@@ -134,6 +138,17 @@ class CheckpointManager:
         for _, old in self.complete_checkpoints()[:-self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
         return final
+
+
+def _test_delay() -> None:
+    """Tests only: ``MRLHF_TEST_SLOW_SAVE_S`` seconds of sleep at the start of every save (before the
+    learner writes its files), to make a save outlast a signal or to
+    kill the driver mid-save. Unset in real runs."""
+    delay = float(os.environ.get("MRLHF_TEST_SLOW_SAVE_S") or 0)
+    if delay > 0:
+        import time
+
+        time.sleep(delay)
 
 
 def _cause(err: BaseException, root: Path) -> str:

@@ -90,11 +90,11 @@ def split_eval_prompts(tasks: list, train_by_task: dict[str, list[Prompt]], eval
         ``(train_by_task, eval_by_task, counts)``: training prompts without any prompt whose
         (text, answer) equals an eval prompt's; per task the first ``eval.num_prompts`` eval
         prompts in :func:`heldout_order` (from ``eval_data``, or else at most
-        ``floor(holdout_frac x len)`` of the training prompts); counts per task
+        ``floor(holdout_frac x len)`` of the training prompts; none when that is 0: such a tiny
+        task is trained on all its prompts and not evaluated); counts per task
         ``{"eval_prompts", "eval_source", "train_removed"}``.
     Raises:
-        ValueError: a task has too few prompts for a held-out slice, or no training prompt is left
-            (names ``tasks[NAME].eval_data`` and ``eval.*``).
+        ValueError: no training prompt is left (names ``tasks[NAME].eval_data``).
     """
     train_out, eval_out, counts = {}, {}, {}
     for task in tasks:
@@ -105,10 +105,11 @@ def split_eval_prompts(tasks: list, train_by_task: dict[str, list[Prompt]], eval
         else:
             pool, source = heldout_order(train), "holdout"
             num = min(eval_cfg.num_prompts, int(len(train) * eval_cfg.holdout_frac))
-            if num < 1:
-                raise ValueError(f"task {task.name!r} has {len(train)} prompts: too few for a held-out slice "
-                                 f"(eval.holdout_frac={eval_cfg.holdout_frac}); give tasks[{task.name}].eval_data "
-                                 "or set eval.enabled=false")
+            if num < 1:   # too small to spare any: trained in full, not evaluated (counted)
+                train_out[task.name], eval_out[task.name] = train, []
+                counts[task.name] = {"eval_prompts": 0, "eval_source": "none (too few prompts for a held-out "
+                                     f"slice at eval.holdout_frac={eval_cfg.holdout_frac})", "train_removed": 0}
+                continue
         heldout = pool[:num]
         keys = {_text_key(p) for p in heldout}
         kept = [p for p in train if _text_key(p) not in keys]
@@ -189,13 +190,14 @@ class Evaluator:
         if weights is not None and weights.version > min(self.pool.versions()):
             self.pool.push(weights, only_stale=True)
         version = min(self.pool.versions())
-        tasks = list(self.eval_by_task)
+        tasks = [t for t, ps in self.eval_by_task.items() if ps]   # a task too small to hold any out: none
         prompts = [p for t in tasks for p in self.eval_by_task[t]]
         greedy = self.pool.generate(prompts, 1, temperature=0.0)
         math_prompts = [p for p in prompts if self.kinds[p.task] == "math_verify"]
         sampled = (self.pool.generate(math_prompts, self.samples, temperature=self.temperature)
                    if math_prompts and self.samples > 0 else [])
-        seen = {c.weight_version for g in (*greedy, *sampled) for c in g}
+        seen = {v for g in (*greedy, *sampled) for c in g
+                for v in (c.weight_version, getattr(c, "weight_version_last", c.weight_version))}
         if seen != {version}:
             raise RuntimeError(f"eval at step {step}: completions came from weight versions {sorted(seen)}, "
                                f"expected only {version} (a weight push during the eval)")

@@ -21,15 +21,14 @@ batch may use and is unblocked by :meth:`Run.publish`.
 
 from __future__ import annotations
 
-import queue
 import signal
 import threading
 import time
 
 from megatron_rlhf.config import Config
 from megatron_rlhf.trainer.evaluate import PendingRows, eval_due
-from megatron_rlhf.trainer.rollout import ProducerError, RewardError
 from megatron_rlhf.trainer.run import LearnerDiedError, Run, RunResult, resolve_model_dir
+from megatron_rlhf.testing.faults import kill_point
 from megatron_rlhf.trainer.staleness import split_by_staleness
 from megatron_rlhf.types import LearnerBatch
 
@@ -80,7 +79,8 @@ def _loop(run: Run, stop: "_StopFlag", quiet: bool) -> RunResult:
     run.thread.start()
     while done < n and not stop.requested:
         t_wait = time.perf_counter()
-        batch = _take(run.batches, run.timeout, stop)
+        run.watchdog.start_step(done + 1)
+        batch = run.next_batch(stop)
         if batch is None:
             break
         learner_idle = time.perf_counter() - t_wait
@@ -103,18 +103,20 @@ def _loop(run: Run, stop: "_StopFlag", quiet: bool) -> RunResult:
                "time/train_s": train_s, "time/learner_idle_s": learner_idle,
                "time/step_s": time.perf_counter() - t_wait}
         rows.add(row, futures)
+        kill_point("row", done)
         bar.update(1)
         bar.set_postfix(reward=f"{row['reward/mean']:.3f}", stale=stale["staleness/max"],
                         loss=f"{row['loss/total'] if row['loss/total'] is None else round(row['loss/total'], 3)}",
                         pairs=f"{row['pairs/count']}/{row['prompts/drawn']}")
         if cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0 and done < n:
             rows.flush()   # a checkpoint never gets ahead of metrics.jsonl
-            saved = run.save(done, version, batch)
+            saved = run.save(done, version, batch, run.take_for_checkpoint(stop))
+        run.watchdog.end_step()   # a step's time includes its checkpoint (a hung save is caught too)
     run.end_evals(completed=done >= n)
     rows.flush()
     wall = time.perf_counter() - t_start
     if last_batch is not None and saved < done:  # the end, or a stop signal
-        saved = run.save(done, version, last_batch)
+        saved = run.save(done, version, last_batch, run.take_for_checkpoint(stop) if done < n else ())
     bar.close()
     return run.finish(done, wall, stopped_early=done < n)
 
@@ -159,27 +161,3 @@ class _StopFlag:
     def __exit__(self, *exc):
         for sig, old in self._old.items():
             signal.signal(sig, old)
-
-
-def _take(batches: queue.Queue, timeout: float, stop) -> object | None:
-    """The next batch from the producer; None when a stop was requested.
-
-    Raises:
-        TimeoutError: none within ``async.timeout_s``.
-        ProducerError: the producer failed (its exception attached).
-    """
-    deadline = time.monotonic() + timeout
-    while True:
-        if stop.requested:
-            return None
-        try:
-            item = batches.get(timeout=1.0)
-        except queue.Empty:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no rollout batch within async.timeout_s={timeout:.0f} s")
-            continue
-        if isinstance(item, RewardError):   # names the task and its reward function
-            raise ProducerError(str(item)) from item
-        if isinstance(item, BaseException):
-            raise ProducerError(f"generation failed: {type(item).__name__}: {item}") from item
-        return item

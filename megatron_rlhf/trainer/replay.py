@@ -56,6 +56,7 @@ class ReplayProducer:
         self.folder, self.out_queue = Path(folder), out_queue
         self.first_batch, self.num_batches = first_batch, num_batches
         self.stop_event = threading.Event()
+        self.phase = "replaying saved batches"   # the hang watchdog's view
 
     def run(self) -> None:
         try:

@@ -11,6 +11,7 @@ are left running). The verbs the loop calls (:meth:`train_step`, :meth:`publish`
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -26,7 +27,8 @@ from megatron_rlhf.generator.weight_sync import PublishedWeights, make_transport
 from megatron_rlhf.trainer.checkpoint import CheckpointManager
 from megatron_rlhf.trainer.metrics import MetricsLogger, summarize
 from megatron_rlhf.trainer.preflight import check_model_source, preflight
-from megatron_rlhf.trainer.rollout import RolloutProducer, WeightChannel
+from megatron_rlhf.trainer.rollout import ProducerError, RewardError, RolloutProducer, WeightChannel
+from megatron_rlhf.trainer.watchdog import HangWatchdog, dump_actor_stacks
 
 __all__ = ["Run", "RunResult", "LearnerDiedError", "NonFiniteTrainingError", "resolve_model_dir"]
 
@@ -67,7 +69,9 @@ class Run:
         self.rm_actors: dict = {}
         self.generators: list = []
         self.shared_generators: list = []
-        self.started_ray = False
+        self.ray_head = None   # see _init_ray
+        self._calls: dict[str, float] = {}   # learner calls in flight -> start (monotonic s)
+        self.stacks_dir = self.watchdog = None
         self.skipped_in_row = 0
 
     @classmethod
@@ -131,7 +135,9 @@ class Run:
         cfg, timeout = self.cfg, self.timeout
         if any(t.kind == "math_verify" for t in cfg.tasks):
             self.reward = MathVerifyReward(num_workers=1)
-        self.started_ray = _init_ray(cfg, extra_cpus=len(set(self.reward_models.values())))
+        self.stacks_dir = self.run_dir / "logs" / f"stacks-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        self.ray_head = _init_ray(cfg, self.run_dir, self.stacks_dir,
+                                  extra_cpus=len(set(self.reward_models.values())))
         self.shared_generators = list(generators or [])
         self.placement = _placement(cfg, len(set(self.reward_models.values())), timeout)
         self.rm_actors = _build_reward_models(cfg, self.reward_models, self.placement)
@@ -143,6 +149,7 @@ class Run:
         self.probe = (_probe_tokens(self.sampler, cfg.generators.max_model_len)
                       if cfg.generators.check_weight_sync else None)
         self.start_step, self.version, rng_state, producer_state = 0, 0, None, None
+        self.pending = collections.deque()
         latest = self.ckpts.latest() if cfg.checkpoint.resume else None
         if latest is not None:
             path, state = latest
@@ -150,13 +157,15 @@ class Run:
                                      f"loading checkpoint {path.name}")
             self.start_step, rng_state = state["step"], state["rng_state"]
             producer_state = state.get("producer_state")
+            self.pending.extend(_load_pending(path, state))
             try:
                 self.sampler.load_state_dict(state["sampler_state"])
             except (ValueError, KeyError, TypeError) as e:
                 raise ConfigError(f"cannot resume from {path}: its data-sampler position does not fit "
                                   f"this config's tasks ({e}); resume with the same tasks[] and run.seed, "
                                   "or start a new run (another run.name)") from e
-            self.say(f"resuming from {path.name} (step {self.start_step}, weight version {self.version})")
+            self.say(f"resuming from {path.name} (step {self.start_step}, weight version {self.version}"
+                     f"{_pending_note(self.pending)})")
         with _learner_guard("start-up", self.ckpts):
             ray.get([a.__ray_ready__.remote() for a in (self.learner, *self.generators, *self.rm_actors.values())],
                     timeout=timeout)
@@ -172,7 +181,8 @@ class Run:
             except ValueError as e:
                 raise ConfigError(str(e)) from e
             self.say(f"train_only: replaying the saved batches of {folder} (no generator, no eval)")
-            self.producer = ReplayProducer(folder, self.batches, self.start_step, cfg.run.num_steps)
+            self.producer = ReplayProducer(folder, self.batches, self.start_step + len(self.pending),
+                                           cfg.run.num_steps)
             self.thread = threading.Thread(target=self.producer.run, name="rollout-replay", daemon=True)
             self._open_metrics()
             return
@@ -191,25 +201,47 @@ class Run:
             pool=self.pool, sampler=self.sampler, reward_fns=reward_fns,
             pair_fn=select_pair, channel=self.channel, out_queue=self.batches, algorithm_cfg=cfg.algorithm,
             generator_cfg=cfg.generators, staleness_bound=bound,
-            first_batch=self.start_step, num_batches=cfg.run.num_steps, min_version=self.version,
+            first_batch=self.start_step + len(self.pending), num_batches=cfg.run.num_steps,
+            min_version=self.version,
             rng_state=rng_state, producer_state=producer_state, seed=cfg.run.seed, timeout_s=timeout,
             evals=self.evals)
         self.thread = threading.Thread(target=self.producer.run, name="rollout-producer", daemon=True)
         self._open_metrics()
 
     def _open_metrics(self) -> None:
-        """The metrics logger (rows above the resumed step moved aside, see ``MetricsLogger``)."""
-        self.metrics = MetricsLogger(self.run_dir, self.cfg.logging, config_to_dict(self.cfg),
+        """The metrics logger (rows above the resumed step moved aside, see ``MetricsLogger``) and
+        the hang watchdog."""
+        cfg = self.cfg
+        self.metrics = MetricsLogger(self.run_dir, cfg.logging, config_to_dict(cfg),
                                      resume_step=self.start_step)
         if self.metrics.aside is not None:
             self.say(f"metrics rows after step {self.start_step} (training lost in a crash) moved to "
                      f"{self.metrics.aside.name}")
+        self.watchdog = HangWatchdog(
+            factor=cfg.async_.watchdog_factor, min_steps=cfg.async_.watchdog_min_steps,
+            pending_calls=self.pending_calls, dump_stacks=lambda: dump_actor_stacks(self.stacks_dir),
+            log=lambda m: print(m, file=sys.stderr, flush=True))
 
     # ----- the verbs of the loop -------------------------------------------------------------------
     def call(self, ref, what: str):
         """``ray.get`` of a learner call within ``async.timeout_s``; a dead learner raises
         :class:`LearnerDiedError` naming the last complete checkpoint (see :func:`_learner_call`)."""
-        return _learner_call(ref, what, self.timeout, self.ckpts)
+        self._calls[what] = time.monotonic()
+        try:
+            return _learner_call(ref, what, self.timeout, self.ckpts)
+        finally:
+            self._calls.pop(what, None)
+
+    def pending_calls(self) -> list[str]:
+        """The remote calls in flight, one line each (the hang watchdog's report): the learner
+        call the loop waits on, the generator requests, and what the rollout producer is doing."""
+        now = time.monotonic()
+        out = [f"learner: {what} (waiting {now - t0:.0f} s)" for what, t0 in list(self._calls.items())]
+        if self.pool is not None:
+            out += self.pool.pending_calls()
+        if self.producer is not None:
+            out.append(f"rollout producer: {self.producer.phase}")
+        return out
 
     @property
     def trains(self) -> bool:
@@ -270,14 +302,42 @@ class Run:
         if self.evals is not None:
             self.evals.close() if completed else self.evals.cancel_pending()
 
-    def save(self, step: int, version: int, batch) -> int:
-        """Write ``checkpoints/step_<step>`` (learner state + the producer state after ``batch``)."""
-        state = {"step": step, "weight_version": version, "sampler_state": batch.sampler_state,
-                 "rng_state": batch.rng_state, "producer_state": batch.producer_state, "time": time.time()}
-        self.ckpts.save(step, state, lambda tmp: self.call(
-            self.learner.save_checkpoint.remote(str(tmp / "learner")), f"checkpoint save of step {step}"),
-            passthrough=(LearnerDiedError,))
+    def save(self, step: int, version: int, batch, pending: tuple = ()) -> int:
+        """Write ``checkpoints/step_<step>``: the learner's state, and what the producer had made
+        beyond it: ``pending``, the generated but untrained batches the loop trains next (in
+        ``batches/``, :mod:`trainer.batch_io` format, with their weight versions), and the producer
+        state (data-sampler position, pair RNG, normaliser) after the last of them (after ``batch``,
+        the one just trained, when none is pending). A resumed run trains the pending batches first,
+        then generates from that position: what the uninterrupted run would have trained."""
+        from megatron_rlhf.trainer.batch_io import save_batch
+
+        last = pending[-1] if pending else batch
+        state = {"step": step, "weight_version": version, "sampler_state": last.sampler_state,
+                 "rng_state": last.rng_state, "producer_state": last.producer_state,
+                 "pending_batches": [b.index for b in pending], "time": time.time()}
+
+        def write(tmp: Path) -> None:
+            for b in pending:
+                save_batch(b, tmp / "batches")
+            self.call(self.learner.save_checkpoint.remote(str(tmp / "learner")), f"checkpoint save of step {step}")
+
+        self.ckpts.save(step, state, write, passthrough=(LearnerDiedError,))
         return step
+
+    def next_batch(self, stop) -> "object | None":
+        """The batch the loop trains next: a pending one (resumed from a checkpoint, or taken for
+        one) first, else the producer's next; ``None`` once a stop is requested."""
+        return self.pending.popleft() if self.pending else _take(self.batches, self.timeout, stop)
+
+    def take_for_checkpoint(self, stop) -> tuple:
+        """The next batch for a checkpoint to keep (it stays first in :attr:`pending`): wait for it,
+        or, once a stop is requested, only if it is already there (else the resumed run
+        regenerates it, with newer weights)."""
+        if not self.pending:
+            b = _take(self.batches, self.timeout, stop) if not stop.requested else _poll(self.batches)
+            if b is not None:
+                self.pending.append(b)
+        return tuple(self.pending)
 
     def finish(self, done: int, wall_s: float, stopped_early: bool) -> RunResult:
         """Stop the producer, export ``hf_final`` (a completed run), write ``summary.json``."""
@@ -304,6 +364,8 @@ class Run:
         shared generators a caller passed in), the transport, and Ray if this run started it."""
         import ray
 
+        if self.watchdog is not None:
+            self.watchdog.close()
         if self.producer is not None:   # an error in the learner loop: stop the generation thread too
             self.producer.stop_event.set()
         if self.channel is not None:
@@ -317,8 +379,10 @@ class Run:
             self.transport.close()
         if self.placement is not None:
             self.placement.remove()
-        if self.started_ray:
+        if self.ray_head is not None:   # this run connected to (or started) the cluster
             ray.shutdown()
+            if self.ray_head:
+                self.ray_head.stop()
 
     def __enter__(self):
         return self
@@ -358,6 +422,67 @@ def _learner_guard(what: str, ckpts: CheckpointManager):
         raise LearnerDiedError(f"the learner died during {what} ({type(e).__name__}); {where}") from e
 
 
+def _take(batches: queue.Queue, timeout: float, stop) -> object | None:
+    """The next batch from the producer; None when a stop was requested.
+
+    Raises:
+        TimeoutError: none within ``async.timeout_s``.
+        ProducerError: the producer failed (its exception attached).
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        if stop.requested:
+            return None
+        try:
+            item = batches.get(timeout=1.0)
+        except queue.Empty:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no rollout batch within async.timeout_s={timeout:.0f} s")
+            continue
+        return _checked(item)
+
+
+def _poll(batches: queue.Queue) -> object | None:
+    """The producer's next batch if it is already queued, else None."""
+    try:
+        return _checked(batches.get_nowait())
+    except queue.Empty:
+        return None
+
+
+def _checked(item):
+    if isinstance(item, RewardError):   # names the task and its reward function
+        raise ProducerError(str(item)) from item
+    if isinstance(item, BaseException):
+        raise ProducerError(f"generation failed: {type(item).__name__}: {item}") from item
+    return item
+
+
+def _load_pending(path: Path, state: dict) -> list:
+    """The untrained batches checkpoint ``path`` keeps (``trainer_state["pending_batches"]``).
+
+    Raises:
+        ConfigError: a listed batch file is missing or unreadable (names it).
+    """
+    from megatron_rlhf.trainer.batch_io import batch_path, load_batch
+
+    out = []
+    for index in state.get("pending_batches", []):
+        try:
+            out.append(load_batch(batch_path(path / "batches", index)))
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"cannot resume from {path}: its untrained batch {index} is unreadable ({e}); "
+                              "delete this checkpoint folder to resume from the one before") from e
+    return out
+
+
+def _pending_note(pending) -> str:
+    if not pending:
+        return ""
+    return "; then its untrained batches " + ", ".join(
+        f"{b.index} (weight version {b.weight_version})" for b in pending)
+
+
 def _drain(batches: queue.Queue) -> None:
     try:
         while True:
@@ -393,24 +518,44 @@ def resolve_model_dir(model_cfg) -> Path:
     return out
 
 
-def _init_ray(cfg: Config, extra_cpus: int = 0):
+def _init_ray(cfg: Config, run_dir: Path, stacks_dir: Path, extra_cpus: int = 0):
+    """Connect to Ray: the cluster at ``RAY_ADDRESS`` (slurm/ray_cluster.sh), the one this process
+    already joined (tests), or a local head started here in its own session (``LocalRayHead``), so
+    that a signal to the driver's process group does not stop Ray under the final checkpoint.
+    Every worker of the run registers a stack dump into ``stacks_dir`` (the hang watchdog).
+
+    Returns:
+        ``None``: this process had already joined a cluster (left as it is); ``False``: connected
+        to ``RAY_ADDRESS`` (disconnect at the end); else the
+        :class:`~megatron_rlhf.runtime.LocalRayHead` to stop at the end.
+    """
     import ray
 
-    from megatron_rlhf.runtime import process_env
+    from megatron_rlhf.runtime import LocalRayHead, process_env
 
     if ray.is_initialized():
-        return False
-    env = process_env()
+        return None
+    from megatron_rlhf.trainer.watchdog import STACKS_ENV
+
+    env = {**process_env(), STACKS_ENV: str(stacks_dir)}
+    kw = dict(log_to_driver=True, logging_level="WARNING", runtime_env={
+        "env_vars": env, "worker_process_setup_hook": "megatron_rlhf.trainer.watchdog.register_stack_dump"})
     address = os.environ.get("RAY_ADDRESS")
-    kw = dict(include_dashboard=False, log_to_driver=True, runtime_env={"env_vars": env},
-              logging_level="WARNING")
     if address:
         ray.init(address=address, **kw)
-    else:
-        lc = cfg.learner  # one CPU per generator engine and per learner rank
-        ranks = lc.tensor_parallel * lc.pipeline_parallel * lc.data_parallel
-        ray.init(num_cpus=max(2, cfg.generators.num_workers + ranks + extra_cpus), **kw)
-    return True
+        return False
+    lc = cfg.learner  # one CPU per generator engine and per learner rank
+    ranks = lc.tensor_parallel * lc.pipeline_parallel * lc.data_parallel
+    head = LocalRayHead(num_cpus=max(2, cfg.generators.num_workers + ranks + extra_cpus),
+                        log_path=run_dir / "logs" / "ray-head.log")
+    try:
+        ray.init(address=head.address, **kw)
+    except BaseException:
+        head.stop()
+        raise
+    print(f"[megatron-rlhf] local Ray head pid {head.proc.pid} (own session; log {head.log_path})",
+          flush=True)
+    return head
 
 
 def _actor_options(role: str, gpus: int) -> dict:
@@ -479,13 +624,14 @@ def _build_generators(cfg: Config, model_dir: Path, placement=None) -> list:
     and is restarted by Ray up to ``generators.max_restarts`` times when its process dies."""
     import ray
 
-    from megatron_rlhf.generator.vllm_engine import VLLMGenerator
+    from megatron_rlhf.generator.vllm_engine import RAY_ACTOR_OPTIONS, VLLMGenerator
 
     g = cfg.generators
     out = []
     for i in range(g.num_workers):
         opts = placement.engine_options(i) if placement else _actor_options("generator", g.tensor_parallel)
         opts["max_restarts"] = g.max_restarts
+        opts.update(RAY_ACTOR_OPTIONS)   # threaded: weight pushes land between engine steps of a request
         out.append(ray.remote(**opts)(VLLMGenerator).remote(
             model_dir=str(model_dir), generator_cfg=g, dtype=cfg.model.dtype, seed=cfg.run.seed + i,
             cpu_core=g.cpu_core + i if g.cpu_core >= 0 else -1, engine_index=i))

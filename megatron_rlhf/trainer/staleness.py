@@ -1,8 +1,9 @@
 """Per-sample staleness: measure it when the learner takes a batch, drop what is too old.
 
-staleness(sample) = learner weight version at train time - version that generated the sample
-(``Completion.weight_version``; with inflight updates the oldest version its batch spanned is the
-batch's ``weight_version``, and each completion carries its own). Online DPO has no importance
+staleness(sample) = learner weight version at train time - the OLDEST version that generated
+any of its tokens (``Completion.weight_version``, the version of its first token; with inflight
+updates a completion may continue under newer weights, recorded in ``weight_version_last``, and
+the batch's ``weight_version`` is the oldest over its completions). Online DPO has no importance
 correction, so a pair (or group) with a sample older than ``async.max_staleness`` is dropped and counted
 (Noukhovitch et al. 2024 bound the off-policyness instead of correcting it). Under the producer's
 handshake this never happens (batch k is generated with a version >= k - bound, and the learner

@@ -1,0 +1,181 @@
+"""Stopping a run the usual ways writes a checkpoint (issue 17).
+
+A signal to the driver's whole process group (Ctrl-C in a terminal, ``timeout``, ``kill -- -PGID``)
+must not kill the embedded Ray cluster or the math-verify pool under the driver: the driver
+finishes its step, writes the checkpoint (made to take over a minute here by the test hook
+``MRLHF_TEST_SLOW_SAVE_S``: longer than the 60 s after which a driver gives up on a dead GCS), exits
+0, and stops them itself. The real ``train.py`` runs as a subprocess in a session of its own, on a
+tiny random Llama (``configs/ci_tiny.yaml``, ``tests.plugins:char_parity`` reward).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration]
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _steps(run_dir: Path) -> list[int]:
+    f = run_dir / "metrics.jsonl"
+    if not f.exists():
+        return []
+    return [json.loads(line)["step"] for line in f.read_text().splitlines() if line.strip()]
+
+
+def _ckpt_steps(run_dir: Path) -> list[int]:
+    d = run_dir / "checkpoints"
+    return sorted(int(p.name.split("_")[1]) for p in d.glob("step_*")) if d.is_dir() else []
+
+
+def _descendants(pid: int) -> set[int]:
+    import psutil
+
+    try:
+        return {c.pid for c in psutil.Process(pid).children(recursive=True)}
+    except psutil.NoSuchProcess:
+        return set()
+
+
+def _alive(pids: set[int]) -> set[int]:
+    import psutil
+
+    out = set()
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.add(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _ray_core(pids: set[int]) -> set[int]:
+    """The Ray head's long-lived processes among ``pids``: ``ray start``, the GCS, the raylet."""
+    import psutil
+
+    out = set()
+    for pid in pids:
+        try:
+            cmd = " ".join(psutil.Process(pid).cmdline())
+        except psutil.NoSuchProcess:
+            continue
+        if "gcs_server" in cmd or "raylet/raylet" in cmd or " start --head" in cmd:
+            out.add(pid)
+    return out
+
+
+def _train(model_dir: Path, out_dir: Path, log: Path, *extra: str, slow_save_s: float = 0) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env.pop("RAY_ADDRESS", None)
+    env["MRLHF_TEST_SLOW_SAVE_S"] = str(slow_save_s)
+    cmd = [sys.executable, "train.py", "--config", "configs/ci_tiny.yaml", f"model.source={model_dir}",
+           f"run.output_dir={out_dir}", "run.name=stop", "tasks.0.reward=tests.plugins:char_parity",
+           "logging.progress=false", "checkpoint.interval=0", "checkpoint.export_hf=false", *extra]
+    with open(log, "ab") as f:   # a session of its own: the group signal reaches this run only
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def _signal_group_after_first_step(proc: subprocess.Popen, run: Path, log: Path, sig: int,
+                                   timeout_s: float = 600) -> tuple[set[int], int]:
+    """Wait for one more metrics row, then send ``sig`` to the run's process group; returns the run's
+    helper PIDs (Ray head session + the driver's children) seen just before, and the last step."""
+    from megatron_rlhf.runtime import session_pids
+
+    before = len(_steps(run))
+    deadline = time.monotonic() + timeout_s
+    while len(_steps(run)) <= before:
+        assert proc.poll() is None, log.read_text()[-4000:]
+        assert time.monotonic() < deadline, f"no new step in {timeout_s} s\n{log.read_text()[-4000:]}"
+        time.sleep(0.2)
+    head = re.findall(r"local Ray head pid (\d+)", log.read_text())
+    assert head, log.read_text()[-3000:]
+    helpers = set(session_pids(int(head[-1]))) | _descendants(proc.pid)
+    assert len(helpers) >= 4, helpers   # ray start, GCS, raylet, actors, ...
+    os.killpg(proc.pid, sig)
+    return helpers, _steps(run)[-1]
+
+
+def _finish(proc: subprocess.Popen, log: Path, timeout_s: float = 600) -> int:
+    try:
+        return proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError(f"train.py did not exit within {timeout_s} s\n{log.read_text()[-4000:]}")
+
+
+@pytest.mark.timeout(1500)
+def test_group_sigterm_then_sigint_each_checkpoint_exit_0_and_leave_no_process(tiny_llama_dir, tmp_path):
+    run = tmp_path / "stop"
+    log = tmp_path / "train.log"
+    num_steps = 8   # margin: resumed steps of the tiny model take about a second each
+
+    # 1. SIGTERM to the whole group (timeout, kill -- -PGID) while the run is at step >= 1; the
+    #    stop checkpoint takes over a minute (a dead GCS would stop the driver after 60 s)
+    proc = _train(tiny_llama_dir, tmp_path, log, f"run.num_steps={num_steps}", slow_save_s=65)
+    helpers, at = _signal_group_after_first_step(proc, run, log, signal.SIGTERM)
+    core = _ray_core(helpers)
+    time.sleep(5)
+    assert len(core) == 3 and _alive(core) == core and proc.poll() is None, "Ray died of the group signal"
+    rc = _finish(proc, log)
+    text = log.read_text()
+    assert rc == 0, text[-4000:]
+    assert "signal SIGTERM: finishing this step" in text
+    first = _steps(run)
+    assert first[-1] >= at and _ckpt_steps(run) == [first[-1]] and first[-1] < num_steps, (first, text[-3000:])
+    assert not _alive(helpers), f"left behind: {_alive(helpers)}"
+
+    # 2. the re-run resumes; Ctrl-C (SIGINT to the foreground group) during it does the same (a
+    #    30 s save here: the same mechanism as step 1, and CI time is counted)
+    proc = _train(tiny_llama_dir, tmp_path, log, f"run.num_steps={num_steps}", slow_save_s=30)
+    helpers, at = _signal_group_after_first_step(proc, run, log, signal.SIGINT)
+    core = _ray_core(helpers)
+    time.sleep(5)
+    assert len(core) == 3 and _alive(core) == core and proc.poll() is None, "Ray died of the group signal"
+    rc = _finish(proc, log)
+    text = log.read_text()
+    assert rc == 0, text[-4000:]
+    assert "signal SIGINT: finishing this step" in text
+    second = _steps(run)
+    assert second[:len(first)] == first and second[len(first)] == first[-1] + 1, second
+    assert second[-1] < num_steps and "STOPPED EARLY" in text.rsplit("resuming from", 1)[1], text[-3000:]
+    assert _ckpt_steps(run)[-1] == second[-1], (_ckpt_steps(run), second)
+    assert not _alive(helpers), f"left behind: {_alive(helpers)}"
+
+    # 3. a last re-run completes the run
+    if second[-1] < num_steps:
+        proc = _train(tiny_llama_dir, tmp_path, log, f"run.num_steps={num_steps}")
+        assert _finish(proc, log) == 0, log.read_text()[-4000:]
+    assert _steps(run) == list(range(1, num_steps + 1))
+    assert _ckpt_steps(run)[-1] == num_steps
+
+
+def test_math_verify_pool_workers_outlive_sigterm_and_sigint():
+    """The pool's workers ignore a signal to the driver's group (the driver stops them itself)."""
+    import psutil
+
+    from megatron_rlhf.rewards import MathVerifyReward
+
+    with MathVerifyReward(num_workers=1) as reward:
+        assert reward(["#### 72"], ["72"]) == [1.0]
+        workers = {c.pid for c in psutil.Process().children() if "spawn_main" in " ".join(c.cmdline())}
+        assert workers
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            for pid in workers:
+                os.kill(pid, sig)
+        time.sleep(1.0)
+        assert _alive(workers) == workers
+        assert reward(["#### 5", "#### 3"], ["5", "4"]) == [1.0, 0.0]
+        assert reward.num_restarts == 0
+    time.sleep(0.5)
+    assert not _alive(workers)
