@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 def format_summary(res: dict) -> str:
     """A few lines for the terminal: where the run is and how it went."""
     f = lambda v, p=3: "n/a" if v is None or v != v else f"{v:.{p}f}"  # noqa: E731 (NaN-safe)
-    lines = [f"run folder: {res['run_dir']}"]
+    lines = [f"run folder: {res['run_dir']}"] + ([f"report: {res['report']}"] if res.get("report") else [])
     if res.get("already_complete"):
         lines.append("(already complete: this is the summary of the earlier run; nothing was trained now)")
     if res.get("steps", 0) == 0:
@@ -73,12 +73,27 @@ def format_summary(res: dict) -> str:
         f"trained {res['pairs_formed']} pairs/groups from {res['prompts_drawn']} prompts; "
         f"{res['prompts_skipped']} prompts skipped (nothing to learn from: no pair, or all rewards equal)"
         + (f", {res['pairs_surplus']} surplus dropped (prompts_per_step is fixed)" if res.get("pairs_surplus") else ""),
+        *_eval_lines(res.get("eval") or {}, f),
         f"mean seconds per step: gen {f(res['gen_s_mean'], 1)}, train {f(res['train_s_mean'], 1)}, "
         f"sync {f(res['sync_s_mean'], 2)}",
         f"async speed-up: {f(res['async_speedup'], 2)}x (gen+train+sync {f(res['serial_s'], 0)} s "
         f"serial vs {f(res['wall_s'], 0)} s wall)",
     ]
     return "\n".join(lines)
+
+
+def _eval_lines(evals: dict, f) -> list[str]:
+    """``held-out eval`` lines: per task and metric, first -> last eval with standard errors."""
+    if not evals:
+        return []
+    lines = ["held-out eval (mean +- standard error over prompts; step of the eval):"]
+    for task, metrics in evals.items():
+        for name, v in metrics.items():
+            if name == "len_mean_tokens":
+                continue
+            lines.append(f"  task {task}: {name} {f(v['first'])} +- {f(v['first_se'])} (step {v['first_step']}) "
+                         f"-> {f(v['last'])} +- {f(v['last_se'])} (step {v['last_step']})")
+    return lines
 
 
 if __name__ == "__main__":

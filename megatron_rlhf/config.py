@@ -36,7 +36,7 @@ __all__ = [
     "ConfigError", "RunConfig", "ModelConfig", "DataConfig", "TaskConfig", "RewardModelSpec",
     "MATH_INSTRUCTION", "GeneratorConfig",
     "OptimizerConfig", "LearnerConfig", "AlgorithmConfig", "AsyncConfig", "CheckpointConfig",
-    "LoggingConfig", "Config", "load_config", "config_to_dict", "save_config",
+    "LoggingConfig", "EvalConfig", "Config", "load_config", "config_to_dict", "save_config",
 ]
 
 
@@ -72,12 +72,25 @@ class RunConfig:
     """Seed for data sampling, pair selection, vLLM sampling and model init."""
     num_steps: int = 10
     """Learner batches to train (each batch = one weight version)."""
+    mode: str = "train"
+    """``train`` (generate and train); debug modes (``trainer.replay``): ``rollout_only``
+    (generate with the base weights, save every batch to ``<run>/rollouts/``, never train) and
+    ``train_only`` (train on the saved batches of ``run.replay``; no vLLM engine, no eval)."""
+    replay: str = ""
+    """``train_only``: folder of saved batches (a run folder or its ``rollouts/``)."""
+    save_rollouts: bool = False
+    """``train``: also save every batch to ``<run>/rollouts/`` (a later ``train_only`` replay of
+    them reproduces this run's losses). ``rollout_only`` always saves."""
 
     def __post_init__(self):
         _check(_is_plain_folder_name(self.name), "run.name", self.name,
                "a plain folder name (not empty, '.' or '..'; no '/', '\\' or NUL): the run is "
                "written to <run.output_dir>/<run.name>")
         _check(self.num_steps >= 1, "run.num_steps", self.num_steps, "an integer >= 1")
+        _check(self.mode in ("train", "rollout_only", "train_only"), "run.mode", self.mode,
+               "one of train, rollout_only, train_only")
+        _check(bool(self.replay) == (self.mode == "train_only"), "run.replay", self.replay,
+               "a folder of saved batches exactly when run.mode is train_only (and empty otherwise)")
 
 
 @dataclass(kw_only=True)
@@ -171,6 +184,13 @@ class TaskConfig:
     """Appended to every prompt (after a blank line) before the chat template is applied. Unset:
     :data:`MATH_INSTRUCTION` for math_verify and plug-in tasks, none (``""``) for reward-model
     tasks; an explicit value (``""`` included) is kept."""
+    eval_data: DataConfig | None = None
+    """Held-out prompts of this task for the evaluation (``eval:``), e.g.
+    ``{path: data/gsm8k/dev.jsonl, prompt_field: question, answer_field: answer}``; read like
+    ``data`` (same loader, same instruction). Unset: a fixed held-out slice of ``data`` (the
+    ``eval.num_prompts`` prompts first in sha256 order of their text, at most
+    ``eval.holdout_frac`` of the task) is taken out of training. Either way training never draws a
+    prompt whose text is an eval prompt's."""
 
     def __post_init__(self):
         key = f"tasks[{self.name}].reward"
@@ -603,6 +623,38 @@ class LoggingConfig:
 
 
 @dataclass(kw_only=True)
+class EvalConfig:
+    """Evaluation of the policy on held-out prompts of every task (``megatron_rlhf.trainer.evaluate``):
+    before the first step, every ``interval`` steps and after the last step, on the generator pool,
+    one weight version per eval. Math tasks: ``pass@1`` (greedy) and ``mean@k`` (``samples``
+    completions at ``temperature``); reward-model and plug-in tasks: the reward of the greedy
+    completion; every task: greedy completion length. Standard errors over prompts."""
+
+    enabled: bool = True
+    """Run the evaluation (``false``: no ``eval/*`` keys, no held-out slice is taken out)."""
+    interval: int = 10
+    """Evaluate after every ``interval`` steps (a multiple of ``async.sync_interval``, since the
+    generators only hold those versions); 0 = only before the first step and after the last."""
+    num_prompts: int = 64
+    """Held-out prompts per task (at most; fewer when the eval file or the held-out slice is smaller)."""
+    holdout_frac: float = 0.2
+    """Largest share of a task's prompts taken out of training as its held-out slice (tasks
+    without ``tasks[].eval_data``)."""
+    samples: int = 4
+    """k of ``mean@k`` on math tasks (mean correctness of k sampled completions); 0 = greedy only."""
+    temperature: float | None = None
+    """Sampling temperature of the ``mean@k`` samples (``null``: ``generators.temperature``)."""
+
+    def __post_init__(self):
+        _check(self.interval >= 0, "eval.interval", self.interval, "an integer >= 0")
+        _check(self.num_prompts >= 1, "eval.num_prompts", self.num_prompts, "an integer >= 1")
+        _check(0 < self.holdout_frac < 1, "eval.holdout_frac", self.holdout_frac, "a fraction in (0, 1)")
+        _check(self.samples >= 0, "eval.samples", self.samples, "an integer >= 0")
+        _check(self.temperature is None or self.temperature > 0, "eval.temperature", self.temperature,
+               "a number > 0 or null")
+
+
+@dataclass(kw_only=True)
 class Config:
     """The whole run. YAML top-level sections map 1:1 to these fields."""
 
@@ -615,6 +667,7 @@ class Config:
     async_: AsyncConfig = field(default_factory=AsyncConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
 
     def __post_init__(self):
@@ -625,6 +678,10 @@ class Config:
         _check(self.algorithm.prompts_per_step >= lp.data_parallel, "algorithm.prompts_per_step",
                self.algorithm.prompts_per_step,
                f">= learner.data_parallel ({lp.data_parallel}): every data-parallel rank needs a pair")
+        if self.eval.enabled and self.eval.interval:
+            _check(self.eval.interval % self.async_.sync_interval == 0, "eval.interval", self.eval.interval,
+                   f"a multiple of async.sync_interval ({self.async_.sync_interval}): the generators "
+                   "only receive those weight versions (or 0: first and last step only)")
         check_layout(self.placement, learner_world_size=lp.tensor_parallel * lp.pipeline_parallel * lp.data_parallel,
                      learner_tensor_parallel=lp.tensor_parallel, num_engines=self.generators.num_workers,
                      engine_tensor_parallel=self.generators.tensor_parallel,

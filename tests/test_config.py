@@ -33,7 +33,7 @@ def test_defaults_inheritance_and_overrides(tmp_path):
     ("algorithm.betta=0.1", "algorithm.betta"),
     ("run.num_steps=abc", "run.num_steps"),
     ("async.sync=maybe", "async.sync"),
-    ("generators.max_model_len=100", "generators.max_model_len"),
+    ("generators.max_model_len=50", "generators.max_model_len"),
     ("algorithm.samples_per_prompt=1", "algorithm.samples_per_prompt"),
     ("tasks.0.reward=nonsense", "reward"),
     ("learner.optimizer.lr_decay=exp", "learner.optimizer.lr_decay"),
@@ -64,3 +64,14 @@ def test_defaults_cycle_detected(tmp_path):
 def test_plugin_reward_path_accepted():
     cfg = load_config(REPO / "configs" / "cpu_demo.yaml", ["tasks.0.reward=tests.plugins:has_digit"])
     assert cfg.tasks[0].reward == "tests.plugins:has_digit"
+
+
+def test_eval_interval_must_be_a_multiple_of_the_sync_interval():
+    with pytest.raises(ConfigError, match=r"eval\.interval"):
+        load_config(REPO / "configs" / "cpu_demo.yaml", ["eval.interval=3", "async.sync_interval=2",
+                                                         "async.max_staleness=2"])
+    cfg = load_config(REPO / "configs" / "cpu_demo.yaml", ["eval.interval=4", "async.sync_interval=2",
+                                                           "async.max_staleness=2"])
+    assert cfg.eval.interval == 4 and cfg.tasks[0].eval_data.path.endswith("mul1_eval.jsonl")
+    with pytest.raises(ConfigError, match=r"eval\.samples"):
+        load_config(REPO / "configs" / "cpu_demo.yaml", ["eval.samples=-1"])

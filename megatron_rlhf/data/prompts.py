@@ -1,7 +1,7 @@
 """Prompt datasets: JSONL rows -> chat-templated, tokenised :class:`~megatron_rlhf.types.Prompt` s.
 
 Formats are registered by name in :data:`DATASETS` (``mawps``, ``svamp``, ``gsm8k``,
-``gsm8k_dev``); :func:`dataset_config` turns a name into a :class:`DataConfig`, and
+``gsm8k_dev``, the generated ``arithmetic_mul1`` / ``arithmetic_add2`` and their ``_eval`` splits); :func:`dataset_config` turns a name into a :class:`DataConfig`, and
 :func:`register_dataset` adds one. A task's ``data`` section may also give the fields directly::
 
     tasks:
@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rlhf.config import DataConfig, TaskConfig
+from megatron_rlhf.data.arithmetic import FILES as ARITHMETIC_FILES
 from megatron_rlhf.data.jsonrecords import read_json_records
 from megatron_rlhf.data.jsonrecords import resolve_data_path as _resolve
 from megatron_rlhf.types import Prompt
@@ -89,6 +90,10 @@ for _spec in (
                 answer_field="answer", licence="MIT (OpenAI)"),
     DatasetSpec(name="gsm8k_dev", path="data/gsm8k/dev.jsonl", prompt_field="question",
                 answer_field="answer", licence="MIT (OpenAI)"),
+    *(DatasetSpec(name=f"arithmetic_{kind}" + ("_eval" if split == "eval" else ""), path=path,
+                  prompt_field="input", answer_field="target",
+                  licence="generated (megatron_rlhf.data.arithmetic, seed 0)")
+      for (kind, split), path in ARITHMETIC_FILES.items()),
 ):
     register_dataset(_spec)
 

@@ -132,6 +132,7 @@ class GeneratorPool:
         self._inflight_pushes, self._inflight_sync_s, self._midrequest_pushes = 0, 0.0, 0
         self._inflight_check: float | None = None
         self._pending: tuple[dict, int] = ({}, 0)   # generate requests in flight (the watchdog's view)
+        self._temperature: float | None = None      # generate()'s per-call temperature (the eval's)
 
     @property
     def num_workers(self) -> int:
@@ -233,15 +234,25 @@ class GeneratorPool:
             yielded_at = t_yield
 
     def generate(self, prompts: list[Prompt], n: int,
-                 refresh: Callable[[], PublishedWeights] | None = None) -> list[list[Completion]]:
+                 refresh: Callable[[], PublishedWeights] | None = None,
+                 temperature: float | None = None) -> list[list[Completion]]:
         """Sample ``n`` completions for every prompt, spread over the workers (one request per
         worker, balanced by expected tokens: :func:`balance`; through :meth:`stream`).
+
+        ``temperature``: sampling temperature of these requests (``None``: ``generators.temperature``;
+        ``0``: greedy; the evaluation, ``trainer.evaluate``, uses both).
 
         Returns:
             ``out[i]`` = the ``n`` completions of ``prompts[i]``.
         """
         if not prompts:
             return []
+        if temperature is not None:
+            self._temperature = temperature
+            try:
+                return self.generate(prompts, n, refresh)
+            finally:
+                self._temperature = None
         costs = [len(p.token_ids) + n * self.expected_len for p in prompts]
         parts = [idx for idx in balance(costs, self.num_workers) if idx]
         chunks = [[prompts[i] for i in idx] for idx in parts]
@@ -316,7 +327,9 @@ class GeneratorPool:
                 pending[self._submit(w, prompts, list(range(len(prompts))), n)] = (w, prompts, time.perf_counter(), w.version)
 
     def _submit(self, w: _Worker, prompts: list[Prompt], idx: list[int], n: int):
-        return w.handle.generate.remote([prompts[i] for i in idx], n)
+        if self._temperature is None:
+            return w.handle.generate.remote([prompts[i] for i in idx], n)
+        return w.handle.generate.remote([prompts[i] for i in idx], n, self._temperature)
 
     def _record(self, w: _Worker, prompts: list[Prompt], groups: list[list[Completion]]) -> None:
         toks = [len(c.token_ids) for g in groups for c in g]

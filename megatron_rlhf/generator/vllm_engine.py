@@ -162,7 +162,7 @@ class VLLMGenerator:
         }
 
     # ------------------------------------------------------------------------------ verbs
-    def generate(self, prompts: list[Prompt], n: int) -> list[list[Completion]]:
+    def generate(self, prompts: list[Prompt], n: int, temperature: float | None = None) -> list[list[Completion]]:
         """Sample ``n`` completions for each prompt.
 
         The requests run in this engine's step loop (:class:`EngineStepLoop`): a weight push that
@@ -174,6 +174,8 @@ class VLLMGenerator:
                 than ``generators.max_model_len``. Completions stop at EOS, at
                 ``generators.max_new_tokens`` tokens, or at the context end.
             n: completions per prompt (K), >= 1.
+            temperature: sampling temperature of this call (``None``: ``generators.temperature``;
+                ``0``: greedy, the evaluation's pass@1).
         Returns:
             ``out[i][j]`` = completion j of prompt i (``len(out) == len(prompts)``,
             ``len(out[i]) == n``), each with ``token_ids [L]``, sampling ``logprobs [L]`` (nats,
@@ -181,7 +183,8 @@ class VLLMGenerator:
             ``"length"``), ``text``, ``weight_version`` (the version of its first token) and
             ``weight_version_last`` (of its last token).
         Raises:
-            ValueError: ``n < 1``, or a prompt is empty or has ``>= max_model_len`` tokens.
+            ValueError: ``n < 1``, ``temperature < 0``, or a prompt is empty or has
+                ``>= max_model_len`` tokens.
         """
         from vllm import SamplingParams
 
@@ -192,7 +195,10 @@ class VLLMGenerator:
             return []
         inputs = [self._tokens_prompt(p.token_ids, f"prompts[{i}] (index {p.index}, task {p.task!r})")
                   for i, p in enumerate(prompts)]
-        params = [SamplingParams(n=1, temperature=self.cfg.temperature, top_p=self.cfg.top_p,
+        temp = self.cfg.temperature if temperature is None else float(temperature)
+        if temp < 0:
+            raise ValueError(f"generate(temperature={temperature}): must be >= 0 (0 = greedy)")
+        params = [SamplingParams(n=1, temperature=temp, top_p=self.cfg.top_p if temp > 0 else 1.0,
                                  max_tokens=self.cfg.max_new_tokens, logprobs=0)
                   for _ in range(len(inputs) * n)]
         t0 = time.perf_counter()

@@ -7,7 +7,8 @@
         version (groups older than async.max_staleness dropped and counted); train; version += 1;
         every async.sync_interval batches publish the weights (exported on the learner through the
         weight transport; pushed to the M generator engines by the producer); checkpoint every
-        checkpoint.interval steps.
+        checkpoint.interval steps; evaluate (trainer.evaluate) before step 1, every eval.interval
+        steps and after the last (on the producer thread; each row waits for its eval).
 
 With ``async.sync: true`` the bound is 0, so batch k waits for the weights of step k: generate,
 train, sync strictly in turn (the on-policy A/B baseline, staleness always 0). With bound 1 the
@@ -25,6 +26,7 @@ import threading
 import time
 
 from megatron_rlhf.config import Config
+from megatron_rlhf.trainer.evaluate import PendingRows, eval_due
 from megatron_rlhf.trainer.run import LearnerDiedError, Run, RunResult, resolve_model_dir
 from megatron_rlhf.testing.faults import kill_point
 from megatron_rlhf.trainer.staleness import split_by_staleness
@@ -72,6 +74,8 @@ def _loop(run: Run, stop: "_StopFlag", quiet: bool) -> RunResult:
                disable=quiet or not cfg.logging.progress, dynamic_ncols=True)
     done = saved = run.start_step
     version, last_batch, t_start = run.version, None, time.perf_counter()
+    rows = PendingRows(run.metrics.log, run.thread, run.batches, run.timeout)   # rows wait for their evals
+    first_eval = run.evals.request(0) if run.evals is not None and run.start_step == 0 else None
     run.thread.start()
     while done < n and not stop.requested:
         t_wait = time.perf_counter()
@@ -80,14 +84,19 @@ def _loop(run: Run, stop: "_StopFlag", quiet: bool) -> RunResult:
         if batch is None:
             break
         learner_idle = time.perf_counter() - t_wait
+        run.keep(batch)   # debug modes: rollouts saved to the run folder
         learner_batch, stale = _learner_batch(run, batch, version, done + 1)
         t0 = time.perf_counter()
         out = run.train_step(learner_batch, done + 1)
         train_s = time.perf_counter() - t0
-        version, done, last_batch = version + 1, done + 1, batch
+        version, done, last_batch = version + (1 if run.trains else 0), done + 1, batch
+        publish = done < n and not stop.requested and version % cfg.async_.sync_interval == 0
+        due = eval_due(cfg.eval, n, done, publish) and (first_eval is None or done >= n)  # row 1: eval 0
+        futures, first_eval = [f for f in (first_eval,) if f is not None], None
         sync = {"sync/learner_blocked_s": 0.0, "sync/push_wait_s": 0.0}
-        if done < n and not stop.requested and version % cfg.async_.sync_interval == 0:
-            sync = run.publish(version)
+        if publish or due:
+            sync, fut = run.publish(version, generation=publish, eval_step=done if due else None)
+            futures += [fut] if fut is not None else []
         row = {"step": done, "weight_version": version, "loss/total": out.get("loss/total"),
                **stale, "prompts/too_long_filtered": run.too_long,
                **{k: v for k, v in out.items() if k != "time/train_s"},
@@ -95,14 +104,18 @@ def _loop(run: Run, stop: "_StopFlag", quiet: bool) -> RunResult:
                "time/train_s": train_s, "time/learner_idle_s": learner_idle,
                **sync, "sync/GBps": batch.stats.get("sync/GBps", 0.0),
                "time/step_s": time.perf_counter() - t_wait}
-        run.metrics.log(row)
+        rows.add(row, futures)
         kill_point("row", done)
         bar.update(1)
         bar.set_postfix(reward=f"{row['reward/mean']:.3f}", stale=stale["staleness/max"],
-                        loss=f"{row['loss/total']:.3f}", pairs=f"{row['pairs/count']}/{row['prompts/drawn']}")
+                        loss=f"{row['loss/total'] if row['loss/total'] is None else round(row['loss/total'], 3)}",
+                        pairs=f"{row['pairs/count']}/{row['prompts/drawn']}")
         if cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0 and done < n:
+            rows.flush()   # a checkpoint never gets ahead of metrics.jsonl
             saved = run.save(done, version, batch, run.take_for_checkpoint(stop))
         run.watchdog.end_step()   # a step's time includes its checkpoint (a hung save is caught too)
+    run.end_evals(completed=done >= n)
+    rows.flush()
     wall = time.perf_counter() - t_start
     if last_batch is not None and saved < done:  # the end, or a stop signal
         saved = run.save(done, version, last_batch, run.take_for_checkpoint(stop) if done < n else ())

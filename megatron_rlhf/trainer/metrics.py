@@ -23,7 +23,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsLogger", "REQUIRED_KEYS", "adopt_rows", "summarize", "task_names"]
+__all__ = ["MetricsLogger", "REQUIRED_KEYS", "adopt_rows", "summarize", "summarize_evals", "task_names",
+           "wandb_run_id"]
+
+EVAL_METRICS = ("pass@1", "mean@k", "reward_mean", "len_mean_tokens")
+"""Per-task eval values (``eval/<task>/<name>`` with ``.../se``; ``trainer.evaluate``)."""
 
 REQUIRED_KEYS = ("step", "weight_version", "staleness/max", "reward/mean", "pairs/count",
                  "pairs/skipped_prompts", "loss/total", "time/gen_s", "time/train_s", "time/sync_s",
@@ -69,7 +73,7 @@ class MetricsLogger:
 
             self._wandb = wandb.init(project=logging_cfg.wandb_project, mode=logging_cfg.wandb_mode,
                                      dir=str(run_dir), name=Path(run_dir).name, config=config_dict,
-                                     resume="allow")
+                                     id=wandb_run_id(run_dir), resume="allow")
 
     def log(self, row: dict) -> dict:
         """Write one step's metrics (values made JSON-plain; NaN/inf become null). A
@@ -103,6 +107,20 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+
+
+def wandb_run_id(run_dir: str | os.PathLike) -> str:
+    """The wandb run id of this run folder, kept in ``<run>/wandb_id`` (made on first use), so a
+    requeued or resumed run logs into the same wandb run (``wandb.init(id=..., resume="allow")``;
+    wandb docs, "Resume a run")."""
+    path = Path(run_dir) / "wandb_id"
+    if path.is_file() and path.read_text().strip():
+        return path.read_text().strip()
+    import uuid
+
+    run_id = uuid.uuid4().hex[:16]
+    path.write_text(run_id + "\n")
+    return run_id
 
 
 def adopt_rows(path: Path, resume_step: int) -> tuple[list[dict], Path | None]:
@@ -181,6 +199,7 @@ def summarize(rows: list[dict], wall_s: float, edge: int = 3) -> dict:
         "wall_s": wall_s,
         "serial_s": serial,
         "async_speedup": serial / wall_s if wall_s > 0 else float("nan"),
+        "eval": summarize_evals(rows),
         "tasks": {t: {"reward_first": mean(f"task/{t}/reward_mean", rows[:edge]),
                       "reward_last": mean(f"task/{t}/reward_mean", rows[-edge:]),
                       "pairs": sum(r.get(f"task/{t}/units") or 0 for r in rows),
@@ -198,3 +217,22 @@ def task_names(rows: list[dict]) -> list[str]:
             if k.startswith("task/") and k.endswith("/reward_mean"):
                 out[k.split("/")[1]] = None
     return list(out)
+
+
+def summarize_evals(rows: list[dict]) -> dict:
+    """First and last eval of the run per task: ``{task: {metric: {"first", "first_se",
+    "first_step", "last", "last_se", "last_step"}}}`` for the metrics of :data:`EVAL_METRICS`
+    present (rows with an ``eval/step`` key; ``first_step`` is 0 for the eval before step 1)."""
+    evals = [r for r in rows if r.get("eval/step") is not None]
+    out: dict = {}
+    if not evals:
+        return out
+    first, last = evals[0], evals[-1]
+    for key in first:
+        parts = key.split("/")
+        if len(parts) != 3 or parts[0] != "eval" or parts[2] not in EVAL_METRICS:
+            continue
+        out.setdefault(parts[1], {})[parts[2]] = {
+            "first": first[key], "first_se": first.get(key + "/se"), "first_step": first["eval/step"],
+            "last": last.get(key), "last_se": last.get(key + "/se"), "last_step": last["eval/step"]}
+    return out

@@ -21,7 +21,10 @@ vLLM workers, streamed requests, restarts of dead workers):
             engines at once, also while their requests run (loaded between engine steps)
         put RolloutBatch(k, oldest version, groups, sampler position) on the queue (maxsize 1)
 
-Consumes: prompts (``MultiTaskSampler``), published weights (``WeightChannel``).
+Between batches the thread also serves eval requests (``trainer.evaluate.EvalService``): at the
+top of a batch and right after its handshake, so an eval finds the pool at the version requested.
+
+Consumes: prompts (``MultiTaskSampler``), published weights (``WeightChannel``), eval requests.
 Waits for: the weight version batch k may use; space in the queue.
 Unblocked by: the learner publishing a version; the learner taking a batch.
 Without inflight updates weights reach the workers only between batches, so one batch is
@@ -213,13 +216,16 @@ class RolloutProducer:
         producer_state: :attr:`RolloutBatch.producer_state` to resume from (``None``: fresh).
         seed: run seed: of the pair-selection RNG and of the engines per batch (``pool.reseed``).
         timeout_s: bound of every wait.
+        evals: ``trainer.evaluate.EvalService`` whose requests this thread serves (it owns the
+            pool): at the top of every batch, right after the weight handshake, and after the
+            last batch until the service is closed; ``None``: no evaluation.
     """
 
     def __init__(self, *, pool, sampler, reward_fns: dict[str, Callable], pair_fn: Callable,
                  channel: WeightChannel, out_queue: queue.Queue, algorithm_cfg, generator_cfg,
                  staleness_bound: int, first_batch: int, num_batches: int, min_version: int,
                  rng_state: Any = None, producer_state: dict | None = None, seed: int = 0,
-                 timeout_s: float = 1800.0):
+                 timeout_s: float = 1800.0, evals=None):
         from megatron_rlhf.rewards.reward_model import RunningRewardNormalizer
 
         self.pool, self.sampler, self.reward_fns, self.pair_fn = pool, sampler, reward_fns, pair_fn
@@ -227,6 +233,7 @@ class RolloutProducer:
         self.algo, self.gen_cfg = algorithm_cfg, generator_cfg
         self.bound, self.first_batch, self.num_batches = staleness_bound, first_batch, num_batches
         self.min_version, self.timeout_s = min_version, timeout_s
+        self.evals = evals
         self.seed = seed
         self.rng = random.Random(seed)
         if rng_state is not None:
@@ -248,6 +255,7 @@ class RolloutProducer:
             for k in range(self.first_batch, self.num_batches):
                 if self.stop_event.is_set():
                     return
+                self._serve_evals()
                 t_wait = time.perf_counter()
                 need = max(self.min_version, k - self.bound)
                 self.phase = f"batch {k}: waiting for weight version >= {need}"
@@ -255,6 +263,7 @@ class RolloutProducer:
                 if weights is None:
                     return
                 idle_s = time.perf_counter() - t_wait
+                self._serve_evals()   # an eval of the version just published goes before its use
                 sync = {"time/sync_s": 0.0, "sync/bytes": 0, "sync/export_s": 0.0}
                 self.pool.batch_index = k
                 if weights.version > min(self.pool.versions()):
@@ -272,8 +281,14 @@ class RolloutProducer:
                     except queue.Full:
                         continue
                 batch.stats["time/generator_idle_s"] += time.perf_counter() - t_put
+            if self.evals is not None:
+                self.evals.serve_until_closed(self.stop_event)
         except BaseException as e:  # noqa: BLE001 - forwarded to the learner loop
             self.out_queue.put(e)
+
+    def _serve_evals(self) -> None:
+        if self.evals is not None:
+            self.evals.serve_pending()
 
     # ------------------------------------------------------------------------------ scoring
     def _score(self, prompts: list, groups: list) -> list[list[float | None]]:

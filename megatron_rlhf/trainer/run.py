@@ -65,7 +65,7 @@ class Run:
         self.cfg, self.say, self.run_dir = cfg, say, cfg.run_dir
         self.timeout = cfg.async_.timeout_s
         self.learner = self.transport = self.channel = self.producer = self.thread = None
-        self.pool = self.metrics = self.reward = self.placement = None
+        self.pool = self.metrics = self.reward = self.placement = self.evals = None
         self.rm_actors: dict = {}
         self.generators: list = []
         self.shared_generators: list = []
@@ -103,7 +103,7 @@ class Run:
         self.model_dir = resolve_model_dir(cfg.model)
         self.plugins = preflight(cfg, self.model_dir)    # before any actor starts: a bad config stops here
         try:
-            self.sampler, self.data_counts, self.pad_id = _load_prompts(cfg, self.model_dir)
+            self.sampler, self.data_counts, self.pad_id, self.eval_by_task = _load_prompts(cfg, self.model_dir)
         except (ValueError, FileNotFoundError) as e:   # names tasks[].data.*: a config problem
             raise ConfigError(str(e)) from e
         say(f"model {self.model_dir}; prompts per task: {json.dumps(self.data_counts)}")
@@ -142,8 +142,9 @@ class Run:
         self.placement = _placement(cfg, len(set(self.reward_models.values())), timeout)
         self.rm_actors = _build_reward_models(cfg, self.reward_models, self.placement)
         reward_fns = _reward_fns(cfg, self.reward, self.rm_actors, self.plugins, timeout)
+        live = cfg.run.mode != "train_only"   # train_only replays saved batches: no vLLM engine
         self.learner, self.generators = _build_actors(cfg, self.model_dir, self.shared_generators,
-                                                      self.placement)
+                                                      self.placement, live)
         self.transport = make_transport(cfg.generators, self.run_dir, cfg.async_.timeout_s)
         self.probe = (_probe_tokens(self.sampler, cfg.generators.max_model_len)
                       if cfg.generators.check_weight_sync else None)
@@ -168,9 +169,23 @@ class Run:
         with _learner_guard("start-up", self.ckpts):
             ray.get([a.__ray_ready__.remote() for a in (self.learner, *self.generators, *self.rm_actors.values())],
                     timeout=timeout)
-            if hasattr(self.transport, "setup"):   # broadcast: form the groups
+            if live and hasattr(self.transport, "setup"):   # broadcast: form the groups
                 self.transport.setup(self.learner, self.generators, timeout)
         self.channel = WeightChannel(PublishedWeights(version=0))
+        self.batches = queue.Queue(maxsize=1)
+        if not live:
+            from megatron_rlhf.trainer.replay import ReplayProducer, check_replay_dir
+
+            try:
+                folder = check_replay_dir(cfg.run.replay, self.start_step, cfg.run.num_steps)
+            except ValueError as e:
+                raise ConfigError(str(e)) from e
+            self.say(f"train_only: replaying the saved batches of {folder} (no generator, no eval)")
+            self.producer = ReplayProducer(folder, self.batches, self.start_step + len(self.pending),
+                                           cfg.run.num_steps)
+            self.thread = threading.Thread(target=self.producer.run, name="rollout-replay", daemon=True)
+            self._open_metrics()
+            return
         if self.version > 0:  # the generators start from the base weights: hand them the resumed ones
             self.publish(self.version)
         elif self.shared_generators:  # reused actors hold an earlier run's weights: reset to version 0
@@ -180,15 +195,23 @@ class Run:
         self.pool = GeneratorPool(self.generators, transport=self.transport, generator_cfg=cfg.generators,
                                   timeout_s=timeout, probe=self.probe,
                                   log=lambda m: print(m, file=sys.stderr, flush=True))
-        self.batches = queue.Queue(maxsize=1)
-        self.producer = RolloutProducer(
+        self.evals = _eval_service(cfg, self.pool, self.eval_by_task, reward_fns)
+        bound = cfg.run.num_steps if cfg.run.mode == "rollout_only" else cfg.async_.staleness_bound
+        self.producer = RolloutProducer(   # rollout_only: never waits for weights (no training)
             pool=self.pool, sampler=self.sampler, reward_fns=reward_fns,
             pair_fn=select_pair, channel=self.channel, out_queue=self.batches, algorithm_cfg=cfg.algorithm,
-            generator_cfg=cfg.generators, staleness_bound=cfg.async_.staleness_bound,
+            generator_cfg=cfg.generators, staleness_bound=bound,
             first_batch=self.start_step + len(self.pending), num_batches=cfg.run.num_steps,
             min_version=self.version,
-            rng_state=rng_state, producer_state=producer_state, seed=cfg.run.seed, timeout_s=timeout)
+            rng_state=rng_state, producer_state=producer_state, seed=cfg.run.seed, timeout_s=timeout,
+            evals=self.evals)
         self.thread = threading.Thread(target=self.producer.run, name="rollout-producer", daemon=True)
+        self._open_metrics()
+
+    def _open_metrics(self) -> None:
+        """The metrics logger (rows above the resumed step moved aside, see ``MetricsLogger``) and
+        the hang watchdog."""
+        cfg = self.cfg
         self.metrics = MetricsLogger(self.run_dir, cfg.logging, config_to_dict(cfg),
                                      resume_step=self.start_step)
         if self.metrics.aside is not None:
@@ -220,13 +243,21 @@ class Run:
             out.append(f"rollout producer: {self.producer.phase}")
         return out
 
+    @property
+    def trains(self) -> bool:
+        """Whether steps update the policy (False in ``run.mode: rollout_only``)."""
+        return self.cfg.run.mode != "rollout_only"
+
     def train_step(self, learner_batch, step: int) -> dict:
-        """One learner update on ``learner_batch`` (step ``step``, 1-based); returns its metrics.
+        """One learner update on ``learner_batch`` (step ``step``, 1-based); returns its metrics
+        (``{"loss/total": None}`` in ``rollout_only``: nothing is trained).
 
         Raises:
             NonFiniteTrainingError: this is the ``learner.max_skipped_steps``-th step in a row
                 that the learner skipped for a non-finite loss or gradient.
         """
+        if not self.trains:
+            return {"loss/total": None}
         out = self.call(self.learner.train_step.remote(learner_batch), f"train_step of step {step}")
         self.skipped_in_row = self.skipped_in_row + 1 if out.get("train/skipped_nonfinite") else 0
         limit = self.cfg.learner.max_skipped_steps
@@ -238,15 +269,30 @@ class Run:
                 "scale, the learning rate and learner.optimizer.clip_grad")
         return out
 
-    def publish(self, version: int) -> dict:
+    def keep(self, batch) -> None:
+        """Save ``batch`` to ``<run>/rollouts/`` (``trainer.batch_io``) in ``rollout_only`` or with
+        ``run.save_rollouts``."""
+        if self.cfg.run.mode == "rollout_only" or (self.cfg.run.save_rollouts and self.cfg.run.mode == "train"):
+            from megatron_rlhf.trainer.batch_io import save_batch
+            from megatron_rlhf.trainer.replay import ROLLOUTS_DIR
+
+            save_batch(batch, self.run_dir / ROLLOUTS_DIR)
+
+    def publish(self, version: int, *, generation: bool = True, eval_step: int | None = None):
         """Export the learner's weights of ``version`` through the transport and publish them to
-        the producer, which pushes them to the engines.
+        the producer, which pushes them to the engines (``generation``); with ``eval_step`` first
+        queue their evaluation for the metrics row of that step (before the producer can see the
+        version, so the eval finds the engines at it).
 
         Returns:
-            ``{'sync/learner_blocked_s', 'sync/push_wait_s'}``: seconds the learner spent publishing
-            before it can take its next train step (TP gathers, staging / export, and, part of it,
-            waiting for the previous version's broadcast or write to end).
+            ``(sync, future)``: ``sync`` = ``{'sync/learner_blocked_s', 'sync/push_wait_s'}``, seconds
+            the learner spent publishing before it can take its next train step (TP gathers,
+            staging / export, and, part of it, waiting for the previous version's broadcast or write
+            to end); ``future`` = the eval's ``Future`` or None.
         """
+        idle = {"sync/learner_blocked_s": 0.0, "sync/push_wait_s": 0.0}
+        if self.cfg.run.mode != "train":   # debug modes: weights never change / no engine to push to
+            return idle, (self.evals.request(eval_step) if eval_step is not None and self.evals else None)
         what = f"the weight publish of version {version}"
         t0 = time.perf_counter()
         with _learner_guard(what, self.ckpts):
@@ -254,8 +300,16 @@ class Run:
         # the object-store transport only waits for the export's ref, which is ready (as an error)
         # when the learner died: a call queued behind the export confirms it, cheaply
         self.call(self.learner.get_weight_version.remote(), what)
-        self.channel.publish(weights)
-        return {"sync/learner_blocked_s": time.perf_counter() - t0, "sync/push_wait_s": weights.push_wait_s}
+        fut = self.evals.request(eval_step, weights) if eval_step is not None and self.evals else None
+        if generation:
+            self.channel.publish(weights)
+        return {"sync/learner_blocked_s": time.perf_counter() - t0, "sync/push_wait_s": weights.push_wait_s}, fut
+
+    def end_evals(self, completed: bool) -> None:
+        """No more eval requests: the producer serves the queued ones and stops (``completed``), or
+        the unserved ones are dropped (a stopped run)."""
+        if self.evals is not None:
+            self.evals.close() if completed else self.evals.cancel_pending()
 
     def save(self, step: int, version: int, batch, pending: tuple = ()) -> int:
         """Write ``checkpoints/step_<step>``: the learner's state, and what the producer had made
@@ -302,14 +356,16 @@ class Run:
         self.thread.join(timeout=5)
         self.metrics.close()
         cfg, run_dir = self.cfg, self.run_dir
-        if not stopped_early and cfg.checkpoint.export_hf and (done > self.start_step or not (
+        if not stopped_early and cfg.checkpoint.export_hf and self.trains and (done > self.start_step or not (
                 run_dir / "hf_final" / "config.json").is_file()):
             _export_final(self, run_dir, self.model_dir)
         result = RunResult(summarize(self.metrics.rows, wall_s + self.metrics.adopted_wall_s))
         result.update(run_dir=str(run_dir), stopped_early=stopped_early, resumed_from_step=self.start_step,
                       data=self.data_counts, prompts_too_long=self.too_long,
-                      generator_restarts=self.pool.restarts)
+                      generator_restarts=self.pool.restarts if self.pool else 0,
+                      report=str(run_dir / "report.html"))
         (run_dir / "summary.json").write_text(json.dumps(result, indent=1, default=str))
+        _report(run_dir, result)
         return result
 
     def close(self) -> None:
@@ -540,9 +596,11 @@ def _placement(cfg: Config, reward_models: int, timeout: float):
                           engine_backend=cfg.generators.distributed_executor_backend)
 
 
-def _build_actors(cfg: Config, model_dir: Path, generators: list | None = None, placement=None):
+def _build_actors(cfg: Config, model_dir: Path, generators: list | None = None, placement=None,
+                  with_generators: bool = True):
     """The learner (one rank, or a ``LearnerGroup`` coordinator of one actor per rank) and the
-    generators; with ``placement``, every rank and engine in its placement-group bundle."""
+    generators (none without ``with_generators``: ``run.mode: train_only``); with ``placement``,
+    every rank and engine in its placement-group bundle."""
     import ray
 
     from megatron_rlhf.learner.actor import MegatronLearner
@@ -563,6 +621,8 @@ def _build_actors(cfg: Config, model_dir: Path, generators: list | None = None, 
 
         learner = ray.remote(num_cpus=0, max_restarts=0)(LearnerGroup).remote(
             rank_actor_options=rank_opts, timeout_s=cfg.async_.timeout_s, **kw)
+    if not with_generators:
+        return learner, []
     return learner, (list(generators) if generators else _build_generators(cfg, model_dir, placement))
 
 
@@ -589,7 +649,8 @@ def _build_generators(cfg: Config, model_dir: Path, placement=None) -> list:
 
 def _load_prompts(cfg: Config, model_dir: Path):
     """Every task's prompts (math loaders or chat loaders by the task's reward kind) in one
-    ``MultiTaskSampler`` (per-task seeded samplers, quotas by ``tasks[].weight``)."""
+    ``MultiTaskSampler`` (per-task seeded samplers, quotas by ``tasks[].weight``), and with
+    ``eval.enabled`` every task's held-out prompts (taken out of training)."""
     from transformers import AutoTokenizer
 
     from megatron_rlhf.data import load_prompts_for_task
@@ -603,9 +664,21 @@ def _load_prompts(cfg: Config, model_dir: Path):
         if not by_task[task.name]:
             raise ValueError(f"tasks[{task.name}].data: no usable prompt ({counts[task.name]}); check "
                              "path, prompt_field, filter and generators.max_model_len")
+    eval_by_task = {}
+    if cfg.eval.enabled:   # held-out prompts out of training (trainer.evaluate)
+        from dataclasses import replace
+
+        from megatron_rlhf.trainer.evaluate import split_eval_prompts
+
+        def load_eval(task):
+            return load_prompts_for_task(replace(task, data=task.eval_data), tok, max_prompt)[0]
+
+        by_task, eval_by_task, eval_counts = split_eval_prompts(cfg.tasks, by_task, cfg.eval, load_eval)
+        for name, c in eval_counts.items():
+            counts[name].update(c)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     sampler = MultiTaskSampler(by_task, {t.name: t.weight for t in cfg.tasks}, seed=cfg.run.seed)
-    return sampler, counts, pad_id
+    return sampler, counts, pad_id, eval_by_task
 
 
 def _probe_tokens(sampler, max_model_len: int) -> list[int]:
@@ -613,6 +686,29 @@ def _probe_tokens(sampler, max_model_len: int) -> list[int]:
     the context."""
     first = sampler.prompts(sampler.tasks[0])[0]
     return list(first.token_ids[: max_model_len - 1])
+
+
+def _eval_service(cfg: Config, pool, eval_by_task: dict, reward_fns: dict):
+    """The ``EvalService`` of the run's held-out prompts (None with ``eval.enabled: false``)."""
+    if not cfg.eval.enabled:
+        return None
+    from megatron_rlhf.trainer.evaluate import EvalService, Evaluator
+
+    return EvalService(Evaluator(pool, eval_by_task, {t.name: t.kind for t in cfg.tasks}, reward_fns,
+                                 cfg.eval, cfg.generators.temperature))
+
+
+def _report(run_dir: Path, result: RunResult) -> None:
+    """Write ``<run>/report.html`` (``trainer.report``); a failure is reported, not raised (the
+    run itself is complete; ``tools/report.py`` can write it again)."""
+    from megatron_rlhf.trainer.report import write_report
+
+    try:
+        write_report(run_dir)
+    except Exception as e:  # noqa: BLE001 - plotting must not fail a finished run
+        result["report"] = None
+        print(f"[megatron-rlhf] WARNING could not write the run report ({type(e).__name__}: {e}); "
+              f"retry with: python tools/report.py {run_dir}", file=sys.stderr, flush=True)
 
 
 def _export_final(run: "Run", run_dir: Path, model_dir: Path) -> None:

@@ -1,0 +1,113 @@
+"""Arithmetic problems generated reproducibly from a seed: a math task a 135M model can learn.
+
+SmolLM2-135M-Instruct solves almost no MAWPS word problem (1-3%), so an RL run on it shows no
+learning in minutes; it answers single-digit multiplication about half the time (T=0.7;
+notes/cpu-stack.md), which gives a correct/incorrect pair on almost every prompt and a visible
+gain within about 15 steps. :func:`generate` writes such problems as JSONL rows
+``{"input": "What is 7 times 8?", "target": "56", "op": "mul1", "a": 7, "b": 8}`` in the same
+fields as MAWPS, so the ordinary prompt loader reads them; the files are registered datasets
+(``data.prompts.DATASETS``: ``arithmetic_mul1``, ``arithmetic_add2`` and their ``_eval``
+splits) and are written by
+
+    .venv/bin/python -m megatron_rlhf.data.arithmetic            # data/arithmetic/*.jsonl, seed 0
+
+(a test checks the committed files equal a fresh generation, so the data is its seed).
+
+Kinds: ``mul1`` = the products a x b with a, b in 1..9 in four wordings each (the seed picks 32
+of the 81 problems as the held-out eval split: ``mul1_eval.jsonl``, 128 rows; training gets the
+other 49: ``mul1.jsonl``, 196 rows); ``add2`` = sums of two random two-digit numbers (400 train,
+32 eval, no problem in both). Rows are shuffled by the seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+__all__ = ["WORDINGS", "generate", "write_jsonl", "FILES"]
+
+WORDINGS = {
+    "mul1": ("What is {a} times {b}?", "Multiply {a} by {b}.", "What is the product of {a} and {b}?",
+             "Compute {a} x {b}."),
+    "add2": ("What is {a} plus {b}?", "Add {a} and {b}.", "What is the sum of {a} and {b}?",
+             "Compute {a} + {b}."),
+}
+"""The problem wordings per kind (all four are used for mul1; add2 picks one per problem)."""
+
+FILES = {("mul1", "train"): "data/arithmetic/mul1.jsonl", ("mul1", "eval"): "data/arithmetic/mul1_eval.jsonl",
+         ("add2", "train"): "data/arithmetic/add2.jsonl", ("add2", "eval"): "data/arithmetic/add2_eval.jsonl"}
+"""Repo-relative files of the registered datasets (``arithmetic_<kind>`` and ``arithmetic_<kind>_eval``)."""
+
+
+def generate(kind: str, seed: int = 0, split: str = "train", n: int = 400, num_eval: int = 32) -> list[dict]:
+    """The rows of arithmetic dataset ``kind``, split ``split``, for ``seed``.
+
+    The two splits share no problem (no (a, b) pair), so the held-out eval measures the skill on
+    unseen facts, not recall: ``mul1`` holds out ``num_eval`` of its 81 products (all four
+    wordings of each: ``4 x num_eval`` eval rows, ``4 x (81 - num_eval)`` train rows); ``add2``
+    draws ``n`` train and ``num_eval`` eval sums (one random wording each).
+
+    Args:
+        kind: ``mul1`` (a x b, a and b in 1..9) or ``add2`` (two random two-digit numbers).
+        seed: the only source of randomness (``random.Random(f"{kind}:{seed}")``).
+        split: ``train`` or ``eval``.
+        n: train rows of ``add2``.
+        num_eval: held-out problems.
+    Returns:
+        rows ``{"input", "target", "op", "a", "b"}`` (``target`` a decimal string), shuffled.
+    Raises:
+        ValueError: unknown ``kind`` or ``split``, ``n < 1`` or a bad ``num_eval``.
+    """
+    if kind not in WORDINGS:
+        raise ValueError(f"arithmetic kind {kind!r}: expected one of {sorted(WORDINGS)}")
+    if split not in ("train", "eval"):
+        raise ValueError(f"arithmetic split {split!r}: expected train or eval")
+    if n < 1 or not 1 <= num_eval < (81 if kind == "mul1" else 10**4):
+        raise ValueError(f"arithmetic n={n}, num_eval={num_eval}: need n >= 1 and 1 <= num_eval < 81 (mul1)")
+    rng = random.Random(f"{kind}:{seed}")
+    if kind == "mul1":
+        pairs = [(a, b) for a in range(1, 10) for b in range(1, 10)]
+        held = set(rng.sample(pairs, num_eval))
+        pairs = [p for p in pairs if (p in held) == (split == "eval")]
+        rows = [_row(kind, w, a, b) for a, b in pairs for w in WORDINGS[kind]]
+    else:
+        seen: dict[tuple[int, int], str] = {}
+        while len(seen) < n + num_eval:
+            a, b = rng.randint(10, 99), rng.randint(10, 99)
+            if (a, b) not in seen:
+                seen[(a, b)] = rng.choice(WORDINGS[kind])
+        items = list(seen.items())
+        items = items[n:] if split == "eval" else items[:n]
+        rows = [_row(kind, w, a, b) for (a, b), w in items]
+    rng.shuffle(rows)
+    return rows
+
+
+def _row(kind: str, wording: str, a: int, b: int) -> dict:
+    value = a * b if kind == "mul1" else a + b
+    return {"input": wording.format(a=a, b=b), "target": str(value), "op": kind, "a": a, "b": b}
+
+
+def write_jsonl(rows: list[dict], path: str | Path) -> Path:
+    """Write ``rows`` as JSONL (one object per line, keys in insertion order); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[2],
+                    help="repo root (files go to ROOT/data/arithmetic/)")
+    args = ap.parse_args(argv)
+    for (kind, split), rel in FILES.items():
+        print(write_jsonl(generate(kind, args.seed, split), args.root / rel))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

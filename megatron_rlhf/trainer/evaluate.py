@@ -1,0 +1,381 @@
+"""Evaluation of the policy on held-out prompts of every task (config section ``eval:``).
+
+What is scored, per task (``Evaluator.evaluate``; one weight version per eval):
+
+* every task: the greedy completion (temperature 0, one per prompt) of each held-out prompt;
+  ``eval/<task>/len_mean_tokens`` is its length;
+* math tasks (``math_verify``): ``eval/<task>/pass@1`` = share of prompts whose greedy completion
+  is correct, and ``eval/<task>/mean@k`` = mean over prompts of the share of ``eval.samples`` (k)
+  sampled completions (``eval.temperature``, default ``generators.temperature``) that are correct;
+* reward-model and plug-in tasks: ``eval/<task>/reward_mean`` = mean reward of the greedy
+  completions;
+* each value with ``.../se``: the standard error over prompts (sample standard deviation of the
+  per-prompt values / sqrt(number of prompts)); plus ``eval/<task>/num_prompts``, ``eval/step``
+  (the steps trained before the eval), ``eval/weight_version`` and ``time/eval_s``.
+
+The held-out prompts (:func:`split_eval_prompts`): the task's ``eval_data`` file when given, else
+a fixed slice of its training data (the prompts first in sha256 order of their text); at most
+``eval.num_prompts``; training never draws a prompt whose text is an eval prompt's.
+
+In the trainer the eval runs on the generator pool's own thread (the rollout producer, which owns
+the pool): the loop hands a published weight version to :class:`EvalService` *before* it
+publishes it for generation, and the producer serves pending evals at the top of each batch and
+right after its weight handshake, so the pool holds exactly that version (never a newer one)
+while evaluating. (With ``async.max_staleness >= 2`` the producer may run a batch ahead of the
+learner and its engines may already hold a newer version when the request arrives; the eval then
+scores that version and records it: ``eval/weight_version`` is always the version scored.) ``tools/evaluate.py`` runs the same :class:`Evaluator` on a pool of a fresh
+vLLM engine of any HF folder.
+
+Sources: pass@k and the mean of k samples as in Chen et al. 2021 ("Evaluating Large Language
+Models Trained on Code", sec. 2.1, k = 1 greedy); standard error of a mean over prompts as in
+Miller 2024 ("Adding Error Bars to Evals", eq. 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from typing import Callable
+
+from megatron_rlhf.types import Prompt
+
+__all__ = ["mean_se", "heldout_order", "split_eval_prompts", "Evaluator", "EvalService", "PendingRows",
+           "eval_due", "eval_keys_of", "eval_metrics"]
+
+
+def mean_se(values: list[float]) -> tuple[float, float]:
+    """Mean and standard error of the mean of ``values`` (one value per prompt).
+
+    ``se = s / sqrt(n)`` with ``s`` the sample standard deviation (``n - 1`` in the denominator);
+    ``se = 0`` for a single value; ``(nan, nan)`` for none; ``inf`` when the squares overflow
+    (rewards of 1e300: logged as null, never an error).
+    Source: Miller 2024, "Adding Error Bars to Evals", eq. 1.
+    """
+    n = len(values)
+    if n == 0:
+        return float("nan"), float("nan")
+    m = sum(values) / n
+    if n == 1:
+        return m, 0.0
+    var = sum((v - m) * (v - m) for v in values) / (n - 1)   # huge values give inf, never OverflowError
+    return m, math.sqrt(var / n)
+
+
+def _text_key(p: Prompt) -> str:
+    return hashlib.sha256(f"{p.text}\x1f{p.answer}".encode()).hexdigest()
+
+
+def heldout_order(prompts: list[Prompt]) -> list[Prompt]:
+    """``prompts`` sorted by sha256 of (text, answer): a fixed order that depends on neither the
+    run seed nor the file order, so the held-out slice is the same in every run of a task."""
+    return sorted(prompts, key=lambda p: (_text_key(p), p.index))
+
+
+def split_eval_prompts(tasks: list, train_by_task: dict[str, list[Prompt]], eval_cfg,
+                       load_eval: Callable[[object], list[Prompt]]) -> tuple[dict, dict, dict]:
+    """Held-out prompts of every task, and the training prompts with them taken out.
+
+    Args:
+        tasks: ``cfg.tasks`` (``TaskConfig``: ``name``, ``eval_data``).
+        train_by_task: task name -> all its training prompts (from ``tasks[].data``).
+        eval_cfg: ``EvalConfig`` (``num_prompts``, ``holdout_frac``).
+        load_eval: ``task_cfg -> prompts`` of the task's ``eval_data`` file (called only for tasks
+            that have one; the caller loads it like ``data``).
+    Returns:
+        ``(train_by_task, eval_by_task, counts)``: training prompts without any prompt whose
+        (text, answer) equals an eval prompt's; per task the first ``eval.num_prompts`` eval
+        prompts in :func:`heldout_order` (from ``eval_data``, or else at most
+        ``floor(holdout_frac x len)`` of the training prompts; none when that is 0: such a tiny
+        task is trained on all its prompts and not evaluated); counts per task
+        ``{"eval_prompts", "eval_source", "train_removed"}``.
+    Raises:
+        ValueError: no training prompt is left (names ``tasks[NAME].eval_data``).
+    """
+    train_out, eval_out, counts = {}, {}, {}
+    for task in tasks:
+        train = train_by_task[task.name]
+        if task.eval_data is not None:
+            pool, source = heldout_order(load_eval(task)), "eval_data"
+            num = eval_cfg.num_prompts
+        else:
+            pool, source = heldout_order(train), "holdout"
+            num = min(eval_cfg.num_prompts, int(len(train) * eval_cfg.holdout_frac))
+            if num < 1:   # too small to spare any: trained in full, not evaluated (counted)
+                train_out[task.name], eval_out[task.name] = train, []
+                counts[task.name] = {"eval_prompts": 0, "eval_source": "none (too few prompts for a held-out "
+                                     f"slice at eval.holdout_frac={eval_cfg.holdout_frac})", "train_removed": 0}
+                continue
+        heldout = pool[:num]
+        keys = {_text_key(p) for p in heldout}
+        kept = [p for p in train if _text_key(p) not in keys]
+        if not kept:
+            raise ValueError(f"task {task.name!r}: every training prompt is also an eval prompt; give "
+                             f"tasks[{task.name}].eval_data another file or set eval.enabled=false")
+        train_out[task.name], eval_out[task.name] = kept, heldout
+        counts[task.name] = {"eval_prompts": len(heldout), "eval_source": source,
+                             "train_removed": len(train) - len(kept)}
+    return train_out, eval_out, counts
+
+
+def eval_metrics(task: str, kind: str, greedy_rewards: list[float], greedy_lens: list[int],
+                 sampled_rewards: list[list[float]] | None) -> dict:
+    """The ``eval/<task>/...`` values of one task from per-prompt results.
+
+    Args:
+        task: task name.
+        kind: ``math_verify``, ``reward_model`` or ``plugin`` (``TaskConfig.kind``).
+        greedy_rewards: ``[P]`` reward of each prompt's greedy completion (0/1 for math).
+        greedy_lens: ``[P]`` its length in tokens.
+        sampled_rewards: ``[P][k]`` rewards of k sampled completions (math only; None: not sampled).
+    Returns:
+        math: ``pass@1``, ``mean@k`` (when sampled), their ``/se``; others ``reward_mean`` and
+        ``/se``; every task ``len_mean_tokens`` and ``/se``, ``num_prompts``; keys prefixed
+        ``eval/<task>/``.
+    """
+    pre = f"eval/{task}/"
+    out: dict = {pre + "num_prompts": len(greedy_rewards)}
+
+    def put(name, values):
+        out[pre + name], out[pre + name + "/se"] = mean_se([float(v) for v in values])
+
+    if kind == "math_verify":
+        put("pass@1", greedy_rewards)
+        if sampled_rewards is not None:
+            put("mean@k", [sum(r) / len(r) for r in sampled_rewards])
+    else:
+        put("reward_mean", greedy_rewards)
+    put("len_mean_tokens", greedy_lens)
+    return out
+
+
+def eval_keys_of(row: dict) -> list[str]:
+    """The ``eval/...`` keys of a metrics row, in row order."""
+    return [k for k in row if k.startswith("eval/")]
+
+
+class Evaluator:
+    """Scores the weights the generator pool holds on every task's held-out prompts.
+
+    Args:
+        pool: a ``GeneratorPool`` (``generate(prompts, n, temperature=...)``, ``push``, ``versions``).
+        eval_by_task: task name -> held-out prompts (:func:`split_eval_prompts`).
+        kinds: task name -> ``TaskConfig.kind``.
+        reward_fns: task name -> ``(prompts, completions) -> rewards`` (the trainer's scorers).
+        eval_cfg: ``EvalConfig`` (``samples``, ``temperature``).
+        sample_temperature: ``generators.temperature`` (used when ``eval.temperature`` is null).
+    """
+
+    def __init__(self, pool, eval_by_task: dict[str, list[Prompt]], kinds: dict[str, str],
+                 reward_fns: dict[str, Callable], eval_cfg, sample_temperature: float):
+        self.pool, self.eval_by_task, self.kinds, self.reward_fns = pool, eval_by_task, kinds, reward_fns
+        self.samples = eval_cfg.samples
+        self.temperature = eval_cfg.temperature if eval_cfg.temperature is not None else sample_temperature
+
+    def evaluate(self, step: int, weights=None) -> dict:
+        """Push ``weights`` (a ``PublishedWeights``; None: what the pool holds) to every worker
+        that holds an older version, then score every task (module docstring).
+
+        Returns:
+            the row fields: ``eval/step`` = ``step``, ``eval/weight_version``, ``eval/k``,
+            ``time/eval_s`` (push + generation + scoring seconds), ``eval/<task>/...``.
+        Raises:
+            RuntimeError: a completion came from another weight version than the one evaluated.
+        """
+        t0 = time.perf_counter()
+        if weights is not None and weights.version > min(self.pool.versions()):
+            self.pool.push(weights, only_stale=True)
+        version = min(self.pool.versions())
+        tasks = [t for t, ps in self.eval_by_task.items() if ps]   # a task too small to hold any out: none
+        prompts = [p for t in tasks for p in self.eval_by_task[t]]
+        greedy = self.pool.generate(prompts, 1, temperature=0.0)
+        math_prompts = [p for p in prompts if self.kinds[p.task] == "math_verify"]
+        sampled = (self.pool.generate(math_prompts, self.samples, temperature=self.temperature)
+                   if math_prompts and self.samples > 0 else [])
+        seen = {v for g in (*greedy, *sampled) for c in g
+                for v in (c.weight_version, getattr(c, "weight_version_last", c.weight_version))}
+        if seen != {version}:
+            raise RuntimeError(f"eval at step {step}: completions came from weight versions {sorted(seen)}, "
+                               f"expected only {version} (a weight push during the eval)")
+        greedy_r = self._score(prompts, [[g[0]] for g in greedy])
+        sampled_r = self._score(math_prompts, sampled) if sampled else []
+        by_math = {id(p): r for p, r in zip(math_prompts, sampled_r)}
+        out: dict = {"eval/step": step, "eval/weight_version": version, "eval/k": self.samples}
+        for t in tasks:
+            idx = [i for i, p in enumerate(prompts) if p.task == t]
+            samp = [by_math[id(prompts[i])] for i in idx] if sampled_r and self.kinds[t] == "math_verify" else None
+            out.update(eval_metrics(t, self.kinds[t], [greedy_r[i][0] for i in idx],
+                                    [len(greedy[i][0].token_ids) for i in idx], samp))
+        out["time/eval_s"] = time.perf_counter() - t0
+        return out
+
+    def _score(self, prompts: list[Prompt], groups: list[list]) -> list[list[float]]:
+        """Rewards ``[prompt][completion]``: one scorer call per task."""
+        out: list[list[float]] = [[] for _ in prompts]
+        for t in dict.fromkeys(p.task for p in prompts):
+            idx = [i for i, p in enumerate(prompts) if p.task == t]
+            ps = [prompts[i] for i in idx for _ in groups[i]]
+            texts = [c.text for i in idx for c in groups[i]]
+            flat = list(self.reward_fns[t](ps, texts))
+            if len(flat) != len(texts):
+                raise ValueError(f"tasks[{t}].reward returned {len(flat)} rewards for {len(texts)} completions")
+            pos = 0
+            for i in idx:
+                out[i] = [float(x) for x in flat[pos:pos + len(groups[i])]]
+                pos += len(groups[i])
+        return out
+
+
+_CLOSE = object()
+
+
+class EvalService:
+    """Eval requests from the learner loop, served on the thread that owns the generator pool.
+
+    The loop calls :meth:`request` (step, published weights) *before* publishing those weights
+    for generation; the rollout producer calls :meth:`serve_pending` at the top of every batch and
+    right after its weight handshake, and :meth:`serve_until_closed` after its last batch, so
+    an eval always finds the pool at a version <= the one requested and pushes exactly it.
+
+    Consumes: requests (loop). Waits for: nothing (``serve_pending``) or the next request
+    (``serve_until_closed``). Unblocked by: :meth:`request`, :meth:`close`.
+    """
+
+    def __init__(self, evaluator: Evaluator):
+        self.evaluator = evaluator
+        self._q: queue.Queue = queue.Queue()
+        self._closed = threading.Event()
+
+    def request(self, step: int, weights=None) -> Future:
+        """Queue an eval of ``weights`` (None: the pool's current weights) for row ``step``;
+        the future's result is :meth:`Evaluator.evaluate`'s dict, or ``None`` when cancelled."""
+        fut: Future = Future()
+        self._q.put((step, weights, fut))
+        return fut
+
+    def serve_pending(self) -> None:
+        """Serve every queued request now (producer thread; returns when the queue is empty)."""
+        while True:
+            try:
+                item = self._q.get_nowait()
+            except queue.Empty:
+                return
+            self._serve(item)
+
+    def serve_until_closed(self, stop_event: threading.Event) -> None:
+        """Serve requests until :meth:`close` (or ``stop_event``); the producer's last phase."""
+        while not self._closed.is_set() and not stop_event.is_set():
+            try:
+                item = self._q.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            self._serve(item)
+
+    def close(self) -> None:
+        """No more requests will come: ``serve_until_closed`` returns once the queue is served."""
+        self._q.put(_CLOSE)
+
+    def cancel_pending(self) -> None:
+        """Resolve every unserved request with ``None`` (a stopped run)."""
+        self._closed.set()
+        while True:
+            try:
+                item = self._q.get_nowait()
+            except queue.Empty:
+                return
+            if item is not _CLOSE:
+                item[2].set_result(None)
+
+    def _serve(self, item) -> None:
+        if item is _CLOSE:
+            self._closed.set()
+            return
+        step, weights, fut = item
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(self.evaluator.evaluate(step, weights))
+        except BaseException as e:  # noqa: BLE001 - raised in the loop when it reads the result
+            fut.set_exception(e)
+
+
+def eval_due(eval_cfg, num_steps: int, done: int, published: bool) -> bool:
+    """Whether the weights after step ``done`` are evaluated: every ``eval.interval`` steps (when
+    they are published for generation: the engines only ever hold those) and after the last step."""
+    if not eval_cfg.enabled:
+        return False
+    if done >= num_steps:
+        return True
+    return bool(eval_cfg.interval) and done % eval_cfg.interval == 0 and published
+
+
+class PendingRows:
+    """Metrics rows waiting for their evals (served on the producer thread), logged in step order.
+
+    A row is written once every eval future attached to it has resolved (its fields merged into
+    the row, ``time/eval_s`` = their seconds, 0 without an eval); :meth:`add` writes every leading
+    row that is ready without waiting, :meth:`flush` waits for all (before a checkpoint, at the end).
+
+    Args:
+        log: ``MetricsLogger.log``.
+        thread: the producer thread (an eval it can no longer serve resolves to no fields).
+        batches: the producer's queue (its exception, if it failed, is raised).
+        timeout: ``async.timeout_s``.
+    """
+
+    def __init__(self, log: Callable[[dict], object], thread: threading.Thread, batches: queue.Queue,
+                 timeout: float):
+        self.log, self.thread, self.batches, self.timeout = log, thread, batches, timeout
+        self._rows: list[tuple[dict, list]] = []
+
+    def add(self, row: dict, futures: list) -> None:
+        """Queue ``row`` with its eval ``futures``; write the rows that are ready."""
+        self._rows.append((row, futures))
+        while self._rows and all(f.done() for f in self._rows[0][1]):
+            self._write(*self._rows.pop(0))
+
+    def flush(self) -> None:
+        """Write every queued row, waiting for its evals."""
+        while self._rows:
+            self._write(*self._rows.pop(0))
+
+    def _write(self, row: dict, futures: list) -> None:
+        eval_s = 0.0
+        for fut in futures:   # in order: a later eval's keys win (only when one row gets two)
+            res = self._result(fut)
+            if res:
+                eval_s += res["time/eval_s"]
+                row.update(res)
+        row["time/eval_s"] = eval_s
+        self.log(row)
+
+    def _result(self, fut: Future) -> dict | None:
+        """The eval's fields; None when it was cancelled or the producer ended without serving it.
+
+        Raises:
+            the eval's own error; ``ProducerError``: generation failed while the eval waited;
+            TimeoutError: nothing within ``async.timeout_s``.
+        """
+        from megatron_rlhf.trainer.rollout import ProducerError
+
+        deadline = time.monotonic() + self.timeout
+        while not fut.done():
+            try:
+                return fut.result(timeout=1.0)
+            except TimeoutError:
+                pass
+            if not self.thread.is_alive() and not fut.done():
+                try:
+                    item = self.batches.get_nowait()
+                except queue.Empty:
+                    return None
+                if isinstance(item, BaseException):
+                    raise ProducerError(f"generation failed: {type(item).__name__}: {item}") from item
+                return None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no eval result within async.timeout_s={self.timeout:.0f} s")
+        return fut.result()

@@ -1,0 +1,76 @@
+"""Debug modes (slime's ``--debug-rollout-only`` / ``--debug-train-only``; config ``run.mode``).
+
+* ``rollout_only``: the generator side runs as usual (base weights, no training, no weight push)
+  and every batch is saved to ``<run>/rollouts/`` in the one on-disk batch format
+  (``trainer.batch_io``); ``run.save_rollouts: true`` saves them in a training run too.
+* ``train_only`` with ``run.replay: DIR``: :class:`ReplayProducer` stands in for the rollout
+  producer and hands the learner the saved batches of ``DIR`` in index order; no vLLM engine is
+  started, no weights are pushed, no eval runs. The learner trains exactly as on live batches, so
+  a replay of a live run's saved batches gives that run's losses (``tests/test_replay.py``).
+
+Consumes: batch files. Waits for: space in the queue (maxsize 1). Unblocked by: the learner
+taking a batch.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from pathlib import Path
+
+from megatron_rlhf.trainer.batch_io import batch_path, list_batches, load_batch
+
+__all__ = ["ReplayProducer", "ROLLOUTS_DIR", "check_replay_dir"]
+
+ROLLOUTS_DIR = "rollouts"
+"""Sub-folder of the run folder where saved batches go."""
+
+
+def check_replay_dir(folder: str | Path, first_batch: int, num_batches: int) -> Path:
+    """The replay folder (a run folder's ``rollouts/`` is found from the run folder too), checked
+    to hold batch files ``first_batch .. num_batches-1``.
+
+    Raises:
+        ValueError: no such folder or a batch file is missing (names ``run.replay``).
+    """
+    folder = Path(folder).expanduser().resolve()
+    if (folder / ROLLOUTS_DIR).is_dir() and not list_batches(folder):
+        folder = folder / ROLLOUTS_DIR
+    if not folder.is_dir():
+        raise ValueError(f"run.replay = {str(folder)!r} is not a folder; give a folder of saved batches "
+                         "(a rollout_only run's rollouts/)")
+    missing = [k for k in range(first_batch, num_batches) if not batch_path(folder, k).is_file()]
+    if missing:
+        have = len(list_batches(folder))
+        raise ValueError(f"run.replay = {str(folder)!r} lacks batches {missing[:5]}{'...' if len(missing) > 5 else ''} "
+                         f"({have} saved); lower run.num_steps to {have} or save more (run.mode=rollout_only)")
+    return folder
+
+
+class ReplayProducer:
+    """Puts the saved batches ``first_batch .. num_batches-1`` of ``folder`` on ``out_queue``
+    (same interface as ``RolloutProducer``: :meth:`run` as a thread body, ``stop_event``); a
+    load error is put on the queue and ends the thread, as a generation error would."""
+
+    def __init__(self, folder: Path, out_queue: queue.Queue, first_batch: int, num_batches: int):
+        self.folder, self.out_queue = Path(folder), out_queue
+        self.first_batch, self.num_batches = first_batch, num_batches
+        self.stop_event = threading.Event()
+        self.phase = "replaying saved batches"   # the hang watchdog's view
+
+    def run(self) -> None:
+        try:
+            for k in range(self.first_batch, self.num_batches):
+                batch = load_batch(batch_path(self.folder, k))
+                if batch.index != k:
+                    raise ValueError(f"{batch_path(self.folder, k)} holds batch {batch.index}, not {k}")
+                while not self.stop_event.is_set():
+                    try:
+                        self.out_queue.put(batch, timeout=1.0)
+                        break
+                    except queue.Full:
+                        continue
+                if self.stop_event.is_set():
+                    return
+        except BaseException as e:  # noqa: BLE001 - forwarded to the learner loop
+            self.out_queue.put(e)

@@ -1,0 +1,246 @@
+"""Evaluation on held-out prompts (trainer/evaluate.py, tools/evaluate.py).
+
+Unit tests with a fake pool (hand-computed pass@1, mean@k, reward mean and their standard
+errors; one weight version per eval; request order), the held-out split on real data (eval and
+training prompts disjoint), and one integration run on the tiny model: eval rows in
+metrics.jsonl (one row per step, the eval before step 1 in row 1) and tools/evaluate.py agreeing
+with the in-loop eval of the final weights.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from pathlib import Path
+
+import pytest
+
+from megatron_rlhf.config import EvalConfig, TaskConfig, load_config
+from megatron_rlhf.trainer.evaluate import (EvalService, Evaluator, eval_metrics, heldout_order, mean_se,
+                                            split_eval_prompts)
+from megatron_rlhf.types import Completion, Prompt
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_mean_se_matches_hand_computed_values():
+    # [1, 0, 1, 1]: mean 0.75, sample variance (3 x 0.0625 + 0.5625) / 3 = 0.25, se = 0.5 / 2
+    assert mean_se([1, 0, 1, 1]) == pytest.approx((0.75, 0.25))
+    assert mean_se([3.0]) == (3.0, 0.0)
+    m, se = mean_se([])
+    assert math.isnan(m) and math.isnan(se)
+    assert mean_se([1e300, -1e300])[1] == math.inf           # overflow is inf, not an error
+
+
+def _prompts(task, n, dup_every=0):
+    return [Prompt(index=i, task=task, token_ids=(1, 2, 3), answer=str(i % 10),
+                   text=f"q{i % dup_every if dup_every else i}") for i in range(n)]
+
+
+def test_heldout_slice_is_fixed_and_disjoint_from_training():
+    tasks = [TaskConfig(name="math")]
+    prompts = _prompts("math", 100, dup_every=40)   # texts repeat: q0 appears 3 times
+    cfg = EvalConfig(num_prompts=16, holdout_frac=0.2)
+    train, held, counts = split_eval_prompts(tasks, {"math": prompts}, cfg, load_eval=None)
+    assert len(held["math"]) == 16 and counts["math"]["eval_source"] == "holdout"
+    held_texts = {(p.text, p.answer) for p in held["math"]}
+    assert not held_texts & {(p.text, p.answer) for p in train["math"]}
+    assert counts["math"]["train_removed"] == 100 - len(train["math"]) >= 16
+    # the same slice whatever the file order (no seed involved)
+    _, held2, _ = split_eval_prompts(tasks, {"math": prompts[::-1]}, cfg, load_eval=None)
+    assert [p.index for p in held2["math"]] == [p.index for p in held["math"]]
+    # at most holdout_frac of a small task
+    _, small, _ = split_eval_prompts(tasks, {"math": prompts[:30]}, cfg, load_eval=None)
+    assert len(small["math"]) == 6
+    tiny_train, tiny_held, tiny_counts = split_eval_prompts(tasks, {"math": prompts[:3]}, cfg, load_eval=None)
+    assert tiny_held["math"] == [] and tiny_train["math"] == prompts[:3]   # too small: trained, not evaluated
+    assert tiny_counts["math"]["eval_prompts"] == 0
+
+
+def test_eval_file_prompts_are_taken_out_of_training():
+    task = TaskConfig(name="gsm", eval_data={"path": "data/gsm8k/dev.jsonl"})
+    train = _prompts("gsm", 50)
+    dev = [Prompt(index=i, task="gsm", token_ids=(1,), answer=str(i % 10), text=f"q{i}") for i in range(40, 60)]
+    tr, held, counts = split_eval_prompts([task], {"gsm": train}, EvalConfig(num_prompts=8), lambda t: dev)
+    assert counts["gsm"]["eval_source"] == "eval_data" and len(held["gsm"]) == 8
+    assert {p.text for p in held["gsm"]} <= {p.text for p in dev}
+    assert not {p.text for p in held["gsm"]} & {p.text for p in tr["gsm"]}
+    assert [p.text for p in held["gsm"]] == [p.text for p in heldout_order(dev)[:8]]
+
+
+def test_real_data_eval_and_training_prompts_disjoint(tiny_llama_dir):
+    """The trainer's own loading path on real data (MAWPS, ci_tiny's task)."""
+    from megatron_rlhf.trainer.run import _load_prompts
+
+    cfg = load_config(REPO / "configs" / "ci_tiny.yaml", [f"model.source={tiny_llama_dir}",
+                                                          "eval.num_prompts=32"])
+    sampler, counts, _, eval_by_task = _load_prompts(cfg, tiny_llama_dir)
+    for task in sampler.tasks:
+        train = {(p.text, p.answer) for p in sampler.prompts(task)}
+        held = {(p.text, p.answer) for p in eval_by_task[task]}
+        assert len(eval_by_task[task]) == 32 == counts[task]["eval_prompts"]
+        assert train and not train & held
+    # what training draws over several epochs never includes an eval prompt
+    drawn = {(p.text, p.answer) for p in sampler.next(sampler.tasks[0], 3 * len(sampler.prompts(sampler.tasks[0])))}
+    assert not drawn & {(p.text, p.answer) for p in eval_by_task[sampler.tasks[0]]}
+
+
+def test_demo_eval_sets_are_the_held_out_arithmetic_file_and_mt_bench(tiny_llama_dir):
+    """configs/cpu_demo.yaml: math eval = the 128 rows of 32 products training never sees; chat
+    eval = 32 MT-Bench questions (another source than the HH training prompts)."""
+    from megatron_rlhf.trainer.run import _load_prompts
+
+    cfg = load_config(REPO / "configs" / "cpu_demo.yaml", [f"model.source={tiny_llama_dir}"])
+    sampler, counts, _, held = _load_prompts(cfg, tiny_llama_dir)
+    assert counts["math"]["eval_source"] == counts["chat"]["eval_source"] == "eval_data"
+    assert len(held["math"]) == 128 and len(held["chat"]) == 32
+    assert counts["math"]["train_removed"] == 0 and len(sampler.prompts("math")) == 196
+    assert {p.answer for p in held["math"]} and all(p.answer == "" for p in held["chat"])
+
+
+class FakePool:
+    """Greedy (temperature 0): math prompt i answers correctly when i is even; sampled: completion
+    j of prompt i is correct when (i + j) % 4 == 0. Chat replies are i + 1 tokens long."""
+
+    num_workers = 1
+
+    def __init__(self, version=0, mixed=False):
+        self.version, self.mixed, self.pushed = version, mixed, []
+
+    def versions(self):
+        return [self.version]
+
+    def push(self, weights, only_stale=True):
+        self.pushed.append(weights.version)
+        self.version = weights.version
+        return {}
+
+    def generate(self, prompts, n, refresh=None, temperature=None):
+        out = []
+        for p in prompts:
+            comps = []
+            for j in range(n):
+                ok = p.index % 2 == 0 if temperature == 0 else (p.index + j) % 4 == 0
+                text = f"#### {p.answer}" if ok else "#### 99999"
+                ver = self.version + (1 if self.mixed and j == 1 else 0)
+                comps.append(Completion(token_ids=tuple(range(p.index + 1)), logprobs=(0.0,) * (p.index + 1),
+                                        finish_reason="stop", text=text, weight_version=ver))
+            out.append(comps)
+        return out
+
+
+def _fns():
+    def math_fn(ps, texts):
+        return [float(t == f"#### {p.answer}") for p, t in zip(ps, texts)]
+
+    def chat_fn(ps, texts):
+        return [float(p.index) for p in ps]   # the greedy reply of prompt i scores i
+    return {"math": math_fn, "chat": chat_fn}
+
+
+def test_evaluator_values_and_standard_errors_by_hand():
+    from megatron_rlhf.generator.weight_sync import PublishedWeights
+
+    held = {"math": [Prompt(index=i, task="math", token_ids=(1,), answer="7", text=f"m{i}") for i in range(4)],
+            "chat": [Prompt(index=i, task="chat", token_ids=(1,), text=f"c{i}") for i in range(3)]}
+    pool = FakePool()
+    ev = Evaluator(pool, held, {"math": "math_verify", "chat": "reward_model"}, _fns(),
+                   EvalConfig(samples=4), sample_temperature=1.0)
+    out = ev.evaluate(5, PublishedWeights(version=5, payload="w5"))
+    assert pool.pushed == [5] and out["eval/step"] == 5 and out["eval/weight_version"] == 5
+    # pass@1: prompts 0 and 2 of 4 -> 0.5, se = sqrt(1/3) / 2
+    assert out["eval/math/pass@1"] == pytest.approx(0.5)
+    assert out["eval/math/pass@1/se"] == pytest.approx(math.sqrt(1 / 3) / 2)
+    # mean@4: exactly one j in 0..3 has (i + j) % 4 == 0 for every i -> 0.25 each, se 0
+    assert out["eval/math/mean@k"] == pytest.approx(0.25) and out["eval/math/mean@k/se"] == 0
+    # chat: rewards 0, 1, 2 -> mean 1, se = 1 / sqrt(3); lengths 1, 2, 3 tokens
+    assert out["eval/chat/reward_mean"] == pytest.approx(1.0)
+    assert out["eval/chat/reward_mean/se"] == pytest.approx(1 / math.sqrt(3))
+    assert out["eval/chat/len_mean_tokens"] == pytest.approx(2.0)
+    assert "eval/chat/pass@1" not in out and "eval/math/reward_mean" not in out
+    assert out["eval/math/num_prompts"] == 4 and out["time/eval_s"] >= 0
+    # an eval of the version the pool already holds pushes nothing
+    ev.evaluate(5, PublishedWeights(version=5, payload="w5"))
+    assert pool.pushed == [5]
+
+
+def test_evaluator_refuses_completions_of_two_weight_versions():
+    held = {"math": [Prompt(index=0, task="math", token_ids=(1,), answer="7", text="m")]}
+    ev = Evaluator(FakePool(mixed=True), held, {"math": "math_verify"}, _fns(), EvalConfig(samples=2), 1.0)
+    with pytest.raises(RuntimeError, match="weight versions"):
+        ev.evaluate(1)
+
+
+def test_eval_metrics_plugin_task_reports_reward_and_length():
+    out = eval_metrics("syn", "plugin", [0.5, 0.7], [3, 5], None)
+    assert out["eval/syn/reward_mean"] == pytest.approx(0.6) and out["eval/syn/len_mean_tokens"] == 4
+
+
+def test_eval_service_serves_requests_in_order_and_cancels_the_rest():
+    class Ev:
+        def __init__(self):
+            self.seen = []
+
+        def evaluate(self, step, weights=None):
+            self.seen.append(step)
+            return {"eval/step": step, "time/eval_s": 0.0}
+
+    ev = Ev()
+    svc = EvalService(ev)
+    a, b = svc.request(0), svc.request(2)
+    svc.serve_pending()
+    assert ev.seen == [0, 2] and a.result()["eval/step"] == 0 and b.result()["eval/step"] == 2
+    c = svc.request(4)
+    svc.close()
+    stop = threading.Event()
+    t = threading.Thread(target=svc.serve_until_closed, args=(stop,))
+    t.start()
+    t.join(timeout=10)
+    assert not t.is_alive() and c.result()["eval/step"] == 4
+    d = svc.request(6)
+    svc.cancel_pending()
+    assert d.result(timeout=1) is None
+
+
+# ------------------------------------------------------------------------------ integration
+def _cfg(model_dir, out_dir, name, *extra):
+    return load_config(REPO / "configs" / "ci_tiny.yaml", [
+        f"model.source={model_dir}", f"run.output_dir={out_dir}", f"run.name={name}",
+        "tasks.0.reward=tests.plugins:char_parity", "logging.progress=false", *extra])
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(900)
+def test_eval_rows_in_metrics_and_tool_agrees_with_loop(ray_cluster, tiny_llama_dir, tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mrlhf_tools_evaluate", REPO / "tools" / "evaluate.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)   # by path: a package named "evaluate" may be installed
+
+    from megatron_rlhf.trainer.loop import train
+    from megatron_rlhf.trainer.metrics import REQUIRED_KEYS
+
+    cfg = _cfg(tiny_llama_dir, tmp_path, "evalrun", "run.num_steps=3", "eval.interval=2", "eval.num_prompts=12")
+    res = train(cfg, quiet=True)
+    rows = [json.loads(x) for x in (Path(res["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]                        # still one row per step
+    assert [r.get("eval/step") for r in rows] == [0, 2, 3]               # before step 1, interval, end
+    assert [r["eval/weight_version"] for r in rows] == [0, 2, 3]
+    for r in rows:
+        assert set(REQUIRED_KEYS) <= set(r) and r["time/eval_s"] > 0
+        for key in ("eval/math/reward_mean", "eval/math/len_mean_tokens"):
+            assert r[key] is not None and r[key + "/se"] is not None
+        assert r["eval/math/num_prompts"] == 12
+    ev = res["eval"]["math"]["reward_mean"]
+    assert ev["first_step"] == 0 and ev["last_step"] == 3
+    from megatron_rlhf.trainer.report import PLOTS   # the run's report, written at the end
+
+    page = Path(res["report"]).read_text()
+    assert all(f'<img id="plot-{name}"' in page for name in PLOTS)
+    # the tool on the exported final weights agrees with the in-loop eval of version 3
+    scored = tool.evaluate_folder(Path(res["run_dir"]) / "hf_final", cfg, step=3)
+    last = rows[-1]
+    for key in ("eval/math/reward_mean", "eval/math/len_mean_tokens"):
+        assert abs(scored[key] - last[key]) <= max(last[key + "/se"], 1e-9), (key, scored[key], last[key])
