@@ -74,6 +74,7 @@ NOT_ENGINE_KEYS: dict[str, str] = {
     "max_new_tokens": "SamplingParams.max_tokens (VLLMGenerator.generate)",
     "prompts_per_request": "rollout producer",
     "transport": "weight sync (generator.weight_sync)",
+    "weight_sync_bucket_mb": "broadcast transport bucket size (generator.broadcast_sync)",
     "inflight_updates": "generator pool",
     "check_weight_sync": "generator pool",
     "check_weight_sync_tol": "generator pool",
