@@ -166,9 +166,13 @@ def test_math_verify_pool_workers_outlive_sigterm_and_sigint():
 
     from megatron_rlhf.rewards import MathVerifyReward
 
+    def spawned() -> set[int]:   # this process's multiprocessing children (other tests' may linger)
+        return {c.pid for c in psutil.Process().children() if "spawn_main" in " ".join(c.cmdline())}
+
+    before = spawned()
     with MathVerifyReward(num_workers=1) as reward:
         assert reward(["#### 72"], ["72"]) == [1.0]
-        workers = {c.pid for c in psutil.Process().children() if "spawn_main" in " ".join(c.cmdline())}
+        workers = spawned() - before   # the pool's own workers only
         assert workers
         for sig in (signal.SIGTERM, signal.SIGINT):
             for pid in workers:
