@@ -21,18 +21,7 @@ pytestmark = [pytest.mark.integration]
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _cfg(model_dir, out_dir, name, *extra):
-    from megatron_rlhf.config import load_config
-
-    return load_config(REPO / "configs" / "ci_tiny.yaml", [
-        f"model.source={model_dir}", f"run.output_dir={out_dir}", f"run.name={name}",
-        "tasks.0.reward=tests.plugins:char_parity", "logging.progress=false",
-        "checkpoint.export_hf=false", "checkpoint.interval=0", *extra])
-
-
-def _rows(run_dir):
-    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-
+from tests.test_loop_losses import _cfg, _rows  # the shared tiny-run config and metrics reader
 
 @pytest.fixture(scope="module")
 def generator(ray_cluster, tiny_llama_dir):

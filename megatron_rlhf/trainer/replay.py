@@ -18,6 +18,7 @@ import queue
 import threading
 from pathlib import Path
 
+from megatron_rlhf.trainer.rollout import put_until_stopped
 from megatron_rlhf.trainer.batch_io import batch_path, list_batches, load_batch
 
 __all__ = ["ReplayProducer", "ROLLOUTS_DIR", "check_replay_dir"]
@@ -64,13 +65,7 @@ class ReplayProducer:
                 batch = load_batch(batch_path(self.folder, k))
                 if batch.index != k:
                     raise ValueError(f"{batch_path(self.folder, k)} holds batch {batch.index}, not {k}")
-                while not self.stop_event.is_set():
-                    try:
-                        self.out_queue.put(batch, timeout=1.0)
-                        break
-                    except queue.Full:
-                        continue
-                if self.stop_event.is_set():
+                if not put_until_stopped(self.out_queue, batch, self.stop_event):
                     return
         except BaseException as e:  # noqa: BLE001 - forwarded to the learner loop
             self.out_queue.put(e)

@@ -274,12 +274,7 @@ class RolloutProducer:
                 batch = self._make_batch(k, sync, idle_s)
                 self.phase = f"batch {k}: ready, waiting for the learner to take it"
                 t_put = time.perf_counter()
-                while not self.stop_event.is_set():
-                    try:
-                        self.out_queue.put(batch, timeout=1.0)
-                        break
-                    except queue.Full:
-                        continue
+                put_until_stopped(self.out_queue, batch, self.stop_event)
                 batch.stats["time/generator_idle_s"] += time.perf_counter() - t_put
             if self.evals is not None:
                 self.evals.serve_until_closed(self.stop_event)
@@ -536,3 +531,15 @@ def _to_rng_state(state: Any) -> tuple:
     """``random.Random`` state from its JSON round trip (lists back to tuples)."""
     version, internal, gauss = state
     return (version, tuple(internal), gauss)
+
+
+def put_until_stopped(out_queue: "queue.Queue", item, stop_event: "threading.Event") -> bool:
+    """Put ``item`` into the bounded hand-over queue, waiting while it is full, unless
+    ``stop_event`` is set first. Returns whether it was put."""
+    while not stop_event.is_set():
+        try:
+            out_queue.put(item, timeout=1.0)
+            return True
+        except queue.Full:
+            continue
+    return False
