@@ -97,8 +97,26 @@ def _train_batch(vocab: int, seed: int):
                         sampling_logprobs=-torch.rand(4, 64, generator=g) * mask)
 
 
+def broadcast_profile(transport, gens, learner, version: int, probe, timeout: float) -> dict:
+    """One more publish + push through ``BroadcastTransport.push_all``, with the time split each
+    worker reports (``broadcast_sync.worker_receive``'s ``profile``): ask (waiting for the
+    send verdict), wait (blocked on receives), reload (inside ``reload_weights`` outside those
+    waits, incl. the tied lm_head re-pack), and the engine's prefix-cache reset."""
+    import ray
+
+    w = transport.publish(learner, version, timeout, probe)
+    if w.probe_ref is not None:
+        ray.get(w.probe_ref)
+    t0 = time.perf_counter()
+    res = transport.push_all(gens, w, timeout)
+    wall = time.perf_counter() - t0
+    prof = [r["profile"] for r in res]
+    out = {k: max(p[k] for p in prof) for k in prof[0]}
+    return {"push_wall_s": wall, "export_s": w.export_s, **{f"prof_{k}": v for k, v in out.items()}}
+
+
 def run(model: str, workers: int, repeats: int, transports: list[str], work_dir: Path,
-        layout: str = "tp1") -> list[dict]:
+        layout: str = "tp1", bucket_mb: float | None = None) -> list[dict]:
     import json
 
     import ray
@@ -129,7 +147,7 @@ def run(model: str, workers: int, repeats: int, transports: list[str], work_dir:
             f"model.source={model_dir}", "generators.check_weight_sync=true", "generators.cpu_core=-1",
             f"generators.num_workers={workers}", "generators.max_model_len=512",
             "generators.max_new_tokens=16", f"learner.tensor_parallel={tp}", f"learner.pipeline_parallel={pp}",
-            f"learner.data_parallel={dp}"])
+            f"learner.data_parallel={dp}"] + ([f"generators.weight_sync_bucket_mb={bucket_mb}"] if bucket_mb else []))
         kw = dict(model_dir=str(model_dir), learner_cfg=cfg.learner, algorithm_cfg=cfg.algorithm, seed=0)
         if tp * pp * dp == 1:
             from megatron_rlhf.learner.actor import MegatronLearner
@@ -162,6 +180,7 @@ def run(model: str, workers: int, repeats: int, transports: list[str], work_dir:
             for _ in range(repeats):
                 version += 1   # same weights, new version number: every push really loads
                 w = transport.publish(learner, version, 600, probe)
+                ray.get(w.probe_ref)   # the check's learner forward: not part of the transport's time
                 res.append(pool.push(w))
             nbytes = res[-1]["sync/bytes"]
             floor = copy_floor_s(nbytes)
@@ -180,6 +199,8 @@ def run(model: str, workers: int, repeats: int, transports: list[str], work_dir:
                 row["floor_recv_s"] = statistics.median(f["floor_recv_s"] for f in fl)
                 row["floor_reload_s"] = statistics.median(f["floor_reload_s"] for f in fl)
                 row["sync_over_floor"] = total / row["floor_bcast_s"]
+                version += 1
+                row.update(broadcast_profile(transport, gens, learner, version, probe, 600))
             transport.close()
             rows.append(row)
     finally:
@@ -194,12 +215,14 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="pushes per transport (median reported)")
     ap.add_argument("--transports", nargs="+", default=None, help="default: all available here")
     ap.add_argument("--layout", default="tp1", choices=sorted(LAYOUTS), help="learner TP x PP x DP")
+    ap.add_argument("--bucket-mb", type=float, default=None,
+                    help="generators.weight_sync_bucket_mb (default: the config's)")
     args = ap.parse_args(argv)
     transports = args.transports or available_transports()
     with tempfile.TemporaryDirectory(prefix="mrlhf_bench_sync_") as d:
-        rows = run(args.model, args.workers, args.repeats, transports, Path(d), args.layout)
+        rows = run(args.model, args.workers, args.repeats, transports, Path(d), args.layout, args.bucket_mb)
     print(f"\nweight sync, model={args.model}, layout={args.layout}, workers={args.workers}, "
-          f"repeats={args.repeats} (median)")
+          f"repeats={args.repeats} (median), bucket_mb={args.bucket_mb or 'config default'}")
     print(f"{'transport':<13}{'MB':>9}{'export s':>10}{'load s':>9}{'sync s':>9}{'floor s':>10}"
           f"{'ratio':>8}{'GB/s':>8}{'floor GB/s':>11}{'check':>10}")
     for r in rows:
@@ -213,6 +236,11 @@ def main(argv=None) -> int:
               f"{r['sync_over_floor']:>11.2f}") if "floor_bcast_s" in r else f"{'-':>14}{'':>18}{'-':>11}"
         print(f"{r['transport']:<13}{r['blocked_s']:>10.3f}{r['train_step_s']:>13.3f}"
               f"{r['blocked_s'] / r['train_step_s']:>13.1%}{fl}")
+    for r in rows:
+        if "push_wall_s" in r:
+            prof = ", ".join(f"{k[5:]} {v:.3f}" for k, v in r.items() if k.startswith("prof_"))
+            print(f"\n{r['transport']} profile of one more push (s, slowest worker): export {r['export_s']:.3f}, "
+                  f"push_all wall {r['push_wall_s']:.3f} = {prof}")
     return 0
 
 

@@ -174,11 +174,16 @@ def test_every_worker_receives_the_exported_bytes_of_three_back_to_back_versions
         published: queue.Queue = queue.Queue()
         received, errors = [], []
 
-        def pusher():   # the producer's role: push each published version, then check it
+        def pusher():   # the producer's role: push each published version newer than the workers', check it
             try:
+                held = 0
                 for _ in range(3):
                     w = published.get(timeout=TIMEOUT)
-                    received.append((w.version, transport.push_all(handles, w, TIMEOUT), pool.check(w)))
+                    if w.version > held:   # a superseded version loads the newer one instead
+                        results = transport.push_all(handles, w, TIMEOUT)
+                        loaded = results[0]["weights"]
+                        held = loaded.version
+                        received.append((loaded.version, results, pool.check(loaded)))
             except BaseException as e:  # noqa: BLE001
                 errors.append(e)
 
@@ -191,7 +196,8 @@ def test_every_worker_receives_the_exported_bytes_of_three_back_to_back_versions
             published.put(transport.publish(learner, v, TIMEOUT, probe))
         thread.join(TIMEOUT)
         assert not errors, errors
-        assert [v for v, _, _ in received] == [1, 2, 3] and len(set(want.values())) == 3
+        got = [v for v, _, _ in received]   # usually [1, 2, 3]; a version superseded before any
+        assert got == sorted(set(got)) and got[-1] == 3 and len(set(want.values())) == 3   # push asked is skipped
         layouts = transport._layouts
         assert len(layouts) == pp
         assert any(t.nbytes > BUCKET for lay in layouts for b in lay.buckets for t in b.tensors)
@@ -208,18 +214,61 @@ def test_every_worker_receives_the_exported_bytes_of_three_back_to_back_versions
 
 
 @pytest.mark.integration
-@pytest.mark.timeout(900)
-def test_a_receiver_killed_mid_broadcast_fails_the_push_naming_it_within_the_timeout(
-        ray_cluster, tiny_llama_dir):
-    """Engine 1 dies while the exporter is mid-stream: the push fails within the timeout with an
-    error naming the version, stage, engine and its group ranks (no hang); the exporter's abort
-    note ends engine 0's receive at once; publishing refuses until the groups are re-formed."""
+@pytest.mark.timeout(600)
+def test_a_version_no_push_asks_for_is_superseded_so_the_next_publish_and_push_do_not_wait_for_it(
+        engines, tiny_llama_dir):
+    """The end-of-run case (the version published after the producer's last batch is never loaded,
+    then the final eval publishes and pushes the next one), with the group timeout as the bound:
+    publishing v2 while v1 is staged and unasked returns at once (v1 is superseded, never sent),
+    a push of v2 loads exactly v2's bytes, and a late push of v1 loads the newest version instead."""
     import ray
 
+    from megatron_rlhf.generator.pool import GeneratorPool
+    from megatron_rlhf.generator.weight_sync import BroadcastTransport
+
+    handles, gcfg = engines(tiny_llama_dir)
+    learner = _learner(ray, tiny_llama_dir, 1, 1, 1)
+    timeout, probe = 90.0, list(range(5, 40))
+    try:
+        transport = BroadcastTransport(1, BUCKET, with_checksum=True)
+        transport.setup(learner, handles, timeout)
+        pool = GeneratorPool(handles, transport=transport, generator_cfg=gcfg, timeout_s=timeout, probe=probe)
+        held = max(ray.get([h.get_weight_version.remote() for h in handles]))
+        ray.get(learner.train_step.remote(_batch(11)), timeout=timeout)
+        w1 = transport.publish(learner, held + 1, timeout, probe)     # no push ever asks for it
+        ray.get(learner.train_step.remote(_batch(12)), timeout=timeout)
+        want = _export_checksum(ray, learner)
+        t0 = time.monotonic()
+        w2 = transport.publish(learner, held + 2, timeout, probe)     # before: waited for w1's send, failed
+        assert time.monotonic() - t0 < timeout / 2 and w2.push_wait_s < timeout / 2
+        res = transport.push_all(handles, w1, timeout)                # the stale version: v2 comes instead
+        assert [r["weights"].version for r in res] == [held + 2] * 2
+        assert all(r["checksums"] == [want] for r in res), "a worker received other bytes than v2's"
+        assert pool.check(w2) < gcfg.check_weight_sync_tol
+        assert ray.get([h.get_weight_version.remote() for h in handles]) == [held + 2] * 2
+        ray.get(learner.train_step.remote(_batch(13)), timeout=timeout)
+        res3 = pool.push(transport.publish(learner, held + 3, timeout, probe))   # the pool path goes on
+        assert res3["sync/check_max_abs_diff"] < gcfg.check_weight_sync_tol and pool.versions() == [held + 3] * 2
+    finally:
+        ray.kill(learner)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(900)
+def test_a_receiver_killed_mid_broadcast_fails_the_push_naming_it_then_the_pool_re_forms_the_groups(
+        ray_cluster, tiny_llama_dir):
+    """Engine 1 dies during a push: the push fails within the timeout with an error naming the
+    version, stage, engine and its group ranks (no hang); publishing refuses while the groups are
+    broken. Then the pool's path (Ray restarts the engine): a push re-forms the groups and resends
+    the staged version; an engine killed between two versions is likewise restarted and re-joined
+    by the next push; after each, every engine passes the weight-sync probe check."""
+    import ray
+
+    from megatron_rlhf.generator.pool import GeneratorPool
     from megatron_rlhf.generator.weight_sync import BroadcastPushError, BroadcastTransport, WeightSyncError
     from megatron_rlhf.types import Prompt
 
-    handles, _ = _engines(ray, tiny_llama_dir)
+    handles, gcfg = _engines(ray, tiny_llama_dir, max_restarts=2)
     learner = _learner(ray, tiny_llama_dir, 1, 1, 1)
     timeout, probe = 120.0, list(range(5, 40))
     try:
@@ -238,8 +287,8 @@ def test_a_receiver_killed_mid_broadcast_fails_the_push_naming_it_within_the_tim
 
         thread = threading.Thread(target=push, daemon=True)
         thread.start()
-        time.sleep(2.0)   # engine 0 is receiving; engine 1 is still generating, its receive queued
-        ray.kill(handles[1], no_restart=True)
+        time.sleep(2.0)   # the push is under way (engine 1 takes it between two generation steps)
+        ray.kill(handles[1], no_restart=False)   # Ray restarts it: a fresh engine outside the groups
         thread.join(timeout + 10)
         elapsed = time.monotonic() - t0
         assert not thread.is_alive(), "push_all hung"
@@ -252,6 +301,27 @@ def test_a_receiver_killed_mid_broadcast_fails_the_push_naming_it_within_the_tim
             ray.get(busy, timeout=5)
         with pytest.raises(WeightSyncError, match="groups are broken.*engine 1"):
             transport.publish(learner, 2, timeout)
+
+        deadline = time.monotonic() + timeout
+        while True:   # Ray restarts it: a fresh engine (base weights) outside the groups
+            try:
+                assert ray.get(handles[1].get_weight_version.remote(), timeout=timeout) == 0
+                break
+            except ray.exceptions.ActorUnavailableError:
+                assert time.monotonic() < deadline, "engine 1 was not restarted"
+                time.sleep(1.0)
+        pool = GeneratorPool(handles, transport=transport, generator_cfg=gcfg, timeout_s=timeout, probe=probe,
+                             log=lambda m: None)
+        res = pool.push(w)   # fails on the restarted engine, re-forms the groups, resends version 1
+        assert pool.versions() == [1, 1] and res["sync/check_max_abs_diff"] < gcfg.check_weight_sync_tol
+        assert ray.get([h.get_weight_version.remote() for h in handles], timeout=timeout) == [1, 1]
+
+        ray.kill(handles[0], no_restart=False)   # between two versions
+        ray.get(learner.train_step.remote(_batch(2)), timeout=timeout)
+        res = pool.push(transport.publish(learner, 2, timeout, probe))
+        assert pool.versions() == [2, 2] and res["sync/check_max_abs_diff"] < gcfg.check_weight_sync_tol
+        assert ray.get([h.get_weight_version.remote() for h in handles], timeout=timeout) == [2, 2]
+        assert pool.restarts == 2 and [x.restarts for x in pool.workers] == [1, 1]
     finally:
         ray.kill(learner)
         for h in handles:
@@ -273,13 +343,16 @@ def test_async_loop_on_broadcast_with_a_tp2_pp2_learner_runs_3_steps_staleness_0
         "generators.transport=broadcast", "generators.weight_sync_bucket_mb=0.0625",
         "generators.check_weight_sync=true", "learner.tensor_parallel=2", "learner.pipeline_parallel=2",
         "checkpoint.interval=0", "checkpoint.export_hf=false", "async.timeout_s=300",
-        # known defect (closing note, issue 13): a version published after the producer's last batch
-        # is never received, so the final eval's publish waits out the group timeout; eval off here
-        "eval.enabled=false"])
+        "eval.num_prompts=4", "eval.samples=1"])   # eval on (as the recipes run): before step 1, after step 3
+    t0 = time.monotonic()
     res = train(cfg, quiet=True)
+    # version 2 (published after step 2) is never loaded: the producer made its last batch with
+    # version 1; the final eval's publish of version 3 supersedes it instead of waiting for it
+    assert time.monotonic() - t0 < 300, "a publish waited out async.timeout_s"
     rows = [json.loads(x) for x in (Path(res["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3] and [r["staleness/max"] for r in rows] == [0, 1, 1]
+    assert rows[0]["eval/weight_version"] == 0 and rows[2]["eval/weight_version"] == 3   # the final eval ran on v3
     assert rows[2]["sync/bytes"] > 0 and rows[2]["sync/GBps"] > 0              # batch 3 came after the push of v1
     assert rows[2]["sync/check_max_abs_diff"] < 1e-3                           # the probe check ran on it
-    assert [r["sync/learner_blocked_s"] > 0 for r in rows] == [True, True, False]   # nothing published after step 3
+    assert all(r["sync/learner_blocked_s"] > 0 for r in rows)   # versions 1, 2 and the final eval's 3
     assert all(r["sync/learner_blocked_s"] >= r["sync/push_wait_s"] >= 0 for r in rows)

@@ -32,6 +32,15 @@ gathers + copy into one host staging buffer, then queue the broadcast. A backgro
 them; the learner's next train step overlaps it. One version is in flight at a time, so
 versions go out in publish order.
 
+Send or supersede (:func:`decide`). A broadcast cannot be withdrawn once started (gloo and NCCL
+wait for every rank), so the sender thread starts a staged version only when every receiver has
+asked for it: each receiver adds 1 to a counter of that version in stage 0's store, and the last
+one proposes SEND. When the learner stages a newer version first, it proposes SUPERSEDED for the
+waiting one (nobody asked for it: the producer will never load it, e.g. the version published
+after its last batch), which is then never sent; receivers that ask for it later learn the verdict
+and return at once (the driver then pushes the newer version). The first proposal wins
+(``compare_set`` in one store, stage 0's, so every stage and every receiver sees the same verdict).
+
 Receivers (:func:`worker_receive`, run inside every vLLM worker process through
 ``LLM.collective_rpc``, a module-level function pickled by reference: in-process and in vLLM's
 multiprocess executor) receive stage after stage, bucket after bucket (the next bucket's receive
@@ -59,7 +68,8 @@ from typing import Iterable, Iterator
 __all__ = ["TensorMeta", "BucketMeta", "StageLayout", "plan_layout", "open_group", "checksum",
            "exporter_address", "exporter_join", "stage_version", "exporter_status", "resend_latest",
            "worker_join", "worker_receive", "refresh_tied_lm_head", "StageExporter", "shard_name", "stage_folder",
-           "exporter_raw_send", "worker_raw_receive_then_reload"]
+           "exporter_raw_send", "worker_raw_receive_then_reload", "decide", "await_decision",
+           "decision_store", "post_abort", "SEND", "SUPERSEDED", "NOT_JOINED", "NOTHING_LOADED"]
 
 _ALIGN = 64
 
@@ -192,7 +202,10 @@ def open_group(host: str, port: int, rank: int, world_size: int, backend: str, t
         group = ProcessGroupNCCL(prefixed, int(rank), int(world_size), opts)
     else:
         raise ValueError(f"open_group(backend={backend!r}): expected 'gloo' or 'nccl'")
-    return BroadcastGroup(group, prefixed, int(rank), int(world_size))
+    # the store serves on listen_socket's descriptor without owning it: keep the socket object alive
+    # with the group (closing it stops the store from accepting later clients, e.g. other stages'
+    # exporters and the driver's abort note)
+    return BroadcastGroup(group, prefixed, int(rank), int(world_size), listen_socket)
 
 
 @dataclass
@@ -203,6 +216,7 @@ class BroadcastGroup:
     store: object
     rank: int
     world_size: int
+    listen_socket: object = None
 
     def broadcast(self, tensor):
         """Broadcast ``tensor`` from rank 0 (in place on the others); returns the async work."""
@@ -213,11 +227,93 @@ class BroadcastGroup:
         return self.pg.broadcast([tensor], opts)
 
 
+def _client_store(host: str, port: int, timeout_s: float):
+    """A client of the ``TCPStore`` of the group at ``host:port``, under the group's prefix."""
+    from torch.distributed import PrefixStore, TCPStore
+
+    store = TCPStore(host, int(port), None, False, timedelta(seconds=float(timeout_s)))
+    return PrefixStore(f"mrlhf-weight-broadcast-{host}-{port}", store)
+
+
+_RETIRED: list = []
+
+
+def _retire(groups) -> None:
+    """Keep replaced groups referenced for the life of the process: a group dropped while one of
+    its operations is pending (a receive or send cut off by a failed push) blocks in its
+    destructor until the group timeout (gloo); kept here, the operation ends when its peer exits
+    or times out, in the group's own threads."""
+    _RETIRED.extend(g for g in groups if g is not None)
+
+
+def post_abort(host: str, port: int, version: int, message: str, timeout_s: float) -> None:
+    """The driver, after a push of ``version`` failed, in stage 0's group at ``host:port``:
+    supersede ``version`` unless it is already on the wire (so no exporter starts sending it to
+    a dead receiver), and leave the abort note: receivers waiting for a verdict or for bytes raise
+    at once, and the groups take no further push until they are re-formed."""
+    store = _client_store(host, port, timeout_s)
+    decide(decision_store(store), version, SUPERSEDED)
+    store.set(_ABORT, message[:2000])
+
+
 def _bcast(group: BroadcastGroup, tensor):
     return group.broadcast(tensor)
 
 
 _ABORT = "mrlhf-abort"
+NOT_JOINED = "has not joined the groups"       # a restarted worker (the pool re-forms the groups)
+NOTHING_LOADED = "(nothing was loaded)"        # the receive failed before reload_weights: model intact
+_DECISIONS = "mrlhf-version-decisions"
+SEND, SUPERSEDED = b"send", b"superseded"
+
+
+def _go_key(version: int) -> str:
+    return f"v{int(version)}/go"
+
+
+def decision_store(store):
+    """The keys of the send-or-supersede decisions (:func:`decide`) inside a group's store."""
+    from torch.distributed import PrefixStore
+
+    return PrefixStore(_DECISIONS, store)
+
+
+def decide(store, version: int, verdict: bytes) -> bytes:
+    """Propose ``verdict`` (:data:`SEND` or :data:`SUPERSEDED`) for ``version``; returns the
+    verdict that holds: the first proposal wins (``compare_set`` on a missing key is atomic in the
+    store), so every exporter and every receiver sees the same one.
+
+    Why a decision at all: a broadcast, once started, cannot be withdrawn (gloo and NCCL wait for
+    every rank), so a version may only go on the wire when every receiver has asked for it. The
+    last receiver to ask proposes SEND; an exporter staging a newer version proposes SUPERSEDED
+    for the one still waiting (nobody asked: the producer will never load it, e.g. the version
+    published after its last batch), so that publish never waits for receivers that do not come.
+    """
+    return bytes(store.compare_set(_go_key(version), "", verdict))
+
+
+def await_decision(store, version: int, deadline: float | None, abort=None, cancelled=None) -> bytes:
+    """Poll ``store`` until a verdict on ``version`` exists; return it.
+
+    Args:
+        deadline: ``time.monotonic()`` bound (None: none).
+        abort: a group store to check for the exporter's abort note (receivers).
+        cancelled: returns True when the caller gives up (exporter re-forming its group).
+    Raises:
+        TimeoutError: no verdict by ``deadline``. RuntimeError: the exporter aborted.
+    """
+    key, delay = _go_key(version), 0.0002
+    while not store.check([key]):
+        if cancelled is not None and cancelled():
+            return SUPERSEDED
+        if abort is not None and abort.check([_ABORT]):
+            raise RuntimeError(f"the exporter aborted the broadcast: {abort.get(_ABORT).decode()}")
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"no send/supersede decision on weight version {version}: not every receiver "
+                               "asked for it (a generator worker is missing)")
+        time.sleep(delay)
+        delay = min(2 * delay, 0.005)
+    return bytes(store.get(key))
 
 
 def _wait_receives(group: BroadcastGroup, works: list) -> None:
@@ -262,6 +358,10 @@ class StageExporter:
         self.version: int | None = None
         self.error: str | None = None
         self.sent = (None, 0, 0)
+        self.stage0_store = None     # the store of stage 0's group (verdicts, the driver's abort note)
+        self.decisions = None        # decision_store of it (one verdict for every stage)
+        self._undecided: int | None = None   # queued broadcast waiting for its verdict
+        self._drop: int | None = None        # give up waiting for that verdict (group re-formed)
         self._bufs: list = []
         self._jobs: queue.Queue = queue.Queue()
         self._idle = threading.Event()
@@ -284,15 +384,37 @@ class StageExporter:
         self.listen = s
         return host, int(s.getsockname()[1])
 
-    def join(self, host: str, port: int, world_size: int, timeout_s: float) -> None:
-        """(Re)form the group as rank 0 (waits for a running broadcast to end first)."""
+    def join(self, host: str, port: int, world_size: int, timeout_s: float,
+             decisions_at: tuple[str, int] | None = None) -> None:
+        """(Re)form the group as rank 0 (drops a staged version nobody asked for; waits for a
+        running broadcast to end first). ``decisions_at``: ``(host, port)`` of stage 0's group,
+        whose store holds the send/supersede verdicts (None: this group's own, stage 0)."""
+        self._drop = self._undecided
         if not self._idle.wait(timeout_s):
             raise TimeoutError(f"stage {self.stage} exporter: the previous broadcast did not end within "
                                f"async.timeout_s={timeout_s:.0f} s; cannot re-form the group")
-        self.group = None
+        _retire([self.group])
+        self.group = self.decisions = self.stage0_store = None
         self.group = open_group(host, port, 0, world_size, self.platform.dist_backend, timeout_s, self.listen)
-        self.listen = None   # the store owns the socket now
+        self.listen = None   # the group keeps the socket now
+        if decisions_at is None or tuple(decisions_at) == (host, int(port)):
+            self.stage0_store = self.group.store
+        else:
+            self.stage0_store = _client_store(*decisions_at, timeout_s)
+        self.decisions = decision_store(self.stage0_store)
         self.error = None
+
+    def supersede_or_wait(self, timeout_s: float) -> float:
+        """Before staging a newer version: a queued broadcast that no receiver has asked for yet is
+        superseded (never sent); one that is on the wire is waited for. Returns the seconds waited.
+
+        Raises:
+            TimeoutError: still sending after ``timeout_s``.
+        """
+        v = self._undecided
+        if v is not None and self.decisions is not None:
+            decide(self.decisions, v, SUPERSEDED)   # the verdict the thread then reads (ours or SEND)
+        return self.wait_idle(timeout_s)
 
     # ---------------------------------------------------------------- staging
     def wait_idle(self, timeout_s: float) -> float:
@@ -360,6 +482,8 @@ class StageExporter:
 
     def _enqueue(self, job: tuple[int, str | None]) -> None:
         self._idle.clear()
+        if job[1] is None:
+            self._undecided, self._drop = job[0], None
         self._jobs.put(job)
 
     # ---------------------------------------------------------------- sender thread
@@ -368,7 +492,11 @@ class StageExporter:
             version, write_dir = self._jobs.get()
             try:
                 if write_dir is None:
-                    self._send(version)
+                    verdict = await_decision(self.decisions, version, None,
+                                             cancelled=lambda: self._drop == version)
+                    self._undecided = None
+                    if verdict == SEND:
+                        self._send(version)
                 else:
                     self._write(version, write_dir)
             except BaseException as e:  # noqa: BLE001 - reported by the next publish / status
@@ -398,17 +526,34 @@ class StageExporter:
             for off, size in layout.chunks(b):
                 i = k % 2
                 if works[i] is not None:
-                    works[i].wait()     # buffer i is free again
-                buf = self._bufs[i][:size]
-                buf.copy_(self.staging[b.offset + off:b.offset + off + size], non_blocking=True)
+                    self._wait_sent(works[i])     # buffer i is free again
+                src = self.staging[b.offset + off:b.offset + off + size]
+                if src.device == self._bufs[i].device:   # staging already on the wire's device: send it in place
+                    buf = src
+                else:
+                    buf = self._bufs[i][:size]
+                    buf.copy_(src, non_blocking=True)
                 works[i] = _bcast(group, buf)
                 k += 1
         for w in works:
             if w is not None:
-                w.wait()
+                self._wait_sent(w)
         self.platform.synchronize()
         self.sent = (version, n, n)
 
+    def _wait_sent(self, work) -> None:
+        """Wait for a send; every second look for the driver's abort note in stage 0's store (a
+        receiver died or gave up: a send to a live peer that stopped receiving would otherwise only
+        end at the group timeout). Raises RuntimeError on the note (the work is left to the
+        retired group, see :func:`_retire`)."""
+        t_check = time.monotonic()
+        while not work.is_completed():
+            time.sleep(0.0005)
+            if time.monotonic() - t_check > 1.0:
+                t_check = time.monotonic()
+                if self.stage0_store is not None and self.stage0_store.check([_ABORT]):
+                    raise RuntimeError(f"the push was aborted: {self.stage0_store.get(_ABORT).decode()}")
+        work.wait()
 
     def _write(self, version: int, folder: str) -> None:
         """Write the staged version as ``stage<S>-<k>.safetensors`` files (one per bucket) into
@@ -486,7 +631,7 @@ def exporter_join(learner, stages: list[dict], world_size: int, timeout_s: float
     ex = _exporter(learner)
     if ex is not None:
         s = stages[ex.stage]
-        ex.join(s["host"], s["port"], world_size, timeout_s)
+        ex.join(s["host"], s["port"], world_size, timeout_s, (stages[0]["host"], stages[0]["port"]))
 
 
 def stage_version(learner, version: int, bucket_bytes: int, timeout_s: float,
@@ -505,7 +650,7 @@ def stage_version(learner, version: int, bucket_bytes: int, timeout_s: float,
     if learner.dp_rank != 0:
         return None
     ex = _exporter(learner)
-    wait_s = ex.wait_idle(timeout_s) if ex is not None else 0.0
+    wait_s = ex.supersede_or_wait(timeout_s) if ex is not None else 0.0
     t0 = time.perf_counter()
     items = learner._stage_hf_tensors()
     if ex is None:
@@ -543,6 +688,7 @@ def worker_join(worker, stages: list[dict], rank_offset: int, world_size: int, t
 
     backend = get_platform().dist_backend
     rank = int(rank_offset) + int(worker.rank)
+    _retire(getattr(worker, "_mrlhf_broadcast_groups", None) or [])
     worker._mrlhf_broadcast_groups = None
     groups = []
     for s in stages:
@@ -552,7 +698,37 @@ def worker_join(worker, stages: list[dict], rank_offset: int, world_size: int, t
         groups.append(open_group(s["host"], s["port"], rank, world_size, backend, timeout_s))
     worker._mrlhf_broadcast_groups = groups
     worker._mrlhf_broadcast_rank = rank
+    worker._mrlhf_broadcast_world = (int(world_size), float(timeout_s))
     return rank
+
+
+def _ask_for(groups: list, version: int, rank: int, world: int, timeout_s: float) -> bool:
+    """Tell the exporters this worker is ready for ``version`` (a counter in stage 0's store; the
+    last of the ``world_size - 1`` receivers proposes SEND, see :func:`decide`) and wait for the
+    verdict. Returns True to receive, False when the version was superseded (nothing is sent).
+
+    Raises:
+        RuntimeError: no verdict within the group timeout (another receiver never asked), or the
+            exporter aborted.
+    """
+    if groups[0].store.check([_ABORT]):   # a failed push left these groups for good
+        raise RuntimeError(f"weight broadcast: group rank {rank}: the groups were aborted "
+                           f"({groups[0].store.get(_ABORT).decode()}) {NOTHING_LOADED}")
+    store = decision_store(groups[0].store)
+    asked = store.add(f"v{int(version)}/ready", 1)
+    if asked == world - 1:
+        decide(store, version, SEND)
+    elif asked > world - 1:   # a second push of one version: it is never sent twice
+        if store.check([_go_key(version)]) and bytes(store.get(_go_key(version))) == SUPERSEDED:
+            return False
+        raise RuntimeError(f"weight broadcast: group rank {rank} asked for weight version {version} a second "
+                           f"time; each version is sent once (push only versions newer than the worker's) {NOTHING_LOADED}")
+    try:
+        verdict = await_decision(store, version, time.monotonic() + timeout_s, abort=groups[0].store)
+    except (TimeoutError, RuntimeError) as e:
+        raise RuntimeError(f"weight broadcast: group rank {rank} waiting for weight version {version}: {e} "
+                           f"{NOTHING_LOADED}") from e
+    return verdict == SEND
 
 
 def _post(group, layout: StageLayout, bucket: BucketMeta, device):
@@ -563,15 +739,18 @@ def _post(group, layout: StageLayout, bucket: BucketMeta, device):
     return buf, [_bcast(group, buf[o:o + n]) for o, n in layout.chunks(bucket)]
 
 
-def worker_receive(worker, layouts: list[StageLayout], with_checksum: bool = False) -> dict:
-    """Inside a vLLM worker process: receive one version (every stage, bucket by bucket) into one
+def worker_receive(worker, layouts: list[StageLayout], version: int, with_checksum: bool = False) -> dict:
+    """Inside a vLLM worker process: ask for ``version`` (:func:`_ask_for`); unless it was
+    superseded, receive it (every stage, bucket by bucket) into one
     ``worker.reload_weights(weights_iterator=...)`` call.
 
     Returns:
-        ``{'bytes', 'tensors', 'rank', 'checksum'}``: tensor bytes received, tensors, group rank,
-        and (``with_checksum``) :func:`checksum` of the received ``(name, tensor)`` before loading.
+        ``{'bytes', 'tensors', 'rank', 'checksum', 'superseded'}``: tensor bytes received, tensors,
+        group rank, (``with_checksum``) :func:`checksum` of the received ``(name, tensor)`` before
+        loading, and whether the exporters superseded ``version`` (then nothing was received or
+        loaded: push the newer version).
     Raises:
-        RuntimeError: not joined, or a receive failed (names stage, bucket and group rank).
+        RuntimeError: not joined, no verdict, or a receive failed (names stage, bucket and group rank).
     """
     import torch
 
@@ -579,12 +758,18 @@ def worker_receive(worker, layouts: list[StageLayout], with_checksum: bool = Fal
 
     groups = getattr(worker, "_mrlhf_broadcast_groups", None)
     if not groups or len(groups) != len(layouts):
-        raise RuntimeError("weight broadcast: this vLLM worker has not joined the groups of every pipeline "
-                           "stage (BroadcastTransport.setup)")
+        raise RuntimeError(f"weight broadcast: this vLLM worker {NOT_JOINED} of every pipeline stage "
+                           f"(BroadcastTransport.setup; a restarted worker joins when the pool re-forms them) "
+                           f"{NOTHING_LOADED}")
     rank = worker._mrlhf_broadcast_rank
+    t0 = time.perf_counter()
+    if not _ask_for(groups, version, rank, *worker._mrlhf_broadcast_world):
+        return {"bytes": 0, "tensors": 0, "rank": rank, "checksum": None, "superseded": True}
+    t_ask = time.perf_counter()
     device = get_platform().buffer_device()
     h = hashlib.sha256() if with_checksum else None
     counts = {"bytes": 0, "tensors": 0}
+    waited = [0.0]
 
     def tensors():
         for layout, group in zip(layouts, groups):
@@ -592,8 +777,10 @@ def worker_receive(worker, layouts: list[StageLayout], with_checksum: bool = Fal
             pending = _post(group, layout, layout.buckets[0], device)
             for bi, b in enumerate(layout.buckets):
                 buf, works = pending
+                t_wait = time.perf_counter()
                 try:
                     _wait_receives(group, works)
+                    waited[0] += time.perf_counter() - t_wait
                 except RuntimeError as e:
                     raise RuntimeError(f"weight broadcast: group rank {rank} failed to receive bucket {bi + 1}/{n} "
                                        f"of pipeline stage {layout.stage}: {e}") from e
@@ -609,8 +796,13 @@ def worker_receive(worker, layouts: list[StageLayout], with_checksum: bool = Fal
                     yield m.name, raw.view(getattr(torch, m.dtype)).view(m.shape)
 
     worker.reload_weights(weights_iterator=tensors())
+    t_reload = time.perf_counter()
     refresh_tied_lm_head(worker)
-    return {**counts, "rank": rank, "checksum": h.hexdigest() if h is not None else None}
+    t_end = time.perf_counter()
+    profile = {"ask_s": t_ask - t0, "recv_wait_s": waited[0], "reload_s": t_reload - t_ask - waited[0],
+               "tied_lm_head_s": t_end - t_reload}   # seconds in this worker (bench/weight_sync.py)
+    return {**counts, "rank": rank, "checksum": h.hexdigest() if h is not None else None, "superseded": False,
+            "profile": profile}
 
 
 def refresh_tied_lm_head(worker) -> bool:

@@ -372,6 +372,8 @@ class GeneratorPool:
             latest = self.transport.recover([x.handle for x in self.workers], self.timeout_s)
             for x in self.workers:
                 x.version = latest.version if latest is not None else 0
+            if latest is not None and latest.version != self.current.version:
+                self.current = latest   # the latest staged version, now on every worker
         elif self.current.payload is not None:
             self._push_workers([w], self.current)
         self._log(f"[megatron-rlhf] WARNING generator worker {w.index} died during batch {self.batch_index} "
@@ -394,14 +396,9 @@ class GeneratorPool:
         targets = [w for w in self.workers if not only_stale or w.version < weights.version]
         if not targets:
             return {}
-        chain = self.transport.chain(min(w.version for w in targets), weights) \
-            if hasattr(self.transport, "chain") else [weights]
-        res: dict = {}
-        for wts in chain:
-            res = self._push_workers(targets, wts)
-        self.current = weights
-        if min(self.versions()) >= weights.version:
-            self.transport.retire(weights.version)
+        res = self._push_workers(targets, weights)   # sets self.current to what was loaded
+        if min(self.versions()) >= self.current.version:
+            self.transport.retire(self.current.version)
         return res
 
     def _push_one(self, w: _Worker, weights: PublishedWeights):
@@ -415,6 +412,8 @@ class GeneratorPool:
         t0 = time.perf_counter()
         if getattr(self.transport, "collective", False):
             results = self._push_collective(targets, weights)
+            # the broadcast transport may load a newer version (this one was superseded)
+            weights = results[0].get("weights", weights) if results else weights
             refs = {}
         else:
             refs = {self._push_one(w, weights): w for w in targets}
@@ -428,6 +427,7 @@ class GeneratorPool:
                 self.current = weights
                 self._recover(w, e, 0)
         load_s = time.perf_counter() - t0
+        self.current = weights
         nbytes = max([int(r.get("bytes", 0)) for r in results] + [weights.bytes])
         out = {"time/sync_s": weights.export_s + load_s, "sync/bytes": nbytes,
                "sync/export_s": weights.export_s, "sync/load_s": load_s,
@@ -438,7 +438,9 @@ class GeneratorPool:
 
     def _push_collective(self, targets: list[_Worker], weights: PublishedWeights) -> list[dict]:
         """A broadcast push reaches every worker at once; a worker that died in it is restarted by
-        Ray and the groups are re-formed (:meth:`_recover`), which resends the latest version."""
+        Ray and the groups are re-formed (:meth:`_recover`), which resends the latest version.
+        Each result's ``weights`` is the version loaded: ``weights`` or, when the exporters had
+        superseded it, a newer one (``BroadcastTransport.push_all``)."""
         from megatron_rlhf.generator.weight_sync import BroadcastPushError
 
         try:
@@ -446,10 +448,10 @@ class GeneratorPool:
         except BroadcastPushError as e:
             if not e.died:
                 raise
-            self._recover(self.workers[targets[e.engine].index], e, 0)
-            return []
+            self._recover(self.workers[targets[e.engine].index], e, 0)   # every worker holds self.current
+            return [{"weights": self.current}]
         for w in targets:
-            w.version = weights.version
+            w.version = results[0]["weights"].version if results else weights.version
         return results
 
     def check(self, weights: PublishedWeights, targets: list[_Worker] | None = None) -> float:

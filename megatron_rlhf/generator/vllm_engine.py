@@ -402,7 +402,9 @@ class VLLMGenerator:
             version: the weight version (>= 0).
             with_checksum: also return each worker's SHA-256 of the bytes it received.
         Returns:
-            ``{"bytes", "seconds", "tensors", "checksums"}`` (``checksums``: one per worker process).
+            ``{"bytes", "seconds", "tensors", "checksums", "version", "superseded"}`` (``checksums``:
+            one per worker process; ``superseded``: the exporters dropped ``version`` for a newer
+            one before sending it, nothing was loaded and the engine keeps its version).
         Raises:
             RuntimeError: not joined, a receive failed (the engine is then unusable), or the prefix
                 cache could not be reset.
@@ -412,10 +414,19 @@ class VLLMGenerator:
 
         t0 = time.perf_counter()
         try:
-            got = self.llm.collective_rpc(broadcast_sync.worker_receive, args=(list(layouts), bool(with_checksum)))
+            got = self.llm.collective_rpc(broadcast_sync.worker_receive,
+                                          args=(list(layouts), int(version), bool(with_checksum)))
         except Exception as e:
-            self._broken = f"update_weights_broadcast to version {version} failed mid-reload: {e!r}"
+            if broadcast_sync.NOTHING_LOADED not in str(e):   # else the model is intact: stay usable
+                self._broken = f"update_weights_broadcast to version {version} failed mid-reload: {e!r}"
             raise
+        if got and all(g["superseded"] for g in got):
+            return {"bytes": 0, "seconds": time.perf_counter() - t0, "tensors": 0, "checksums": [],
+                    "version": int(version), "superseded": True}
+        if any(g["superseded"] for g in got):   # one verdict for every worker: cannot happen
+            self._broken = f"update_weights_broadcast to version {version}: workers got different verdicts"
+            raise RuntimeError(self._broken)
+        t_reset = time.perf_counter()
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("update_weights_broadcast: vLLM refused to reset the prefix cache")
         dt = time.perf_counter() - t0
@@ -426,7 +437,9 @@ class VLLMGenerator:
         s["generator/sync_s"] += dt
         s["generator/sync_bytes"] += nbytes
         return {"bytes": nbytes, "seconds": dt, "tensors": int(got[0]["tensors"]) if got else 0,
-                "checksums": [g["checksum"] for g in got]}
+                "checksums": [g["checksum"] for g in got], "version": int(version), "superseded": False,
+                "profile": {**got[0]["profile"], "reset_prefix_cache_s": time.perf_counter() - t_reset,
+                            "engine_call_s": dt}}
 
     def pid(self) -> int:
         """The OS process id of this generator (its vLLM engine runs in-process)."""

@@ -18,8 +18,10 @@ place, reset the prefix cache). Algorithm code never branches on the transport.
   every engine), gloo on CPU, NCCL on GPU; the learner stages each version in its own thread and
   broadcasts it in the background (overlapped with its next train step); workers receive
   bucket by bucket inside one ``reload_weights`` call. A broadcast reaches every member at once,
-  so pushes go to the whole pool (:attr:`WeightTransport.collective`) and every published
-  version is received, in order.
+  so pushes go to the whole pool (:attr:`WeightTransport.collective`). A staged version goes on
+  the wire only once every worker has asked for it; one nobody asked for before the next
+  publish is superseded (never sent) and a push of it loads the newer one instead (as the
+  producer's weight channel only ever offers the latest version).
 
 Publishing blocks the learner only for what must run in its own thread (TP gathers, the staging
 copy, and waiting for the previous version's broadcast or write): the loop records it as
@@ -299,9 +301,14 @@ class BroadcastTransport(WeightTransport):
     ``1 + i * tensor_parallel + r``); :meth:`publish` runs the TP gathers and the staging copy on
     the learner ranks (their own thread; waits for the previous version's broadcast first, and
     that wait is part of the blocked time) and returns while the broadcast runs in the background;
-    the pool pushes every published version, in order, to all workers at once
-    (:attr:`collective`, :meth:`push_all`). When Ray restarts a dead worker the groups are
-    re-formed and the latest staged version is sent to every worker again (:meth:`recover`).
+    the pool pushes a published version to all workers at once (:attr:`collective`,
+    :meth:`push_all`). The exporters start sending a version only when every worker has asked for
+    it; publishing a newer version supersedes a staged one nobody has asked for yet (it is never
+    sent, and a later push of it loads the newer one: :meth:`push_all`), so a version the producer
+    never loads (the one published after its last batch) cannot hold up the next publish (the
+    end-of-run evaluation's). Versions go out in publish order. When Ray restarts a dead worker
+    the groups are re-formed and the latest staged version is sent to every worker again
+    (:meth:`recover`).
 
     Args:
         engine_tensor_parallel: vLLM TP ranks per engine (each joins every group).
@@ -317,7 +324,11 @@ class BroadcastTransport(WeightTransport):
         self.tp = int(engine_tensor_parallel)
         self.bucket_bytes = int(bucket_bytes)
         self.with_checksum = bool(with_checksum)
+        import threading
+
         self._pending: list[PublishedWeights] = []
+        self._published = threading.Condition()   # publish() -> push_all() of a superseded version
+        self._forming = threading.Lock()   # publish() (learner loop) waits while recover() re-forms the groups
         self.learner, self.workers, self._stages, self._group = None, [], [], False
         self._broken: str | None = None   # a failed push: groups must be re-formed (setup/recover)
         self._layouts, self._layouts_ref = None, None
@@ -347,10 +358,21 @@ class BroadcastTransport(WeightTransport):
             raise WeightSyncError(f"weight broadcast groups of pipeline stages {[s['stage'] for s in self._stages]}: "
                                   f"{', '.join(missing)} did not join within async.timeout_s={timeout_s:.0f} s")
         ray.get(list(refs))
-        self._pending.clear()
+        with self._published:
+            self._pending.clear()
         self._broken = None
 
     def publish(self, learner, version, timeout_s, probe=None):
+        t0 = time.perf_counter()
+        if not self._forming.acquire(timeout=timeout_s):
+            raise WeightSyncError(f"weight broadcast: cannot publish version {version}, the groups were being "
+                                  f"re-formed for more than async.timeout_s={timeout_s:.0f} s")
+        try:
+            return self._publish(learner, version, timeout_s, probe, t0)
+        finally:
+            self._forming.release()
+
+    def _publish(self, learner, version, timeout_s, probe, t0):
         import ray
 
         from megatron_rlhf.generator import broadcast_sync as bs
@@ -359,7 +381,6 @@ class BroadcastTransport(WeightTransport):
             raise WeightSyncError(f"weight broadcast: cannot publish version {version}, the groups are broken "
                                   f"since a failed push ({self._broken}); they are re-formed when the pool "
                                   "restarts the worker (generators.max_restarts > 0)")
-        t0 = time.perf_counter()
         ref = on_learner_ranks(learner, self._group, bs.stage_version, int(version), self.bucket_bytes, float(timeout_s))
         probe_ref = _probe_ref(learner, probe)
         staged = sorted((r for r in ray.get(ref, timeout=timeout_s) if r), key=lambda r: r["stage"])
@@ -369,31 +390,56 @@ class BroadcastTransport(WeightTransport):
         w = PublishedWeights(version=version, payload=self._layouts_ref, export_s=time.perf_counter() - t0,
                              bytes=sum(lay.tensor_bytes for lay in layouts), probe_ref=probe_ref,
                              push_wait_s=max((r["wait_s"] for r in staged), default=0.0))
-        self._pending.append(w)
+        with self._published:
+            self._pending.append(w)
+            self._published.notify_all()
         return w
-
-    def chain(self, held_version: int, target: PublishedWeights) -> list[PublishedWeights]:
-        """Every staged version in ``(held_version, target.version]``, oldest first: the exporters
-        broadcast them in this order, so the workers must receive all of them."""
-        out = [w for w in self._pending if held_version < w.version <= target.version]
-        return out or [target]
 
     def push(self, worker, weights):
         return worker.update_weights_broadcast.remote(weights.payload, weights.version, self.with_checksum)
 
     def push_all(self, workers: list, weights: PublishedWeights, timeout_s: float) -> list[dict]:
-        """Receive ``weights`` on every worker at once; results in worker order.
+        """Load ``weights`` on every worker at once, or, when the exporters superseded that version
+        (a newer one was published before every worker asked for it), the newest published version
+        instead. Results in worker order; ``result['weights']`` is the :class:`PublishedWeights`
+        actually loaded (``version`` >= ``weights.version``).
 
         Raises:
             BroadcastPushError: a worker died, failed or did not finish within ``timeout_s``; the
                 message names the pipeline stage(s), the engine and its workers (group ranks).
+            WeightSyncError: superseded, but the newer version was not published within ``timeout_s``.
         """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            results = self._push_all_once(workers, weights, deadline, timeout_s)
+            if not all(r.get("superseded") for r in results):
+                for r in results:
+                    r["weights"] = weights
+                return results
+            weights = self._newer_than(weights.version, deadline)
+
+    def _newer_than(self, version: int, deadline: float) -> PublishedWeights:
+        """The newest published version above ``version`` (waits for its publish to return)."""
+        with self._published:
+            while True:
+                newer = [w for w in self._pending if w.version > version]
+                if newer:
+                    return max(newer, key=lambda w: w.version)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise WeightSyncError(f"weight broadcast: version {version} was superseded by a newer "
+                                          "publish that did not return within async.timeout_s")
+                self._published.wait(left)
+
+    def _push_all_once(self, workers: list, weights: PublishedWeights, deadline: float,
+                       timeout_s: float) -> list[dict]:
         import ray
         from ray.exceptions import RayActorError
 
+        from megatron_rlhf.generator import broadcast_sync as bs
+
         refs = [self.push(w, weights) for w in workers]
         index = {r: i for i, r in enumerate(refs)}
-        deadline = time.monotonic() + timeout_s
         results: dict[int, dict] = {}
         left = list(refs)
         while left:
@@ -404,8 +450,11 @@ class BroadcastTransport(WeightTransport):
             try:
                 results[i] = ray.get(ready[0])
             except Exception as e:  # noqa: BLE001 - named below
+                self._abort(weights.version, f"version {weights.version}: generator engine {i} failed: "
+                                             f"{type(e).__name__}")
                 errs = {i: e, **self._settle(left, index, min(5.0, max(0.0, deadline - time.monotonic())))}
-                dead = sorted(j for j, x in errs.items() if isinstance(x, RayActorError))
+                # died in the push, or Ray had already restarted it (a fresh process outside the groups)
+                dead = sorted(j for j, x in errs.items() if isinstance(x, RayActorError) or bs.NOT_JOINED in str(x))
                 first = dead[0] if dead else i   # a death is the cause; the others were aborted
                 others = {j: str(x).splitlines()[-1][:300] for j, x in errs.items() if j != first}
                 self._broken = self._describe(weights, first, errs[first], others)
@@ -413,12 +462,23 @@ class BroadcastTransport(WeightTransport):
         if left:
             stuck = sorted(index[r] for r in left)
             self._broken = f"engine(s) {stuck} did not finish receiving version {weights.version}"
+            self._abort(weights.version, self._broken)
             raise BroadcastPushError(
                 f"weight broadcast of version {weights.version}: generator engine(s) {stuck} "
                 f"({', '.join(self._ranks(i) for i in stuck)}) did not finish receiving pipeline stages "
                 f"{[s['stage'] for s in self._stages]} within async.timeout_s={timeout_s:.0f} s "
                 f"(stalled receiver); engines done: {sorted(results)}", engine=stuck[0], died=False)
         return [results[i] for i in range(len(workers))]
+
+    def _abort(self, version: int, message: str) -> None:
+        """Supersede ``version`` unless already sent, release the receivers still waiting in stage
+        0's group (for the verdict or for bytes): ``broadcast_sync.post_abort``."""
+        from megatron_rlhf.generator import broadcast_sync as bs
+
+        try:
+            bs.post_abort(self._stages[0]["host"], self._stages[0]["port"], version, message, 10.0)
+        except Exception:  # noqa: BLE001 - best effort; they time out on their own otherwise
+            pass
 
     def _ranks(self, i: int) -> str:
         return f"engine {i}: vLLM TP workers 0..{self.tp - 1} = group ranks {1 + i * self.tp}..{(i + 1) * self.tp}"
@@ -454,10 +514,15 @@ class BroadcastTransport(WeightTransport):
         Raises:
             WeightSyncError / BroadcastPushError: the group could not be re-formed or the resend failed.
         """
+        with self._forming:
+            return self._recover(workers, timeout_s)
+
+    def _recover(self, workers: list, timeout_s: float) -> PublishedWeights | None:
         import ray
 
         from megatron_rlhf.generator import broadcast_sync as bs
 
+        known = {w.version: w for w in self._pending}   # their learner probe logprobs (sync check)
         # a worker whose receive was cut off (the exporter aborted when another one died) holds a
         # half-reloaded model: restart it too (Ray brings it back with the base weights)
         deadline = time.monotonic() + timeout_s
@@ -476,13 +541,15 @@ class BroadcastTransport(WeightTransport):
                     if v is not None}
         if len(versions) != 1:
             raise WeightSyncError(f"weight broadcast: stages hold different staged versions {sorted(versions)}")
-        latest = PublishedWeights(version=versions.pop(), payload=self._layouts_ref,
-                                  bytes=sum(lay.tensor_bytes for lay in self._layouts))
+        v = versions.pop()
+        latest = known.get(v) or PublishedWeights(version=v, payload=self._layouts_ref,
+                                                  bytes=sum(lay.tensor_bytes for lay in self._layouts))
         self.push_all(workers, latest, timeout_s)
         return latest
 
     def retire(self, version):
-        self._pending = [w for w in self._pending if w.version > version]
+        with self._published:   # the pool's thread; publish() appends from the learner loop's
+            self._pending = [w for w in self._pending if w.version > version]
 
 
 def _engine_broken(gen) -> bool:
