@@ -610,6 +610,11 @@ class LoggingConfig:
     """``offline`` works without a network; ``online`` on clusters."""
     progress: bool = True
     """Show a tqdm progress bar with live reward and staleness."""
+    tensorboard: bool = True
+    """Write TensorBoard event files to ``<run>/tensorboard`` (``tensorboard --logdir runs``): every
+    number of each step's ``metrics.jsonl`` row as a scalar at that step, and the config as text;
+    after a resume they hold one value per step, like ``metrics.jsonl`` (``trainer.metrics``).
+    Needs the ``tensorboard`` package (in ``requirements/``)."""
     warn_token_mult_prob_error: float = 1.05
     """Log a warning for a step whose ``logprobs/token_mult_prob_error`` (mean over completion
     tokens of exp(|learner - generator| logprob), same weights and temperature) exceeds this;

@@ -2,7 +2,8 @@
 and one Ray cluster for the module (``train(..., generators=[...])``, as in test_loop_losses).
 
 * non-finite updates are skipped and counted, and the run stops after learner.max_skipped_steps;
-* metrics.jsonl holds one row per step after a crash between a row and its checkpoint (failure 2);
+* metrics.jsonl, and the TensorBoard event files beside it, hold one row per step after a crash
+  between a row and its checkpoint (failure 2);
 * a dead learner is reported with the last complete checkpoint in every learner call (failure 4);
 * the train/inference mismatch metrics stay flat with unchanged weights (failure 9).
 """
@@ -22,6 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 from tests.test_loop_losses import _cfg, _rows  # the shared tiny-run config and metrics reader
+from tests.test_tensorboard import assert_tensorboard_matches_jsonl
 
 @pytest.fixture(scope="module")
 def generator(ray_cluster, tiny_llama_dir):
@@ -84,6 +86,8 @@ def test_rerun_after_crash_between_row_and_checkpoint_leaves_one_row_per_step(ge
     assert [json.loads(x)["step"] for x in aside.read_text().splitlines()] == [2]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["first_step"] == 1 and summary["last_step"] == 2
+    assert res["tensorboard"] == str(run_dir / "tensorboard")   # and its event files agree after the resume:
+    assert_tensorboard_matches_jsonl(run_dir)
 
 
 # ------------------------------------------------------------------------- dead learner (failure 4)

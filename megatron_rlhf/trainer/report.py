@@ -14,7 +14,8 @@ from ``metrics.jsonl`` (the last row per step wins after a resume), ``summary.js
 * ``time``: seconds per step on the learner side (train, sync export, idle, other) and on the
   generator side (generation, scoring, sync, eval, idle), stacked;
 
-then the eval before/after table, the run summary and the resolved config.
+then the eval before/after table, the run summary and the resolved config; the page names the
+TensorBoard folder when the run has one (``logging.tensorboard``).
 """
 
 from __future__ import annotations
@@ -174,7 +175,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
-    from megatron_rlhf.trainer.metrics import summarize_evals, task_names
+    from megatron_rlhf.trainer.metrics import TENSORBOARD_DIR, summarize_evals, task_names
 
     run_dir = Path(run_dir)
     rows = load_rows(run_dir)
@@ -195,6 +196,8 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     body = [f"<h1>Run {html.escape(run_dir.name)}</h1>",
             f"<p>{len(rows)} steps in metrics.jsonl ({rows[0]['step'] if rows else '-'} to "
             f"{rows[-1]['step'] if rows else '-'}); folder {html.escape(str(run_dir.resolve()))}</p>",
+            *([f"<p>TensorBoard: <code>tensorboard --logdir {html.escape(str(tb.resolve()))}</code></p>"]
+              if (tb := run_dir / TENSORBOARD_DIR).is_dir() else []),
             "<h2>Held-out eval, first and last</h2>", _eval_table(summarize_evals(rows))]
     for name in PLOTS:
         body.append(f'<h2>{name}</h2><img id="plot-{name}" alt="{name}" src="data:image/png;base64,{plots[name]}">')

@@ -43,7 +43,8 @@ class NonFiniteTrainingError(RuntimeError):
 
 class RunResult(dict):
     """Summary of a finished (or stopped) run: :func:`metrics.summarize` plus ``run_dir``,
-    ``stopped_early`` and ``resumed_from_step``."""
+    ``stopped_early``, ``resumed_from_step``, ``report`` (the HTML page) and ``tensorboard`` (the
+    event-file folder, or None with ``logging.tensorboard: false``)."""
 
 
 class Run:
@@ -363,7 +364,8 @@ class Run:
         result.update(run_dir=str(run_dir), stopped_early=stopped_early, resumed_from_step=self.start_step,
                       data=self.data_counts, prompts_too_long=self.too_long,
                       generator_restarts=self.pool.restarts if self.pool else 0,
-                      report=str(run_dir / "report.html"))
+                      report=str(run_dir / "report.html"),
+                      tensorboard=str(self.metrics.tensorboard_dir) if self.metrics.tensorboard_dir else None)
         (run_dir / "summary.json").write_text(json.dumps(result, indent=1, default=str))
         _report(run_dir, result)
         return result
@@ -375,6 +377,8 @@ class Run:
 
         if self.watchdog is not None:
             self.watchdog.close()
+        if self.metrics is not None:   # also after an error (finish closes it on success)
+            self.metrics.close()
         if self.producer is not None:   # an error in the learner loop: stop the generation thread too
             self.producer.stop_event.set()
         if self.channel is not None:
