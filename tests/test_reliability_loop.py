@@ -18,28 +18,11 @@ from types import SimpleNamespace
 
 import pytest
 
-pytestmark = [pytest.mark.integration]
-REPO = Path(__file__).resolve().parents[1]
-
-
 from tests.test_loop_losses import _cfg, _rows  # the shared tiny-run config and metrics reader
 from tests.test_tensorboard import assert_tensorboard_matches_jsonl
 
-@pytest.fixture(scope="module")
-def generator(ray_cluster, tiny_llama_dir):
-    """One vLLM generator actor for every run of the module."""
-    import ray
-
-    from megatron_rlhf.config import load_config
-    from megatron_rlhf.generator.vllm_engine import VLLMGenerator
-
-    cfg = load_config(REPO / "configs" / "ci_tiny.yaml", [f"model.source={tiny_llama_dir}",
-                                                         "generators.temperature=0.7"])
-    gen = ray.remote(num_cpus=1, max_restarts=0)(VLLMGenerator).remote(
-        model_dir=str(tiny_llama_dir), generator_cfg=cfg.generators, dtype="float32", seed=0, cpu_core=-1)
-    ray.get(gen.__ray_ready__.remote(), timeout=600)
-    yield gen
-    ray.kill(gen)
+pytestmark = [pytest.mark.integration]
+REPO = Path(__file__).resolve().parents[1]
 
 
 # ------------------------------------------------------------------------- non-finite updates (failure 1)

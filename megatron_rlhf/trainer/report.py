@@ -73,6 +73,19 @@ def _png(fig) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
+def _series_png(fig, ax, title: str, xlabel: str, ylabel: str | None, empty: str) -> str:
+    """Title and axis labels, then a legend, or the ``empty`` note when nothing was plotted; the PNG."""
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    if ylabel:
+        ax.set_ylabel(ylabel)
+    if ax.has_data():
+        ax.legend(fontsize=7)
+    else:
+        ax.text(0.5, 0.5, empty, ha="center", transform=ax.transAxes)
+    return _png(fig)
+
+
 def _lines(rows, keys, title, ylabel, labels=None):
     import matplotlib.pyplot as plt
 
@@ -81,14 +94,7 @@ def _lines(rows, keys, title, ylabel, labels=None):
         xs, ys = _series(rows, k)
         if xs:
             ax.plot(xs, ys, marker=".", label=labels[i] if labels else k)
-    ax.set_title(title)
-    ax.set_xlabel("step")
-    ax.set_ylabel(ylabel)
-    if ax.has_data():
-        ax.legend(fontsize=7)
-    else:
-        ax.text(0.5, 0.5, "no data in metrics.jsonl", ha="center", transform=ax.transAxes)
-    return _png(fig)
+    return _series_png(fig, ax, title, "step", ylabel, "no data in metrics.jsonl")
 
 
 def _eval_plot(rows):
@@ -103,13 +109,8 @@ def _eval_plot(rows):
         if pts:
             ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o",
                         capsize=3, label=k[len("eval/"):])
-    ax.set_title("held-out eval (error bars: standard error over prompts)")
-    ax.set_xlabel("steps trained")
-    if ax.has_data():
-        ax.legend(fontsize=7)
-    else:
-        ax.text(0.5, 0.5, "no eval in this run (eval.enabled: false)", ha="center", transform=ax.transAxes)
-    return _png(fig)
+    return _series_png(fig, ax, "held-out eval (error bars: standard error over prompts)", "steps trained", None,
+                       "no eval in this run (eval.enabled: false)")
 
 
 def _staleness_plot(rows):
