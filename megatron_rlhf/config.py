@@ -388,8 +388,9 @@ class LearnerConfig:
     """Copy policy -> reference every r learner batches (0 = never; Lanchantin et al. 2025)."""
     max_skipped_steps: int = 3
     """A step whose loss or gradient is not finite on any rank is skipped by every rank (no
-    optimizer step; counted as ``train/skipped_nonfinite``); the run stops with an error after
-    this many skipped steps in a row."""
+    optimizer step; counted as ``train/skipped_nonfinite``; the PPO critic's own step likewise,
+    as ``critic/skipped_nonfinite``); the run stops with an error after this many steps in a row
+    with a skipped policy or critic update."""
 
     def __post_init__(self):
         _check(self.max_skipped_steps >= 1, "learner.max_skipped_steps", self.max_skipped_steps,
