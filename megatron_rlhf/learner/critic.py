@@ -197,6 +197,9 @@ class Critic:
                    global_num_tokens: float, loss_agg: str) -> dict[str, float]:
         """One optimizer step of the clipped value loss (Huang et al. 2022 detail 9;
         :func:`~megatron_rlhf.losses.ppo.ppo_value_loss` with ``algorithm.value_clip_eps``).
+        When any rank's value loss or gradient is not finite (``optim.all_finite``, collective),
+        every rank zeroes the critic's gradients and skips its LR and optimizer steps, as the
+        policy's update does.
 
         Args:
             mbs: this rank's micro-batches (``loss_mask`` required), same list on every stage.
@@ -205,10 +208,6 @@ class Critic:
             global_num_sequences, global_num_tokens: sequences / completion tokens of the whole
                 batch over all DP ranks (the loss denominators).
             loss_agg: ``sequence_sum``, ``sequence_token_mean`` or ``token_mean``.
-        When any rank's value loss or gradient is not finite (``optim.all_finite``, collective),
-        every rank zeroes the critic's gradients and skips its LR and optimizer steps, as the
-        policy's update does.
-
         Returns:
             every rank: ``critic/grad_norm`` (global, before clipping; NaN when skipped),
             ``critic/lr``, ``critic/skipped_nonfinite`` (1.0 when the step was skipped); last-stage
