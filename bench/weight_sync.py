@@ -17,7 +17,10 @@ export (learner side), load (worker side, slowest worker) and their sum. The flo
 once through memory. GB/s = bytes x workers / sync seconds. For ``broadcast`` the same run also
 measures its own floor: a raw broadcast of the same bytes over the same groups (no staging, no
 overlap) plus vLLM's ``reload_weights`` from memory (``floor_bcast_s``, slowest worker), and
-``sync / floor_bcast``. ``blocked_s`` is what the learner's own thread spends per publish (TP
+``sync / floor_bcast``, and times one more push with each worker's profile (waiting for the
+send verdict, blocked on receives, inside ``reload_weights``, tied lm_head re-pack, prefix-cache
+reset). Pushes are timed after the check's learner probe forward has finished (it is the check's
+cost, not the transport's). ``blocked_s`` is what the learner's own thread spends per publish (TP
 gathers, staging, export; for ``broadcast`` the broadcast itself runs in the background), set
 against the median ``train_step`` seconds of the same learner on a small DPO batch.
 """
@@ -112,7 +115,7 @@ def broadcast_profile(transport, gens, learner, version: int, probe, timeout: fl
     wall = time.perf_counter() - t0
     prof = [r["profile"] for r in res]
     out = {k: max(p[k] for p in prof) for k in prof[0]}
-    return {"push_wall_s": wall, "export_s": w.export_s, **{f"prof_{k}": v for k, v in out.items()}}
+    return {"push_wall_s": wall, "push_export_s": w.export_s, **{f"prof_{k}": v for k, v in out.items()}}
 
 
 def run(model: str, workers: int, repeats: int, transports: list[str], work_dir: Path,
@@ -239,7 +242,7 @@ def main(argv=None) -> int:
     for r in rows:
         if "push_wall_s" in r:
             prof = ", ".join(f"{k[5:]} {v:.3f}" for k, v in r.items() if k.startswith("prof_"))
-            print(f"\n{r['transport']} profile of one more push (s, slowest worker): export {r['export_s']:.3f}, "
+            print(f"\n{r['transport']} profile of one more push (s, slowest worker): export {r['push_export_s']:.3f}, "
                   f"push_all wall {r['push_wall_s']:.3f} = {prof}")
     return 0
 
