@@ -198,16 +198,16 @@ stop_ray() {
 
 # 4. Wait for all nodes, in one Python process (each ray.init costs seconds) ----------------
 "$PY" - "$NNODES" "${MRLHF_RAY_JOIN_TIMEOUT_S:-300}" "$JOB" "${NODES[@]}" -- "${SRUN_PIDS[@]}" <<'EOF'
-import os, sys, time
+import os, socket, sys, time
 import ray
 want, timeout, job = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
 sep = sys.argv.index("--")
 steps = dict(zip(sys.argv[4:sep], map(int, sys.argv[sep + 1:])))   # node -> pid of its srun client
+host, port = os.environ["RAY_ADDRESS"].rsplit(":", 1)
 
 
 def exited(pid: int) -> bool:
-    """The srun client has ended: gone, or a zombie (the batch shell reaps it only at `wait`, so
-    os.kill(pid, 0) alone would call an exited step alive and wait out the whole timeout)."""
+    """The srun client has ended (gone, or a zombie not yet reaped by the batch shell)."""
     try:
         os.kill(pid, 0)
         with open(f"/proc/{pid}/stat") as f:
@@ -229,6 +229,9 @@ deadline = time.time() + timeout
 while True:  # the head may not listen yet: retry the connection until the deadline
     check_steps()
     try:
+        # ray.init with no GCS listening blocks for minutes (its own retries), during which neither
+        # a dead Ray step nor the deadline would be noticed: wait for the GCS port first
+        socket.create_connection((host, int(port)), timeout=2.0).close()
         ray.init(address=os.environ["RAY_ADDRESS"], logging_level="ERROR", log_to_driver=False)
         break
     except Exception as e:  # ConnectionError and friends while the GCS starts

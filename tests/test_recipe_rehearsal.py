@@ -124,3 +124,25 @@ def test_8b_recipe_runs_on_two_slurm_nodes_with_role_placement_broadcast_and_pro
     time.sleep(3)
     assert not _ray_processes(env["MRLHF_RAY_TMPDIR"]), "Ray processes left after the job"
 
+
+@pytest.mark.timeout(240)
+def test_a_ray_node_that_fails_to_start_fails_the_job_at_once_naming_the_node(two_node_slurm, tiny_llama_dir, tmp_path):
+    """`ray start` exits at once on both nodes (an unknown flag): the join wait notices the exited
+    srun steps and fails the job naming the node, instead of blocking in ray.init (minutes of Ray's
+    own retries with no GCS listening) and then waiting out placement.ray_join_timeout_s (600 s
+    here, longer than this test may run)."""
+    env = dict(two_node_slurm, MRLHF_NET_IFNAME="lo",
+               MRLHF_RAY_START_ARGS=two_node_slurm["MRLHF_RAY_START_ARGS"] + " --no-such-ray-start-flag")
+    run_dir = tmp_path / "runs" / "bad_ray"
+    res = subprocess.run([sys.executable, "slurm/submit.py", "--config", RECIPE,
+                          f"model.source={tiny_llama_dir}", f"run.output_dir={run_dir.parent}", "run.name=bad_ray",
+                          *SCALE, "placement.ray_join_timeout_s=600"], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    jid = re.search(r"submitted job (\d+)", res.stdout).group(1)
+    log = run_dir / "logs" / f"driver-{jid}.log"
+    info = _wait(env, jid, DONE_STATES, 180, log)
+    text = log.read_text()
+    assert info["JobState"] == "FAILED", (info, text[-3000:])
+    assert re.search(r"the Ray step on [\w.-]+(, [\w.-]+)* exited before the run started", text), text[-3000:]
+    assert not (run_dir / "metrics.jsonl").exists()
