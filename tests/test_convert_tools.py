@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -113,6 +114,12 @@ def test_hf_to_megatron_to_hf_round_trip_is_bit_identical(arch, models, ckpts):
         assert out[name].dtype == t.dtype and torch.equal(out[name], t), name
     for f in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert (ckpts[arch]["hf"] / f).is_file(), f
+    umask = os.umask(0)
+    os.umask(umask)
+    # readable by the other users of a cluster: not mkdtemp's 0700 nor safetensors' 0600
+    assert stat.S_IMODE(ckpts[arch]["hf"].stat().st_mode) == 0o777 & ~umask
+    for f in ckpts[arch]["hf"].iterdir():
+        assert stat.S_IMODE(f.stat().st_mode) == 0o666 & ~umask, f.name
     layout = json.loads((ckpts[arch]["tp2"] / "mrlhf_checkpoint.json").read_text())
     assert (layout["tp"], layout["pp"], layout["vocab_size"], layout["padded_vocab_size"]) == \
         (2, 1, 461, 462)  # the tiny tokenizer has 461 tokens: padded to a multiple of TP=2

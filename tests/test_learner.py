@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 
 import pytest
 import torch
@@ -203,6 +204,10 @@ def test_export_hf_folder_loads_in_transformers_with_the_trained_weights(make_le
     learner.export_hf(str(out), str(tiny_llama_tied_dir))
     names = set(os.listdir(out))
     assert {"config.json", "tokenizer.json", "generation_config.json", "model.safetensors"} <= names
+    umask = os.umask(0)
+    os.umask(umask)  # a serving job of another user can read it: not mkdtemp's 0700 / safetensors' 0600
+    assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~umask
+    assert stat.S_IMODE((out / "model.safetensors").stat().st_mode) == 0o666 & ~umask
     torch.testing.assert_close(_hf_token_logprobs(out, b.input_ids), learner.token_logprobs(b.input_ids),
                                atol=1e-4, rtol=0)
     with pytest.raises(FileExistsError):

@@ -18,6 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from megatron_rlhf.convert.hf_io import apply_umask_permissions
+
 __all__ = ["ensure_smollm2_hf", "find_smollm2_gguf", "SMOLLM2_PACKAGE", "SMOLLM2_GGUF"]
 
 log = logging.getLogger(__name__)
@@ -71,6 +73,7 @@ def ensure_smollm2_hf(cache_dir: str | os.PathLike) -> Path:
     try:
         _convert(gguf_path, tmp)
         (tmp / _DONE).write_text(f"converted from {gguf_path}\n")
+        apply_umask_permissions(tmp)  # mkdtemp makes it 0700, safetensors files 0600
         if out.exists():
             shutil.rmtree(out)  # incomplete leftover (no marker) from an interrupted run
         try:

@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["HFSafetensorsFolder", "ShardedSafetensorsWriter", "copy_non_weight_files",
+__all__ = ["HFSafetensorsFolder", "ShardedSafetensorsWriter", "copy_non_weight_files", "apply_umask_permissions",
            "parse_size", "SAFETENSORS_DTYPES", "WEIGHT_SUFFIXES"]
 
 #: safetensors dtype strings -> torch dtypes (the ones LLM checkpoints use)
@@ -87,6 +87,28 @@ class HFSafetensorsFolder:
         if name not in self._where:
             raise KeyError(f"HF tensor {name!r} not found in {self.path}")
         return self._where[name].get_slice(name)
+
+
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
+def apply_umask_permissions(folder: str | Path) -> None:
+    """Give ``folder`` and the files directly in it the permissions a plain ``mkdir`` / ``open``
+    would (0777 / 0666 minus the process umask).
+
+    ``tempfile.mkdtemp`` makes folders 0700 and ``safetensors.torch.save_file`` makes files 0600, so
+    a folder written into a temporary sibling and renamed (every export here) would otherwise be
+    unreadable by other users of a shared cluster (a serving job, a colleague's evaluation).
+    """
+    folder = Path(folder)
+    umask = _umask()
+    os.chmod(folder, 0o777 & ~umask)
+    for f in folder.iterdir():
+        if f.is_file() and not f.is_symlink():
+            os.chmod(f, 0o666 & ~umask)
 
 
 def parse_size(size: str | int) -> int:
@@ -158,9 +180,7 @@ class ShardedSafetensorsWriter:
         if self._next == len(self.plan) or self._shard_of[self._next] != shard:
             path = self.out / self._files[shard]
             save_file(self._pending, str(path), metadata={"format": "pt"})
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(path, 0o666 & ~umask)  # safetensors creates files 0600
+            os.chmod(path, 0o666 & ~_umask())  # safetensors creates files 0600
             self.bytes_written += sum(_nbytes(t.shape, t.dtype) for t in self._pending.values())
             self._pending = {}
 

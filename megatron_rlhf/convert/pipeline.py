@@ -36,7 +36,7 @@ from megatron_rlhf.convert.dist_ckpt import (LAYOUT_FILE, MODEL_SUBDIR, DistChec
                                              TensorEntry, checkpoint_key, find_base_model_dir,
                                              resolve_checkpoint, write_dist_checkpoint)
 from megatron_rlhf.convert.hf_io import (HFSafetensorsFolder, ShardedSafetensorsWriter,
-                                         copy_non_weight_files, parse_size)
+                                         apply_umask_permissions, copy_non_weight_files, parse_size)
 from megatron_rlhf.convert.mapping import (_dims, _expand, _tied, expected_hf_shapes, fuse_rule,
                                            get_arch, mcore_shape, split_rule, torch_dtype,
                                            validate_parallel_layout)
@@ -122,11 +122,9 @@ def _atomic_dir(out: Path):
         raise FileExistsError(f"{out} exists and is not empty; pass a new output folder")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700
     try:
         yield tmp
+        apply_umask_permissions(tmp)  # mkdtemp makes it 0700, safetensors files 0600
         if out.exists():
             out.rmdir()
         os.rename(tmp, out)

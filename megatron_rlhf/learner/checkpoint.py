@@ -44,6 +44,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_rlhf.convert.hf_io import apply_umask_permissions
+
 __all__ = ["save_learner_checkpoint", "load_learner_checkpoint", "write_hf_folder",
            "STATE_FILE", "state_file", "distributed_optimizer_state"]
 
@@ -383,6 +385,7 @@ def write_hf_folder(hf_tensors: dict[str, torch.Tensor], out_dir: str | os.PathL
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         if out.exists():
             out.rmdir()
+        apply_umask_permissions(tmp)  # mkdtemp makes it 0700, safetensors files 0600
         os.rename(tmp, out)
     finally:
         if tmp.exists():

@@ -34,6 +34,7 @@ from typing import Iterable, Iterator
 
 import torch
 
+from megatron_rlhf.convert.hf_io import apply_umask_permissions
 from megatron_rlhf.convert.llama import ParamRule, align_names
 from megatron_rlhf.convert.sharding import (HFCheckpointReader, fuse_hf, iter_rules, shard,
                                             split_to_hf, unshard)
@@ -297,6 +298,7 @@ def finalize_hf_folder(tmp: str | Path, out_dir: str | Path, base_model_dir: str
             if any(out.iterdir()):
                 raise FileExistsError(f"export_hf: {out} exists and is not empty; pass a new folder")
             out.rmdir()
+        apply_umask_permissions(tmp)  # mkdtemp makes it 0700, safetensors files 0600
         os.rename(tmp, out)
     finally:
         if tmp.exists():

@@ -590,6 +590,9 @@ def _check_out(out_dir: Path) -> None:
 
 def _publish(tmp: Path, out_dir: Path) -> None:
     """Rename the finished ``tmp`` folder to ``out_dir``, replacing a reward-model folder there."""
+    from megatron_rlhf.convert.hf_io import apply_umask_permissions
+
+    apply_umask_permissions(tmp)  # mkdtemp makes it 0700, safetensors files 0600
     old = None
     if out_dir.exists():
         old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old.", dir=out_dir.parent))
