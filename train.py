@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
 def format_summary(res: dict) -> str:
     """A few lines for the terminal: where the run is and how it went."""
     f = lambda v, p=3: "n/a" if v is None or v != v else f"{v:.{p}f}"  # noqa: E731 (NaN-safe)
-    lines = [f"run folder: {res['run_dir']}"] + ([f"report: {res['report']}"] if res.get("report") else [])
+    lines = [f"run folder: {res['run_dir']}"] + ([f"report: {res['report']}"] if res.get("report") else []) + (
+        [f"tensorboard: tensorboard --logdir {res['tensorboard']}"] if res.get("tensorboard") else [])
     if res.get("already_complete"):
         lines.append("(already complete: this is the summary of the earlier run; nothing was trained now)")
     if res.get("steps", 0) == 0:

@@ -388,8 +388,9 @@ class LearnerConfig:
     """Copy policy -> reference every r learner batches (0 = never; Lanchantin et al. 2025)."""
     max_skipped_steps: int = 3
     """A step whose loss or gradient is not finite on any rank is skipped by every rank (no
-    optimizer step; counted as ``train/skipped_nonfinite``); the run stops with an error after
-    this many skipped steps in a row."""
+    optimizer step; counted as ``train/skipped_nonfinite``; the PPO critic's own step likewise,
+    as ``critic/skipped_nonfinite``); the run stops with an error after this many steps in a row
+    with a skipped policy or critic update."""
 
     def __post_init__(self):
         _check(self.max_skipped_steps >= 1, "learner.max_skipped_steps", self.max_skipped_steps,
@@ -610,6 +611,11 @@ class LoggingConfig:
     """``offline`` works without a network; ``online`` on clusters."""
     progress: bool = True
     """Show a tqdm progress bar with live reward and staleness."""
+    tensorboard: bool = True
+    """Write TensorBoard event files to ``<run>/tensorboard`` (``tensorboard --logdir runs``): every
+    number of each step's ``metrics.jsonl`` row as a scalar at that step, and the config as text;
+    after a resume they hold one value per step, like ``metrics.jsonl`` (``trainer.metrics``).
+    Needs the ``tensorboard`` package (in ``requirements/``)."""
     warn_token_mult_prob_error: float = 1.05
     """Log a warning for a step whose ``logprobs/token_mult_prob_error`` (mean over completion
     tokens of exp(|learner - generator| logprob), same weights and temperature) exceeds this;

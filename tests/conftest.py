@@ -13,6 +13,22 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 
 
+def metrics_steps(run_dir: Path) -> list[int]:
+    """The ``step`` of every row of ``run_dir/metrics.jsonl`` in file order ([] before the first row)."""
+    import json
+
+    f = Path(run_dir) / "metrics.jsonl"
+    if not f.exists():
+        return []
+    return [json.loads(line)["step"] for line in f.read_text().splitlines() if line.strip()]
+
+
+def checkpoint_steps(run_dir: Path) -> list[int]:
+    """Steps of the ``run_dir/checkpoints/step_N`` folders, ascending."""
+    d = Path(run_dir) / "checkpoints"
+    return sorted(int(p.name.split("_")[1]) for p in d.glob("step_*") if p.is_dir()) if d.is_dir() else []
+
+
 def pytest_configure(config):
     if os.environ.get("MRLHF_TEST_TMP"):
         tmp = Path(os.environ["MRLHF_TEST_TMP"])
@@ -63,6 +79,30 @@ def ray_cluster():
              logging_level="WARNING")
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def generator_cfg(tiny_llama_dir):
+    """The ``generators`` section the module's shared :func:`generator` is built with:
+    ``configs/ci_tiny.yaml``'s. A test module overrides it with a fixture of the same name."""
+    from megatron_rlhf.config import load_config
+
+    return load_config(REPO / "configs" / "ci_tiny.yaml", [f"model.source={tiny_llama_dir}"]).generators
+
+
+@pytest.fixture(scope="module")
+def generator(ray_cluster, tiny_llama_dir, generator_cfg):
+    """One vLLM generator actor (tiny random Llama, float32, seed 0) for every run of the module:
+    ``train(cfg, generators=[generator])`` resets it to the base weights at the start of each run."""
+    import ray
+
+    from megatron_rlhf.generator.vllm_engine import VLLMGenerator
+
+    gen = ray.remote(num_cpus=1, max_restarts=0)(VLLMGenerator).remote(
+        model_dir=str(tiny_llama_dir), generator_cfg=generator_cfg, dtype="float32", seed=0, cpu_core=-1)
+    ray.get(gen.__ray_ready__.remote(), timeout=600)
+    yield gen
+    ray.kill(gen)
 
 
 @pytest.fixture

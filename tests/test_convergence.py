@@ -53,18 +53,9 @@ def _cfg(tmp_path, model_dir, name, *extra):
 
 
 @pytest.fixture(scope="module")
-def generator(ray_cluster, tiny_llama_dir, tmp_path_factory):
-    """One vLLM generator with the recipe's sampling settings for every run of the module."""
-    import ray
-
-    from megatron_rlhf.generator.vllm_engine import VLLMGenerator
-
-    cfg = _cfg(tmp_path_factory.mktemp("conv"), tiny_llama_dir, "gen")
-    gen = ray.remote(num_cpus=1, max_restarts=0)(VLLMGenerator).remote(
-        model_dir=str(tiny_llama_dir), generator_cfg=cfg.generators, dtype="float32", seed=0, cpu_core=-1)
-    ray.get(gen.__ray_ready__.remote(), timeout=600)
-    yield gen
-    ray.kill(gen)
+def generator_cfg(tiny_llama_dir, tmp_path_factory):
+    """The recipe's sampling settings for the module's shared ``generator`` (tests/conftest.py)."""
+    return _cfg(tmp_path_factory.mktemp("conv"), tiny_llama_dir, "gen").generators
 
 
 def _final_reward(generator, tmp_path, model_dir, name, *extra) -> tuple[float, float]:

@@ -1,9 +1,10 @@
 """PPO critic (megatron_rlhf.learner.critic) on tiny Llamas, CPU/gloo: values are the head applied
 to the previous position's final hidden state (checked against transformers), training lowers the
 value loss, micro-batching does not change the update, checkpoints restore the critic exactly,
-tied embeddings work, and 2-process groups (TP=2 with sequence parallelism, PP=2 with tied
-embeddings, DP=2; torch.multiprocessing + gloo) give the values, metrics and one-step update of
-one process and restore their sharded checkpoints."""
+tied embeddings work, a non-finite value loss skips the step (on every DP rank together), and
+2-process groups (TP=2 with sequence parallelism, PP=2 with tied embeddings, DP=2;
+torch.multiprocessing + gloo) give the values, metrics and one-step update of one process and
+restore their sharded checkpoints."""
 
 from __future__ import annotations
 
@@ -142,9 +143,10 @@ def test_train_step_lowers_the_value_loss_on_a_fixed_batch(learners, tiny_llama_
     for _ in range(10):  # old values refreshed every step: one PPO update per batch
         m = _step(critic, mbs, rets, 6, float(mask.sum()))
         losses.append(m["value/loss"])
-    assert set(m) == {"critic/grad_norm", "critic/lr", "value/loss", "value/clip_frac",
-                      "value/pred_mean", "value/return_mean", "value/abs_error"}
+    assert set(m) == {"critic/grad_norm", "critic/lr", "critic/skipped_nonfinite", "value/loss",
+                      "value/clip_frac", "value/pred_mean", "value/return_mean", "value/abs_error"}
     assert m["critic/lr"] == pytest.approx(3e-3) and m["critic/grad_norm"] > 0
+    assert m["critic/skipped_nonfinite"] == 0.0
     assert m["value/return_mean"] == pytest.approx(float(ret[mask > 0].mean()), abs=1e-6)
     assert losses[-1] < 0.3 * losses[0], losses
     # values already 1 above old values (> value_clip_eps=0.2) and targets 5 above: the clipped
@@ -158,6 +160,28 @@ def test_train_step_lowers_the_value_loss_on_a_fixed_batch(learners, tiny_llama_
     with pytest.raises(ValueError, match="micro-batches"):
         critic.train_step(mbs, old[:1], rets, global_num_sequences=6, global_num_tokens=1.0,
                           loss_agg="token_mean")
+
+
+@pytest.mark.timeout(180)
+def test_nonfinite_value_loss_skips_the_critic_step_and_the_next_finite_step_trains(learners, tiny_llama_dir):
+    """Value targets of 1e20 overflow the float32 squared error: the step is skipped (no optimizer
+    or LR-scheduler step, the critic's weights unchanged); the next finite step trains as usual."""
+    import math
+
+    critic = learners(tiny_llama_dir).critic
+    ids, mask, ret = _batch(rows=4)
+    mbs = _mbs(ids, mask, [(0, 1), (2, 3)])
+    rets = [ret[list(mb.rows), :mb.input_ids.shape[1]] for mb in mbs]
+    _set_head(critic)
+    before = {n: p.detach().clone() for n, p in critic.model.named_parameters()}
+    huge = [r + 1e20 * mb.loss_mask for r, mb in zip(rets, mbs)]
+    m = _step(critic, mbs, huge, 4, float(mask.sum()))
+    assert m["critic/skipped_nonfinite"] == 1.0 and math.isnan(m["critic/grad_norm"])
+    assert not math.isfinite(m["value/loss"]) and critic.scheduler.num_steps == 0
+    assert all(torch.equal(p, before[n]) for n, p in critic.model.named_parameters())
+    m = _step(critic, mbs, rets, 4, float(mask.sum()))
+    assert m["critic/skipped_nonfinite"] == 0.0 and m["critic/grad_norm"] > 0 and critic.scheduler.num_steps == 1
+    assert not torch.equal(critic.model.output_layer.weight, before["output_layer.weight"])
 
 
 @pytest.mark.timeout(180)
@@ -256,6 +280,12 @@ def _worker(rank: int, model_dir: str, layout: str, init_method: str, out_dir: s
         learner.load_checkpoint(os.path.join(out_dir, "ck"))
         ids, mask, _ = _batch(rows=4)
         res["reloaded"] = learner.critic.values(_mbs(ids, mask, groups))
+        if layout == "dp2":   # only DP rank 1's value loss overflows: both ranks skip the step
+            mbs = _mbs(ids, mask, groups)
+            rets = [(1e20 * learner.dp_rank) * mb.loss_mask for mb in mbs]
+            m = learner.critic.train_step(mbs, res["reloaded"], rets, global_num_sequences=4,
+                                          global_num_tokens=float(mask.sum()), loss_agg="token_mean")
+            res["skipped"] = (m["critic/skipped_nonfinite"], learner.critic.values(mbs))
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         if getattr(learner, "critic", None) is not None:
@@ -281,7 +311,8 @@ def test_two_process_layout_equals_one_process(layout, learners, tiny_llama_dir,
     for res in ranks:
         assert res["metrics"]["critic/grad_norm"] == pytest.approx(ref["metrics"]["critic/grad_norm"], rel=1e-4)
         if not res["layout"]["is_last_stage"]:
-            assert res["before"] is None and set(res["metrics"]) == {"critic/grad_norm", "critic/lr"}
+            assert res["before"] is None and set(res["metrics"]) == {"critic/grad_norm", "critic/lr",
+                                                                     "critic/skipped_nonfinite"}
             continue
         for key, v in ref["metrics"].items():
             assert res["metrics"][key] == pytest.approx(v, rel=1e-5, abs=1e-6), key
@@ -290,6 +321,9 @@ def test_two_process_layout_equals_one_process(layout, learners, tiny_llama_dir,
                 got[when][rows] = v
         for v, v_reloaded in zip(res["after"], res["reloaded"]):
             assert torch.equal(v, v_reloaded)
+        if layout == "dp2":
+            skipped, values = res["skipped"]
+            assert skipped == 1.0 and all(torch.equal(a, b) for a, b in zip(values, res["reloaded"]))
     for when in ("before", "after"):
         for rows, v in zip(ref["rows"], ref[when]):
             torch.testing.assert_close(got[when][rows], v, atol=1e-5, rtol=0, msg=f"{when} {rows}")

@@ -187,10 +187,24 @@ def test_every_loss_trains_two_steps_with_finite_metrics_and_changes_weights(los
 @pytest.mark.timeout(120)
 def test_ppo_critic_takes_one_step_per_policy_update_and_its_loss_is_logged(make_learner, tiny_llama_dir):
     learner = make_learner(tiny_llama_dir, "ppo", updates_per_batch=2, value_coef=0.5)
-    m = learner.train_step(_batch("ppo", _vocab(tiny_llama_dir)))
+    batch = _batch("ppo", _vocab(tiny_llama_dir))
+    m = learner.train_step(batch)
     assert learner.scheduler.num_steps == 2 and learner.critic.scheduler.num_steps == 2
     assert m["loss/value"] == pytest.approx(0.5 * m["value/loss"]) and m["value/loss"] > 0
     assert m["ppo/return_mean"] != 0.0 and math.isfinite(m["critic/grad_norm"])
+    assert m["critic/skipped_nonfinite"] == 0.0
+    # a critic step skipped as non-finite (test_critic.py) is not retried on the same batch; the
+    # policy's updates go on
+    calls = []
+
+    def skipped_critic_step(*args, **kwargs):
+        calls.append(1)
+        return {"critic/grad_norm": float("nan"), "critic/lr": 0.0, "critic/skipped_nonfinite": 1.0}
+
+    learner.critic.train_step = skipped_critic_step
+    m = learner.train_step(batch)
+    assert len(calls) == 1 and learner.scheduler.num_steps == 4
+    assert m["critic/skipped_nonfinite"] == 1.0 and m["train/skipped_nonfinite"] == 0.0
 
 
 @pytest.mark.timeout(180)

@@ -52,22 +52,6 @@ def _rows(run_dir):
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
-def generator(ray_cluster, tiny_llama_dir):
-    """One vLLM generator actor for every run of the module."""
-    import ray
-
-    from megatron_rlhf.config import load_config
-    from megatron_rlhf.generator.vllm_engine import VLLMGenerator
-
-    cfg = load_config(REPO / "configs" / "ci_tiny.yaml", [f"model.source={tiny_llama_dir}"])
-    gen = ray.remote(num_cpus=1, max_restarts=0)(VLLMGenerator).remote(
-        model_dir=str(tiny_llama_dir), generator_cfg=cfg.generators, dtype="float32", seed=0, cpu_core=-1)
-    ray.get(gen.__ray_ready__.remote(), timeout=600)
-    yield gen
-    ray.kill(gen)
-
-
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("loss", list(LOSS_KEYS))
 def test_each_loss_trains_3_steps_in_the_async_loop(generator, tiny_llama_dir, tmp_path, loss):

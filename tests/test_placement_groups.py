@@ -98,20 +98,18 @@ def test_layouts_the_cluster_cannot_hold_fail_before_any_placement_group_naming_
     from ray.util import placement_group_table
 
     before = len(placement_group_table())
-    three_stages = _layout("online-dpo-llama3.1-70b-8n8g-tp8pp2.yaml", tmp_path, "learner.tensor_parallel=4",
-                           "learner.pipeline_parallel=3", "learner.data_parallel=1", "placement.learner_nodes=3",
-                           "placement.generator_nodes=1",
-                           "generators.num_workers=2", "generators.tensor_parallel=2")
-    with pytest.raises(ConfigError, match=r"learner group \(12 ranks\) needs 3 node\(s\) with 4 GPUs each .* "
-                                          r"has 2: short by 1 node"):
-        ActorPlacement(three_stages, timeout_s=30)
-    three_engines = _layout("online-dpo-llama3.1-70b-8n8g-tp8pp2.yaml", tmp_path, "learner.tensor_parallel=4",
-                            "learner.pipeline_parallel=2", "learner.data_parallel=1", "placement.learner_nodes=2",
-                            "placement.generator_nodes=2",
-                            "generators.num_workers=3", "generators.tensor_parallel=2")
-    with pytest.raises(ConfigError, match=r"3 vLLM engine\(s\) of generators.tensor_parallel=2 .* need 6 GPUs .* "
-                                          r"only 2 engine\(s\) fit, short by 2 GPU"):
-        ActorPlacement(three_engines, timeout_s=30)
+    shortfalls = [  # (pipeline stages, learner nodes, generator nodes, engines of TP 2, the error)
+        (3, 3, 1, 2, r"learner group \(12 ranks\) needs 3 node\(s\) with 4 GPUs each .* has 2: short by 1 node"),
+        (2, 2, 2, 3, r"3 vLLM engine\(s\) of generators.tensor_parallel=2 .* need 6 GPUs .* "
+                     r"only 2 engine\(s\) fit, short by 2 GPU"),
+    ]
+    for pp, learner_nodes, generator_nodes, engines, message in shortfalls:
+        layout = _layout("online-dpo-llama3.1-70b-8n8g-tp8pp2.yaml", tmp_path, "learner.tensor_parallel=4",
+                         f"learner.pipeline_parallel={pp}", "learner.data_parallel=1",
+                         f"placement.learner_nodes={learner_nodes}", f"placement.generator_nodes={generator_nodes}",
+                         f"generators.num_workers={engines}", "generators.tensor_parallel=2")
+        with pytest.raises(ConfigError, match=message):
+            ActorPlacement(layout, timeout_s=30)
     assert len(placement_group_table()) == before   # nothing was reserved
 
 

@@ -428,3 +428,19 @@ def test_preflight_stops_before_any_actor_naming_key_and_cause(tiny_llama_dir, t
         Run.open(cfg, quiet=True)
     assert not ray.is_initialized()
     sys.modules.pop("bad_reward", None)
+
+
+def test_preflight_names_logging_tensorboard_when_the_package_is_missing(tiny_llama_dir, tmp_path, monkeypatch):
+    import sys
+
+    import ray
+
+    from megatron_rlhf.trainer.run import Run
+
+    monkeypatch.setitem(sys.modules, "tensorboard", None)   # importlib finds no such package
+    cfg = load_config(REPO / "configs" / "ci_tiny.yaml", [
+        f"model.source={tiny_llama_dir}", f"run.output_dir={tmp_path / 'runs'}", "logging.progress=false",
+        "tasks.0.reward=tests.plugins:char_parity"])
+    with pytest.raises(ConfigError, match=r"'logging\.tensorboard'.*pip install tensorboard.*logging\.tensorboard=false"):
+        Run.open(cfg, quiet=True)
+    assert not ray.is_initialized()

@@ -2,7 +2,8 @@
 and one Ray cluster for the module (``train(..., generators=[...])``, as in test_loop_losses).
 
 * non-finite updates are skipped and counted, and the run stops after learner.max_skipped_steps;
-* metrics.jsonl holds one row per step after a crash between a row and its checkpoint (failure 2);
+* metrics.jsonl, and the TensorBoard event files beside it, hold one row per step after a crash
+  between a row and its checkpoint (failure 2);
 * a dead learner is reported with the last complete checkpoint in every learner call (failure 4);
 * the train/inference mismatch metrics stay flat with unchanged weights (failure 9).
 """
@@ -17,27 +18,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.test_loop_losses import _cfg, _rows  # the shared tiny-run config and metrics reader
+from tests.test_tensorboard import assert_tensorboard_matches_jsonl
+
 pytestmark = [pytest.mark.integration]
 REPO = Path(__file__).resolve().parents[1]
-
-
-from tests.test_loop_losses import _cfg, _rows  # the shared tiny-run config and metrics reader
-
-@pytest.fixture(scope="module")
-def generator(ray_cluster, tiny_llama_dir):
-    """One vLLM generator actor for every run of the module."""
-    import ray
-
-    from megatron_rlhf.config import load_config
-    from megatron_rlhf.generator.vllm_engine import VLLMGenerator
-
-    cfg = load_config(REPO / "configs" / "ci_tiny.yaml", [f"model.source={tiny_llama_dir}",
-                                                         "generators.temperature=0.7"])
-    gen = ray.remote(num_cpus=1, max_restarts=0)(VLLMGenerator).remote(
-        model_dir=str(tiny_llama_dir), generator_cfg=cfg.generators, dtype="float32", seed=0, cpu_core=-1)
-    ray.get(gen.__ray_ready__.remote(), timeout=600)
-    yield gen
-    ray.kill(gen)
 
 
 # ------------------------------------------------------------------------- non-finite updates (failure 1)
@@ -84,6 +69,8 @@ def test_rerun_after_crash_between_row_and_checkpoint_leaves_one_row_per_step(ge
     assert [json.loads(x)["step"] for x in aside.read_text().splitlines()] == [2]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["first_step"] == 1 and summary["last_step"] == 2
+    assert res["tensorboard"] == str(run_dir / "tensorboard")   # and its event files agree after the resume:
+    assert_tensorboard_matches_jsonl(run_dir)
 
 
 # ------------------------------------------------------------------------- dead learner (failure 4)

@@ -4,29 +4,13 @@ no vLLM engine and reproduces that run's losses step by step."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.integration]
-REPO = Path(__file__).resolve().parents[1]
-
-
 from tests.test_loop_losses import _cfg, _rows  # the shared tiny-run config and metrics reader
 
-@pytest.fixture(scope="module")
-def generator(ray_cluster, tiny_llama_dir):
-    import ray
-
-    from megatron_rlhf.generator.vllm_engine import VLLMGenerator
-
-    cfg = _cfg(tiny_llama_dir, "/tmp", "unused")
-    gen = ray.remote(num_cpus=1, max_restarts=0)(VLLMGenerator).remote(
-        model_dir=str(tiny_llama_dir), generator_cfg=cfg.generators, dtype="float32", seed=0, cpu_core=-1)
-    ray.get(gen.__ray_ready__.remote(), timeout=600)
-    yield gen
-    ray.kill(gen)
+pytestmark = [pytest.mark.integration]
 
 
 @pytest.mark.timeout(600)

@@ -47,12 +47,13 @@ def test_report_has_every_plot_as_a_png_and_the_eval_table(tmp_path):
     run.mkdir()
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _rows()))
     (run / "config.yaml").write_text("run:\n  name: run\n")
+    (run / "tensorboard").mkdir()
     page = write_report(run).read_text()
     imgs = _images(page)
     assert list(imgs) == list(PLOTS)
     assert all(png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 2000 for png in imgs.values())
     assert "0.3200 &plusmn; 0.0400 (0)" in page and "0.4000 &plusmn; 0.0400 (5)" in page   # pass@1 before/after
-    assert "name: run" in page
+    assert "name: run" in page and f"tensorboard --logdir {run.resolve() / 'tensorboard'}" in page
 
 
 def test_report_cli_on_a_folder_without_metrics_says_so(tmp_path):

@@ -20,7 +20,6 @@ Run it alone (takes 3-6 minutes on 2 cores):
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import shutil
@@ -30,6 +29,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import checkpoint_steps, metrics_steps
 
 pytestmark = [pytest.mark.integration]
 REPO = Path(__file__).resolve().parents[1]
@@ -145,18 +146,6 @@ def _submit(env, out_dir: Path, model_dir: Path, name: str, *extra: str) -> str:
     return res.stdout.strip().split(";")[0]
 
 
-def _steps(run_dir: Path) -> list[int]:
-    f = run_dir / "metrics.jsonl"
-    if not f.exists():
-        return []
-    return [json.loads(line)["step"] for line in f.read_text().splitlines() if line.strip()]
-
-
-def _ckpt_steps(run_dir: Path) -> list[int]:
-    d = run_dir / "checkpoints"
-    return sorted(int(p.name.split("_")[1]) for p in d.glob("step_*") if p.is_dir()) if d.is_dir() else []
-
-
 def _ray_processes(ray_tmp: str) -> list[str]:
     out = subprocess.run(["pgrep", "-af", ray_tmp], capture_output=True, text=True).stdout
     return [line for line in out.splitlines() if "pgrep" not in line]
@@ -173,8 +162,8 @@ def test_sbatch_runs_ci_config_to_the_end_and_resumes_after_term_and_requeue(slu
     info = _wait(env, jid, DONE_STATES, 600, runs / f"slurm-{jid}.out")
     run = runs / "full"
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, (runs / f"slurm-{jid}.out").read_text()[-3000:])
-    assert _steps(run) == [1, 2, 3, 4]
-    assert _ckpt_steps(run) and _ckpt_steps(run)[-1] == 4
+    assert metrics_steps(run) == [1, 2, 3, 4]
+    assert checkpoint_steps(run) and checkpoint_steps(run)[-1] == 4
     assert (run / "config.yaml").is_file()
     assert (run / "logs" / f"driver-{jid}.log").is_file()
     assert list((run / "logs").glob(f"ray-*-{jid}.log")), "one Ray log per node"
@@ -187,15 +176,15 @@ def test_sbatch_runs_ci_config_to_the_end_and_resumes_after_term_and_requeue(slu
     run = runs / "preempt"
     log = runs / f"slurm-{jid}.out"
     deadline = time.time() + 600
-    while not any(s >= 2 for s in _steps(run)):
+    while not any(s >= 2 for s in metrics_steps(run)):
         assert time.time() < deadline, f"no step 2 after 600 s: {_job(env, jid)}"
         assert _job(env, jid).get("JobState") not in DONE_STATES, log.read_text()[-3000:]
         time.sleep(0.2)
     subprocess.run(["scancel", "--signal=TERM", "--batch", jid], env=env, check=True)
     info = _wait(env, jid, DONE_STATES, 300, log)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, log.read_text()[-3000:])
-    steps_before = _steps(run)
-    ckpt = _ckpt_steps(run)[-1]
+    steps_before = metrics_steps(run)
+    ckpt = checkpoint_steps(run)[-1]
     assert 2 <= ckpt < num_steps, (ckpt, steps_before)
     assert steps_before[-1] == ckpt, "the checkpoint holds every logged step"
     assert "forwarding to the trainer" in (run / "logs" / f"driver-{jid}.log").read_text()
@@ -207,10 +196,10 @@ def test_sbatch_runs_ci_config_to_the_end_and_resumes_after_term_and_requeue(slu
     info = _wait(env, jid, DONE_STATES, 600, log)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, log.read_text()[-3000:])
     assert info.get("Restarts") == "1"
-    steps = _steps(run)
+    steps = metrics_steps(run)
     assert steps[:len(steps_before)] == steps_before
     assert steps[len(steps_before):] == list(range(ckpt + 1, num_steps + 1)), steps
-    assert _ckpt_steps(run)[-1] == num_steps
+    assert checkpoint_steps(run)[-1] == num_steps
     text = log.read_text()
     assert "restart 1" in text and f"step_{ckpt}" in text, text[-3000:]
 
@@ -229,7 +218,7 @@ def test_sbatch_whole_step_sigterm_checkpoints_exits_0_and_resubmit_resumes(slur
     jid = _submit(env, runs, tiny_llama_dir, "step_signal", *common)
     run, log = runs / "step_signal", runs / f"slurm-{jid}.out"
     deadline = time.time() + 600
-    while not _steps(run):
+    while not metrics_steps(run):
         assert time.time() < deadline, f"no step 1 after 600 s: {_job(env, jid)}"
         assert _job(env, jid).get("JobState") not in DONE_STATES, log.read_text()[-3000:]
         time.sleep(0.2)
@@ -238,8 +227,8 @@ def test_sbatch_whole_step_sigterm_checkpoints_exits_0_and_resubmit_resumes(slur
     info = _wait(env, jid, DONE_STATES, 600, log)
     driver_log = (run / "logs" / f"driver-{jid}.log").read_text()
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, driver_log[-3000:])
-    first = _steps(run)
-    assert _ckpt_steps(run) == [first[-1]] and first[-1] < num_steps, (first, driver_log[-3000:])
+    first = metrics_steps(run)
+    assert checkpoint_steps(run) == [first[-1]] and first[-1] < num_steps, (first, driver_log[-3000:])
     assert "signal SIGTERM: finishing this step" in driver_log
     ray_log = "".join(p.read_text() for p in (run / "logs").glob(f"ray-*-{jid}.log"))
     assert "SIGTERM ignored" in ray_log, ray_log[-2000:]
@@ -249,5 +238,5 @@ def test_sbatch_whole_step_sigterm_checkpoints_exits_0_and_resubmit_resumes(slur
     jid = _submit(slurm_env, runs, tiny_llama_dir, "step_signal", *common)
     info = _wait(slurm_env, jid, DONE_STATES, 600, runs / f"slurm-{jid}.out")
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", info
-    assert _steps(run) == list(range(1, num_steps + 1))
-    assert _ckpt_steps(run)[-1] == num_steps
+    assert metrics_steps(run) == list(range(1, num_steps + 1))
+    assert checkpoint_steps(run)[-1] == num_steps

@@ -10,7 +10,6 @@ tiny random Llama (``configs/ci_tiny.yaml``, ``tests.plugins:char_parity`` rewar
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -21,20 +20,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import checkpoint_steps, metrics_steps
+from tests.test_tensorboard import assert_tensorboard_matches_jsonl
+
 pytestmark = [pytest.mark.integration]
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _steps(run_dir: Path) -> list[int]:
-    f = run_dir / "metrics.jsonl"
-    if not f.exists():
-        return []
-    return [json.loads(line)["step"] for line in f.read_text().splitlines() if line.strip()]
-
-
-def _ckpt_steps(run_dir: Path) -> list[int]:
-    d = run_dir / "checkpoints"
-    return sorted(int(p.name.split("_")[1]) for p in d.glob("step_*")) if d.is_dir() else []
 
 
 def _descendants(pid: int) -> set[int]:
@@ -92,9 +82,9 @@ def _signal_group_after_first_step(proc: subprocess.Popen, run: Path, log: Path,
     helper PIDs (Ray head session + the driver's children) seen just before, and the last step."""
     from megatron_rlhf.runtime import session_pids
 
-    before = len(_steps(run))
+    before = len(metrics_steps(run))
     deadline = time.monotonic() + timeout_s
-    while len(_steps(run)) <= before:
+    while len(metrics_steps(run)) <= before:
         assert proc.poll() is None, log.read_text()[-4000:]
         assert time.monotonic() < deadline, f"no new step in {timeout_s} s\n{log.read_text()[-4000:]}"
         time.sleep(0.2)
@@ -103,7 +93,24 @@ def _signal_group_after_first_step(proc: subprocess.Popen, run: Path, log: Path,
     helpers = set(session_pids(int(head[-1]))) | _descendants(proc.pid)
     assert len(helpers) >= 4, helpers   # ray start, GCS, raylet, actors, ...
     os.killpg(proc.pid, sig)
-    return helpers, _steps(run)[-1]
+    return helpers, metrics_steps(run)[-1]
+
+
+def _stop_with_group_signal(model_dir: Path, tmp_path: Path, log: Path, num_steps: int,
+                            sig: signal.Signals, slow_save_s: float) -> tuple[set[int], int, str]:
+    """Start (or resume) the run, send ``sig`` to its whole process group after a step: Ray outlives
+    the signal (the checkpoint takes ``slow_save_s``), the driver finishes the step and exits 0.
+    Returns the run's helper PIDs, the last step at the signal and the driver log."""
+    proc = _train(model_dir, tmp_path, log, f"run.num_steps={num_steps}", slow_save_s=slow_save_s)
+    helpers, at = _signal_group_after_first_step(proc, tmp_path / "stop", log, sig)
+    core = _ray_core(helpers)
+    time.sleep(5)
+    assert len(core) == 3 and _alive(core) == core and proc.poll() is None, "Ray died of the group signal"
+    rc = _finish(proc, log)
+    text = log.read_text()
+    assert rc == 0, text[-4000:]
+    assert f"signal {sig.name}: finishing this step" in text
+    return helpers, at, text
 
 
 def _finish(proc: subprocess.Popen, log: Path, timeout_s: float = 600) -> int:
@@ -122,42 +129,27 @@ def test_group_sigterm_then_sigint_each_checkpoint_exit_0_and_leave_no_process(t
 
     # 1. SIGTERM to the whole group (timeout, kill -- -PGID) while the run is at step >= 1; the
     #    stop checkpoint takes over a minute (a dead GCS would stop the driver after 60 s)
-    proc = _train(tiny_llama_dir, tmp_path, log, f"run.num_steps={num_steps}", slow_save_s=65)
-    helpers, at = _signal_group_after_first_step(proc, run, log, signal.SIGTERM)
-    core = _ray_core(helpers)
-    time.sleep(5)
-    assert len(core) == 3 and _alive(core) == core and proc.poll() is None, "Ray died of the group signal"
-    rc = _finish(proc, log)
-    text = log.read_text()
-    assert rc == 0, text[-4000:]
-    assert "signal SIGTERM: finishing this step" in text
-    first = _steps(run)
-    assert first[-1] >= at and _ckpt_steps(run) == [first[-1]] and first[-1] < num_steps, (first, text[-3000:])
+    helpers, at, text = _stop_with_group_signal(tiny_llama_dir, tmp_path, log, num_steps, signal.SIGTERM, 65)
+    first = metrics_steps(run)
+    assert first[-1] >= at and checkpoint_steps(run) == [first[-1]] and first[-1] < num_steps, (first, text[-3000:])
     assert not _alive(helpers), f"left behind: {_alive(helpers)}"
 
     # 2. the re-run resumes; Ctrl-C (SIGINT to the foreground group) during it does the same (a
     #    30 s save here: the same mechanism as step 1, and CI time is counted)
-    proc = _train(tiny_llama_dir, tmp_path, log, f"run.num_steps={num_steps}", slow_save_s=30)
-    helpers, at = _signal_group_after_first_step(proc, run, log, signal.SIGINT)
-    core = _ray_core(helpers)
-    time.sleep(5)
-    assert len(core) == 3 and _alive(core) == core and proc.poll() is None, "Ray died of the group signal"
-    rc = _finish(proc, log)
-    text = log.read_text()
-    assert rc == 0, text[-4000:]
-    assert "signal SIGINT: finishing this step" in text
-    second = _steps(run)
+    helpers, at, text = _stop_with_group_signal(tiny_llama_dir, tmp_path, log, num_steps, signal.SIGINT, 30)
+    second = metrics_steps(run)
     assert second[:len(first)] == first and second[len(first)] == first[-1] + 1, second
     assert second[-1] < num_steps and "STOPPED EARLY" in text.rsplit("resuming from", 1)[1], text[-3000:]
-    assert _ckpt_steps(run)[-1] == second[-1], (_ckpt_steps(run), second)
+    assert checkpoint_steps(run)[-1] == second[-1], (checkpoint_steps(run), second)
     assert not _alive(helpers), f"left behind: {_alive(helpers)}"
 
     # 3. a last re-run completes the run
     if second[-1] < num_steps:
         proc = _train(tiny_llama_dir, tmp_path, log, f"run.num_steps={num_steps}")
         assert _finish(proc, log) == 0, log.read_text()[-4000:]
-    assert _steps(run) == list(range(1, num_steps + 1))
-    assert _ckpt_steps(run)[-1] == num_steps
+    assert metrics_steps(run) == list(range(1, num_steps + 1))
+    assert checkpoint_steps(run)[-1] == num_steps
+    assert_tensorboard_matches_jsonl(run)   # three sessions, one TensorBoard value per step
 
 
 def test_math_verify_pool_workers_outlive_sigterm_and_sigint():

@@ -68,6 +68,40 @@ def test_metrics_logger_requires_the_contract_keys(tmp_path):
         log.log({"step": 2})
 
 
+def _run_answering(outs: list[dict]):
+    """A Run (no actors) whose learner's train_step answers ``outs`` in turn."""
+    from types import SimpleNamespace
+
+    from megatron_rlhf.config import load_config
+    from megatron_rlhf.trainer.run import Run
+
+    run = Run(load_config(Path(__file__).resolve().parents[1] / "configs" / "ci_tiny.yaml",
+                          ["learner.max_skipped_steps=2"]), say=print)
+    run.learner = SimpleNamespace(train_step=SimpleNamespace(remote=lambda batch: None))
+    answers = iter(outs)
+    run.call = lambda ref, what: next(answers)
+    return run
+
+
+def test_skipped_policy_or_critic_updates_in_a_row_stop_the_run_at_max_skipped_steps():
+    """Run.train_step counts a step whose policy update or (ppo) critic step was skipped as
+    non-finite; learner.max_skipped_steps of them in a row stop the run, naming which one."""
+    from megatron_rlhf.trainer.run import NonFiniteTrainingError
+
+    critic_skip = {"train/skipped_nonfinite": 0.0, "critic/skipped_nonfinite": 1.0, "critic/grad_norm": float("nan")}
+    run = _run_answering([critic_skip, {"train/skipped_nonfinite": 1.0}])
+    run.train_step(None, 1)
+    with pytest.raises(NonFiniteTrainingError, match=r"steps 1\.\.2: the loss or gradient was not finite"):
+        run.train_step(None, 2)
+    run = _run_answering([critic_skip, {"train/skipped_nonfinite": 0.0, "critic/skipped_nonfinite": 0.0},
+                          critic_skip, critic_skip])
+    for step in (1, 2, 3):   # step 2 skipped nothing: the count starts again
+        run.train_step(None, step)
+    with pytest.raises(NonFiniteTrainingError, match=r"steps 3\.\.4: the critic's value loss or gradient .* "
+                                                    r"no critic update was applied \(critic/grad_norm nan"):
+        run.train_step(None, 4)
+
+
 def test_train_cli_reports_config_errors_before_any_work(tmp_path, capsys):
     import train
 

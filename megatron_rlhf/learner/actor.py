@@ -80,7 +80,7 @@ from megatron_rlhf.learner.batching import padding_fraction, plan_microbatches, 
 from megatron_rlhf.learner.checkpoint import load_learner_checkpoint, save_learner_checkpoint
 from megatron_rlhf.learner.logprobs import masked_sum as _masked_sum
 from megatron_rlhf.learner.model import build_gpt_model, check_divisible, load_hf_config
-from megatron_rlhf.learner.optim import build_train_state
+from megatron_rlhf.learner.optim import all_finite, build_train_state
 from megatron_rlhf.learner.objectives import (BatchTensors, LossSpec, SliceInputs, assemble,
                                               check_batch, loss_on_slice, microbatch_inputs,
                                               prepare_batch, whole_batch_metrics)
@@ -413,8 +413,11 @@ class MegatronLearner:
             ``rollout/entropy_mc`` (mean of -sampling logprob over completion tokens: a
             Monte-Carlo estimate of the rollouts' token entropy). The last three skip tokens with
             a non-finite generator logprob and are NaN without ``sampling_logprobs``. ppo adds
-            the critic's ``value/*``, ``critic/grad_norm``, ``critic/lr`` and ``loss/value``
-            (``value_coef * value/loss``, also added to ``loss/total``).
+            the critic's ``value/*``, ``critic/grad_norm``, ``critic/lr``,
+            ``critic/skipped_nonfinite`` (1.0 when the critic's value loss or gradient was not
+            finite on some rank: every rank skipped the critic step, and the batch's remaining
+            critic steps; the policy update stands) and ``loss/value`` (``value_coef *
+            value/loss``, also added to ``loss/total``).
         Raises:
             ValueError: the batch's unit differs from ``algorithm.loss``'s, mismatched shapes,
                 an odd pair batch, missing rewards / group_ids, non-adjacent group rows, or fewer
@@ -437,8 +440,8 @@ class MegatronLearner:
             first = records if update == 0 else first
             if skipped:   # the same weights on the same batch would fail again
                 break
-            if self.critic is not None:
-                critic_metrics = self._critic_step(x, mbs, old_values, prep)
+            if self.critic is not None and not critic_metrics.get("critic/skipped_nonfinite"):
+                critic_metrics = self._critic_step(x, mbs, old_values, prep)   # (a skipped one would fail again)
         self.weight_version += 1
         r = self.cfg.ref_sync_interval
         synced = bool(r) and self.weight_version % r == 0
@@ -514,7 +517,7 @@ class MegatronLearner:
     def _update(self, mbs, inputs: list[SliceInputs], prep) -> tuple[bool, float, list, bool]:
         """One optimizer step on the batch: forward/backward of every micro-batch with loss
         ``loss_k * DP * len(mbs)`` (module doc, step 7), grad finalisation, LR step, Adam step.
-        When any rank's loss or gradient is not finite (:meth:`_all_finite`, collective) every
+        When any rank's loss or gradient is not finite (``optim.all_finite``, collective) every
         rank zeroes its gradients and skips the LR and optimizer steps.
 
         Returns:
@@ -544,7 +547,7 @@ class MegatronLearner:
         self._run(self.ddp, mbs, loss_fn, forward_only=False, temperature=self._loss_temperature,
                   with_entropy=spec.uses_entropy)
         finalize_model_grads([self.ddp], pg_collection=self.groups.pg_collection)
-        if not self._all_finite(losses):
+        if not all_finite(losses, self.ddp, self.platform.device):
             log.warning("non-finite loss or gradient: this update is skipped on every rank")
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
@@ -555,20 +558,6 @@ class MegatronLearner:
         if grad_norm is None:
             grad_norm = self.optimizer.get_grad_norm()
         return bool(ok), float(grad_norm), records, False
-
-    def _all_finite(self, losses: list[torch.Tensor]) -> bool:
-        """Whether every rank's micro-batch losses and (finalised) gradient buffers are finite:
-        a flag all-reduced (MAX of "bad") over every learner rank (TP, PP and DP), so all ranks
-        take the same decision (collective)."""
-        import torch.distributed as dist
-
-        bad = any(not bool(torch.isfinite(l).all()) for l in losses)
-        for buf in self.ddp.buffers + self.ddp.expert_parallel_buffers:
-            bad = bad or not bool(torch.isfinite(buf.grad_data).all())
-        flag = torch.tensor([float(bad)], device=self.platform.device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return not bool(flag.item())
 
     def _full(self, mbs, toks, b: int, s: int) -> torch.Tensor:
         """``[B, S]`` CPU tensor from this DP group's per-micro-batch ``[b_k, s_k]`` tensors ``toks``

@@ -48,7 +48,7 @@ import torch
 
 from megatron_rlhf.learner import parallel
 from megatron_rlhf.learner.model import build_gpt_model
-from megatron_rlhf.learner.optim import build_train_state
+from megatron_rlhf.learner.optim import all_finite, build_train_state
 from megatron_rlhf.learner.schedule import MicroBatchData
 from megatron_rlhf.learner.value_schedule import run_value_microbatches
 from megatron_rlhf.learner.weights import load_hf_weights, mark_tensor_parallel
@@ -197,6 +197,9 @@ class Critic:
                    global_num_tokens: float, loss_agg: str) -> dict[str, float]:
         """One optimizer step of the clipped value loss (Huang et al. 2022 detail 9;
         :func:`~megatron_rlhf.losses.ppo.ppo_value_loss` with ``algorithm.value_clip_eps``).
+        When any rank's value loss or gradient is not finite (``optim.all_finite``, collective),
+        every rank zeroes the critic's gradients and skips its LR and optimizer steps, as the
+        policy's update does.
 
         Args:
             mbs: this rank's micro-batches (``loss_mask`` required), same list on every stage.
@@ -206,7 +209,8 @@ class Critic:
                 batch over all DP ranks (the loss denominators).
             loss_agg: ``sequence_sum``, ``sequence_token_mean`` or ``token_mean``.
         Returns:
-            every rank: ``critic/grad_norm`` (global, before clipping), ``critic/lr``; last-stage
+            every rank: ``critic/grad_norm`` (global, before clipping; NaN when skipped),
+            ``critic/lr``, ``critic/skipped_nonfinite`` (1.0 when the step was skipped); last-stage
             ranks add ``value/loss``, ``value/clip_frac``, ``value/pred_mean``,
             ``value/return_mean``, ``value/abs_error`` over the whole batch (all DP ranks), from
             the values before this step.
@@ -232,6 +236,7 @@ class Critic:
                   global_num_sequences=float(global_num_sequences),
                   global_num_tokens=float(global_num_tokens))
         records: list[tuple] = []
+        losses: list[torch.Tensor] = []
 
         def value_microbatch(k, mb, vals):
             dev = vals.device
@@ -239,6 +244,7 @@ class Critic:
             old = old_values[k].to(dev, torch.float32)
             ret = returns[k].to(dev, torch.float32)
             loss, _ = ppo_value_loss(vals, old, ret, mask, **kw)
+            losses.append(loss.detach())
             records.append((vals.detach().cpu(), old.cpu(), ret.cpu(), mask.cpu()))
             return loss * scale
 
@@ -247,13 +253,21 @@ class Critic:
         self.optimizer.zero_grad()
         self._run(mbs, value_microbatch, forward_only=False)
         finalize_model_grads([self.ddp], pg_collection=self.groups.pg_collection)
-        self.scheduler.step(1)  # LR of this step (the learner's convention)
-        with self.platform.optimizer_context():
-            _, grad_norm, _ = self.optimizer.step()
-        if grad_norm is None:
-            grad_norm = self.optimizer.get_grad_norm()
+        skipped = not all_finite(losses, self.ddp, self.platform.device)
+        if skipped:
+            log.warning("non-finite value loss or critic gradient: this critic step is skipped on every rank")
+            self.ddp.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            grad_norm = float("nan")
+        else:
+            self.scheduler.step(1)  # LR of this step (the learner's convention)
+            with self.platform.optimizer_context():
+                _, grad_norm, _ = self.optimizer.step()
+            if grad_norm is None:
+                grad_norm = self.optimizer.get_grad_norm()
         metrics = {"critic/grad_norm": float(grad_norm),
-                   "critic/lr": float(self.optimizer.param_groups[0]["lr"])}
+                   "critic/lr": float(self.optimizer.param_groups[0]["lr"]),
+                   "critic/skipped_nonfinite": float(skipped)}
         if self.groups.is_last_stage:
             metrics.update(_batch_metrics([r for part in self._gather_dp(records) for r in part], kw))
         return metrics

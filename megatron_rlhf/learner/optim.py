@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["TrainState", "build_train_state"]
+__all__ = ["TrainState", "all_finite", "build_train_state"]
 
 
 @dataclass
@@ -87,3 +87,24 @@ def build_train_state(*, module, tconfig, groups, platform, optimizer_cfg, dtype
     scheduler = OptimizerParamScheduler(optimizer, **args)
     return TrainState(ddp=ddp, optimizer=optimizer, scheduler=scheduler, overlap_grad_reduce=overlap,
                       use_distributed_optimizer=dist_opt)
+
+
+def all_finite(losses: list[torch.Tensor], ddp, device) -> bool:
+    """Whether every rank's micro-batch losses and (finalised) gradient buffers of ``ddp`` are
+    finite: a flag all-reduced (MAX of "bad") over every rank of the default process group (all
+    learner ranks: TP, PP and DP), so every rank takes the same skip decision (collective).
+
+    Args:
+        losses: this rank's micro-batch losses (any shapes; empty on stages that compute none).
+        ddp: the megatron DDP wrapper whose ``buffers`` / ``expert_parallel_buffers`` hold the grads.
+        device: where the flag lives for the all-reduce (the platform's device: gloo CPU, NCCL CUDA).
+    """
+    import torch.distributed as dist
+
+    bad = any(not bool(torch.isfinite(loss).all()) for loss in losses)
+    for buf in ddp.buffers + ddp.expert_parallel_buffers:
+        bad = bad or not bool(torch.isfinite(buf.grad_data).all())
+    flag = torch.tensor([float(bad)], device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return not bool(flag.item())

@@ -1,4 +1,5 @@
-"""Per-step metrics: ``metrics.jsonl`` (one JSON object per step), optional wandb, run summary.
+"""Per-step metrics: ``metrics.jsonl`` (one JSON object per step), TensorBoard event files,
+optional wandb, run summary.
 
 Keys are namespaced and carry their units (``time/gen_s``, ``response/len_mean_tokens``); other
 tools read them, so names are kept stable. Required keys of every row: ``step``,
@@ -11,6 +12,16 @@ step N keeps the rows of steps 1..N and moves every row above N (written after t
 for training the crash threw away), any duplicate and any torn last line aside into
 ``metrics.crash-resumed_at_step_N-<UTC time>.jsonl`` (never deleted); the resumed run then appends
 N+1, N+2, ... . :attr:`MetricsLogger.rows` holds the whole run's rows, so the summary covers it.
+
+TensorBoard (``logging.tensorboard: true``): every number of a step's row (``step`` itself aside;
+a null, i.e. NaN/inf, is left out) is a scalar of the same name at that step in
+``<run>/tensorboard/``, and the resolved config is a text (``config``) at the session's first step.
+Each session opens its writer with ``purge_step`` = the first step it (re)does (N+1 after a resume
+from step N, 1 on a fresh start): the event file starts with a ``SessionLog.START`` at that step, and
+TensorBoard drops every older event of a step >= it (torch ``SummaryWriter(purge_step=...)``;
+tensorboard's ``EventAccumulator``), so the event files hold the same one value per step as
+``metrics.jsonl``. (TensorBoard's fast Rust loader, ``--load_fast``, drops them per tag when the tag
+is written again at a step <= its last, which the re-done steps do.)
 """
 
 from __future__ import annotations
@@ -24,7 +35,10 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["MetricsLogger", "REQUIRED_KEYS", "adopt_rows", "summarize", "summarize_evals", "task_names",
-           "wandb_run_id"]
+           "wandb_run_id", "open_tensorboard", "TENSORBOARD_DIR"]
+
+TENSORBOARD_DIR = "tensorboard"
+"""The TensorBoard folder inside the run folder (``tensorboard --logdir <run>/tensorboard``)."""
 
 EVAL_METRICS = ("pass@1", "mean@k", "reward_mean", "len_mean_tokens")
 """Per-task eval values (``eval/<task>/<name>`` with ``.../se``; ``trainer.evaluate``)."""
@@ -44,12 +58,13 @@ def _plain(v: Any) -> Any:
 
 
 class MetricsLogger:
-    """Appends one JSON row per step to ``<run>/metrics.jsonl`` and mirrors it to wandb.
+    """Appends one JSON row per step to ``<run>/metrics.jsonl`` and mirrors it to TensorBoard and
+    wandb.
 
     Args:
         run_dir: the run folder.
-        logging_cfg: ``megatron_rlhf.config.LoggingConfig`` (wandb switch, project, mode).
-        config_dict: resolved config, given to wandb.
+        logging_cfg: ``megatron_rlhf.config.LoggingConfig`` (tensorboard and wandb switches).
+        config_dict: resolved config, given to wandb and written to TensorBoard as text.
         resume_step: the step of the checkpoint this session starts from (0: a fresh start); rows
             of an earlier session up to it are kept (:attr:`rows`), the others moved aside (see
             the module doc).
@@ -57,8 +72,10 @@ class MetricsLogger:
         rows: every row of the run so far (earlier sessions' kept rows first).
         aside: the file the discarded rows were moved to, or None.
         adopted_wall_s: sum of ``time/step_s`` over the kept rows of earlier sessions.
+        tensorboard_dir: ``<run>/tensorboard`` (``logging.tensorboard``), or None.
     Raises:
         ValueError: a logged row lacks one of :data:`REQUIRED_KEYS`.
+        ImportError: ``logging.tensorboard`` is on and tensorboard is not installed.
     """
 
     def __init__(self, run_dir: str | os.PathLike, logging_cfg, config_dict: dict | None = None, *,
@@ -66,7 +83,10 @@ class MetricsLogger:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.rows, self.aside = adopt_rows(self.path, resume_step)
         self.adopted_wall_s = sum(r.get("time/step_s") or 0.0 for r in self.rows)
-        self._wandb = None
+        self._wandb = self._tb = self.tensorboard_dir = None
+        if getattr(logging_cfg, "tensorboard", False):
+            self.tensorboard_dir = Path(run_dir) / TENSORBOARD_DIR
+            self._tb = open_tensorboard(self.tensorboard_dir, resume_step + 1, config_dict)
         self.warn_mismatch = getattr(logging_cfg, "warn_token_mult_prob_error", float("inf"))
         if logging_cfg.wandb and logging_cfg.wandb_mode != "disabled":
             import wandb
@@ -98,15 +118,69 @@ class MetricsLogger:
                   "and the generators disagree on the sampled tokens' probabilities (weights not "
                   "synced, or a numerics mismatch); importance corrections and KL estimates are off",
                   file=sys.stderr, flush=True)
+        numbers = {k: v for k, v in row.items() if isinstance(v, (int, float))}
+        if self._tb is not None:
+            for k, v in numbers.items():
+                if k != "step":
+                    self._tb.add_scalar(k, v, global_step=row["step"])
+            self._tb.flush()   # as complete on disk as metrics.jsonl if the run dies now
         if self._wandb is not None:
-            self._wandb.log({k: v for k, v in row.items() if isinstance(v, (int, float))},
-                            step=row["step"])
+            self._wandb.log(numbers, step=row["step"])
         return row
 
     def close(self) -> None:
+        """Close the TensorBoard writer and finish the wandb run (idempotent)."""
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+
+
+def open_tensorboard(log_dir: str | os.PathLike, first_step: int, config_dict: dict | None = None):
+    """A TensorBoard writer on ``log_dir`` for a session that (re)does steps ``first_step, ...``.
+
+    Opened with ``purge_step=first_step`` (module doc), so TensorBoard hides every event an
+    earlier session wrote at a step >= ``first_step``; the resolved config (``config_dict``) is
+    written as a YAML text at ``first_step``.
+
+    Returns:
+        ``torch.utils.tensorboard.SummaryWriter``.
+    Raises:
+        ImportError: tensorboard is not installed (names ``logging.tensorboard`` and the fix).
+    """
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as e:
+        raise ImportError("logging.tensorboard: true needs the tensorboard package (pip install "
+                          "tensorboard; it is in requirements/), or set logging.tensorboard: false") from e
+    _wait_past_event_files(Path(log_dir))
+    writer = SummaryWriter(str(log_dir), purge_step=first_step)
+    if config_dict is not None:
+        import yaml
+
+        text = yaml.safe_dump(config_dict, sort_keys=False)
+        writer.add_text("config", "".join("    " + ln + "\n" for ln in text.splitlines()),
+                        global_step=first_step)   # indented: a markdown code block
+    writer.flush()
+    return writer
+
+
+def _wait_past_event_files(log_dir: Path) -> None:
+    """Wait (at most ~1 s) until the clock's second is past the creation second of every event file
+    in ``log_dir``. TensorBoard reads a run's files in name order, and a name starts with that second
+    (``events.out.tfevents.<s>.<host>.<pid>.<n>``): a session started within the same second as an
+    earlier one (tests, a quick crash) would otherwise have its file, and its purge, read first."""
+    stamps = []
+    for f in log_dir.glob("events.out.tfevents.*"):
+        try:
+            stamps.append(int(f.name.split(".")[3]))
+        except (IndexError, ValueError):
+            continue
+    deadline = time.monotonic() + 1.1
+    while stamps and time.time() < max(stamps) + 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def wandb_run_id(run_dir: str | os.PathLike) -> str:

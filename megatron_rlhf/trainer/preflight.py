@@ -16,6 +16,7 @@ actors started:
   vLLM may use and its KV cache holds at least one ``generators.max_model_len`` sequence.
 * Reward plug-ins (``tasks[].reward: module:function``) import (any error at import, a
   ``SyntaxError`` included, is reported with its task) and are callable.
+* ``logging.tensorboard: true`` has the tensorboard package to write with.
 * The run folder ``<run.output_dir>/<run.name>`` can be created and written (no file in the way of
   it or of its ``checkpoints`` folder, a writable disk).
 """
@@ -29,7 +30,7 @@ from pathlib import Path
 from megatron_rlhf.config import Config, ConfigError
 
 __all__ = ["check_model_source", "preflight", "check_model_folder", "check_output_folder",
-           "import_plugins"]
+           "import_plugins", "check_logging"]
 
 
 def check_model_source(model_cfg) -> None:
@@ -83,8 +84,23 @@ def preflight(cfg: Config, model_dir: Path) -> dict:
     except ValueError as e:
         raise ConfigError(str(e)) from e
     plugins = import_plugins(cfg)
+    check_logging(cfg)
     check_output_folder(cfg)
     return plugins
+
+
+def check_logging(cfg: Config) -> None:
+    """``logging.tensorboard: true`` needs the tensorboard package (``trainer.metrics`` writes with it).
+
+    Raises:
+        ConfigError: it is not installed (names the key and both fixes).
+    """
+    import importlib.util
+
+    if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("config key 'logging.tensorboard' = True needs the tensorboard package, which is "
+                          "not installed: pip install tensorboard (it is in requirements/), or set "
+                          "logging.tensorboard=false")
 
 
 def check_model_folder(cfg: Config, model_dir: Path) -> None:

@@ -14,7 +14,8 @@ from ``metrics.jsonl`` (the last row per step wins after a resume), ``summary.js
 * ``time``: seconds per step on the learner side (train, sync export, idle, other) and on the
   generator side (generation, scoring, sync, eval, idle), stacked;
 
-then the eval before/after table, the run summary and the resolved config.
+then the eval before/after table, the run summary and the resolved config; the page names the
+TensorBoard folder when the run has one (``logging.tensorboard``).
 """
 
 from __future__ import annotations
@@ -72,6 +73,19 @@ def _png(fig) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
+def _series_png(fig, ax, title: str, xlabel: str, ylabel: str | None, empty: str) -> str:
+    """Title and axis labels, then a legend, or the ``empty`` note when nothing was plotted; the PNG."""
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    if ylabel:
+        ax.set_ylabel(ylabel)
+    if ax.has_data():
+        ax.legend(fontsize=7)
+    else:
+        ax.text(0.5, 0.5, empty, ha="center", transform=ax.transAxes)
+    return _png(fig)
+
+
 def _lines(rows, keys, title, ylabel, labels=None):
     import matplotlib.pyplot as plt
 
@@ -80,14 +94,7 @@ def _lines(rows, keys, title, ylabel, labels=None):
         xs, ys = _series(rows, k)
         if xs:
             ax.plot(xs, ys, marker=".", label=labels[i] if labels else k)
-    ax.set_title(title)
-    ax.set_xlabel("step")
-    ax.set_ylabel(ylabel)
-    if ax.has_data():
-        ax.legend(fontsize=7)
-    else:
-        ax.text(0.5, 0.5, "no data in metrics.jsonl", ha="center", transform=ax.transAxes)
-    return _png(fig)
+    return _series_png(fig, ax, title, "step", ylabel, "no data in metrics.jsonl")
 
 
 def _eval_plot(rows):
@@ -102,13 +109,8 @@ def _eval_plot(rows):
         if pts:
             ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o",
                         capsize=3, label=k[len("eval/"):])
-    ax.set_title("held-out eval (error bars: standard error over prompts)")
-    ax.set_xlabel("steps trained")
-    if ax.has_data():
-        ax.legend(fontsize=7)
-    else:
-        ax.text(0.5, 0.5, "no eval in this run (eval.enabled: false)", ha="center", transform=ax.transAxes)
-    return _png(fig)
+    return _series_png(fig, ax, "held-out eval (error bars: standard error over prompts)", "steps trained", None,
+                       "no eval in this run (eval.enabled: false)")
 
 
 def _staleness_plot(rows):
@@ -174,7 +176,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
-    from megatron_rlhf.trainer.metrics import summarize_evals, task_names
+    from megatron_rlhf.trainer.metrics import TENSORBOARD_DIR, summarize_evals, task_names
 
     run_dir = Path(run_dir)
     rows = load_rows(run_dir)
@@ -195,6 +197,8 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     body = [f"<h1>Run {html.escape(run_dir.name)}</h1>",
             f"<p>{len(rows)} steps in metrics.jsonl ({rows[0]['step'] if rows else '-'} to "
             f"{rows[-1]['step'] if rows else '-'}); folder {html.escape(str(run_dir.resolve()))}</p>",
+            *([f"<p>TensorBoard: <code>tensorboard --logdir {html.escape(str(tb.resolve()))}</code></p>"]
+              if (tb := run_dir / TENSORBOARD_DIR).is_dir() else []),
             "<h2>Held-out eval, first and last</h2>", _eval_table(summarize_evals(rows))]
     for name in PLOTS:
         body.append(f'<h2>{name}</h2><img id="plot-{name}" alt="{name}" src="data:image/png;base64,{plots[name]}">')

@@ -43,7 +43,8 @@ class NonFiniteTrainingError(RuntimeError):
 
 class RunResult(dict):
     """Summary of a finished (or stopped) run: :func:`metrics.summarize` plus ``run_dir``,
-    ``stopped_early`` and ``resumed_from_step``."""
+    ``stopped_early``, ``resumed_from_step``, ``report`` (the HTML page) and ``tensorboard`` (the
+    event-file folder, or None with ``logging.tensorboard: false``)."""
 
 
 class Run:
@@ -256,18 +257,23 @@ class Run:
 
         Raises:
             NonFiniteTrainingError: this is the ``learner.max_skipped_steps``-th step in a row
-                that the learner skipped for a non-finite loss or gradient.
+                that the learner skipped for a non-finite loss or gradient (the policy's update,
+                or, with ppo, the critic's).
         """
         if not self.trains:
             return {"loss/total": None}
         out = self.call(self.learner.train_step.remote(learner_batch), f"train_step of step {step}")
-        self.skipped_in_row = self.skipped_in_row + 1 if out.get("train/skipped_nonfinite") else 0
+        critic_only = bool(out.get("critic/skipped_nonfinite")) and not out.get("train/skipped_nonfinite")
+        skipped = out.get("train/skipped_nonfinite") or critic_only
+        self.skipped_in_row = self.skipped_in_row + 1 if skipped else 0
         limit = self.cfg.learner.max_skipped_steps
         if self.skipped_in_row >= limit:
+            what, norm = (("the critic's value loss or gradient", "critic/grad_norm") if critic_only
+                          else ("the loss or gradient", "grad/norm"))
             raise NonFiniteTrainingError(
-                f"steps {step - limit + 1}..{step}: the loss or gradient was not finite "
-                f"{limit} steps in a row (learner.max_skipped_steps={limit}); no update was applied "
-                f"(grad/norm {out.get('grad/norm')}, loss {out.get('loss/total')}): check the rewards' "
+                f"steps {step - limit + 1}..{step}: {what} was not finite {limit} steps in a row "
+                f"(learner.max_skipped_steps={limit}); no {'critic ' if critic_only else ''}update was "
+                f"applied ({norm} {out.get(norm)}, loss {out.get('loss/total')}): check the rewards' "
                 "scale, the learning rate and learner.optimizer.clip_grad")
         return out
 
@@ -365,7 +371,8 @@ class Run:
         result.update(run_dir=str(run_dir), stopped_early=stopped_early, resumed_from_step=self.start_step,
                       data=self.data_counts, prompts_too_long=self.too_long,
                       generator_restarts=self.pool.restarts if self.pool else 0,
-                      report=str(run_dir / "report.html"))
+                      report=str(run_dir / "report.html"),
+                      tensorboard=str(self.metrics.tensorboard_dir) if self.metrics.tensorboard_dir else None)
         (run_dir / "summary.json").write_text(json.dumps(result, indent=1, default=str))
         _report(run_dir, result)
         return result
@@ -377,6 +384,8 @@ class Run:
 
         if self.watchdog is not None:
             self.watchdog.close()
+        if self.metrics is not None:   # also after an error (finish closes it on success)
+            self.metrics.close()
         if self.producer is not None:   # an error in the learner loop: stop the generation thread too
             self.producer.stop_event.set()
         if self.channel is not None:
