@@ -48,6 +48,11 @@
 #   MRLHF_RAY_PORT            GCS port of the head (default 6379)
 #   MRLHF_RAY_HEAD_IP         head address (default: the IPv4 address of MRLHF_NET_IFNAME, else the
 #                             first address of `hostname -I`); tests set 127.0.0.1
+#   MRLHF_RAY_JOIN_HOST       host the other nodes' `ray start --address` reach the head at (default:
+#                             MRLHF_RAY_HEAD_IP). Ray replaces a literal 127.0.0.1/localhost there by
+#                             the node's external address, so the two-node test on one machine
+#                             (tests/test_recipe_rehearsal.py) passes the host name, which resolves
+#                             to 127.0.0.1
 #   MRLHF_RAY_TMPDIR          Ray's temp dir on the head (default /tmp/ray_mrlhf_<job>)
 #   MRLHF_RAY_START_ARGS      extra `ray start` arguments for every node, word-split
 #   MRLHF_RAY_JOIN_TIMEOUT_S  seconds to wait for all nodes to join (default 300)
@@ -148,6 +153,7 @@ elif [ -n "${MRLHF_NET_IFNAME:-}" ]; then
   HEAD_IP=$(ip -4 -o addr show dev "$MRLHF_NET_IFNAME" | awk '{print $4}' | cut -d/ -f1 | head -1)
 else HEAD_IP=$(hostname -I | awk '{print $1}'); fi
 export RAY_ADDRESS=$HEAD_IP:$PORT
+JOIN_ADDRESS=${MRLHF_RAY_JOIN_HOST:-$HEAD_IP}:$PORT
 read -r -a EXTRA <<<"${MRLHF_RAY_START_ARGS:-}"
 GPU_STEP=(); [ "$GPUS" -gt 0 ] && GPU_STEP=(--gpus-per-node="$GPUS")
 echo "nodes: ${NODES[*]} (learner nodes $LEARNER_NODES, generator nodes $GENERATOR_NODES, shared=$SHARED); $GPUS GPUs, $CPUS CPUs per node; RAY_ADDRESS=$RAY_ADDRESS"
@@ -156,16 +162,21 @@ SRUN_PIDS=()
 # `setsid`: the srun clients live in a session of their own, so a signal to the whole batch step
 # (`scancel --full`) does not reach them (srun ends its step on SIGTERM: "forcing job termination")
 setsid srun --overlap --nodes=1 --ntasks=1 -w "$HEAD" "${GPU_STEP[@]}" --kill-on-bad-exit=0 \
-     --output="$LOG_DIR/ray-%N-$JOB.log" --open-mode=append \
+     --output="$LOG_DIR/ray-$HEAD-$JOB.log" --open-mode=append \
   "$PY" -m megatron_rlhf.runtime guard -- "$RAY_BIN" start --head --block --node-ip-address="$HEAD_IP" --port="$PORT" \
      --num-cpus="$CPUS" --num-gpus="$GPUS" --resources="$(role_resources 0)" \
      --include-dashboard=false --disable-usage-stats \
      --temp-dir="${MRLHF_RAY_TMPDIR:-/tmp/ray_mrlhf_$JOB}" "${EXTRA[@]}" &
 SRUN_PIDS+=($!)
+# RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1 on the joining nodes: with it set to 0 (how this repo's tests
+# keep a one-node Ray on loopback) `ray start --address` aborts ("Multi-node Ray clusters are not
+# supported"); 1 is Ray's own default on Linux. The head keeps the caller's value: with 0 a
+# loopback MRLHF_RAY_HEAD_IP stays 127.0.0.1 instead of being replaced by the node's external address.
 for ((i = 1; i < NNODES; i++)); do
   setsid srun --overlap --nodes=1 --ntasks=1 -w "${NODES[$i]}" "${GPU_STEP[@]}" --kill-on-bad-exit=0 \
-       --output="$LOG_DIR/ray-%N-$JOB.log" --open-mode=append \
-    "$PY" -m megatron_rlhf.runtime guard -- "$RAY_BIN" start --block --address="$RAY_ADDRESS" --num-cpus="$CPUS" --num-gpus="$GPUS" \
+       --output="$LOG_DIR/ray-${NODES[$i]}-$JOB.log" --open-mode=append \
+    env RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1 \
+    "$PY" -m megatron_rlhf.runtime guard -- "$RAY_BIN" start --block --address="$JOIN_ADDRESS" --num-cpus="$CPUS" --num-gpus="$GPUS" \
        --resources="$(role_resources "$i")" --disable-usage-stats "${EXTRA[@]}" &
   SRUN_PIDS+=($!)
 done
@@ -186,17 +197,41 @@ stop_ray() {
 }
 
 # 4. Wait for all nodes, in one Python process (each ray.init costs seconds) ----------------
-"$PY" - "$NNODES" "${MRLHF_RAY_JOIN_TIMEOUT_S:-300}" "${SRUN_PIDS[0]}" <<'EOF'
-import os, sys, time
+"$PY" - "$NNODES" "${MRLHF_RAY_JOIN_TIMEOUT_S:-300}" "$JOB" "${NODES[@]}" -- "${SRUN_PIDS[@]}" <<'EOF'
+import os, socket, sys, time
 import ray
-want, timeout, head_pid = int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
+want, timeout, job = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+sep = sys.argv.index("--")
+steps = dict(zip(sys.argv[4:sep], map(int, sys.argv[sep + 1:])))   # node -> pid of its srun client
+host, port = os.environ["RAY_ADDRESS"].rsplit(":", 1)
+
+
+def exited(pid: int) -> bool:
+    """The srun client has ended (gone, or a zombie not yet reaped by the batch shell)."""
+    try:
+        os.kill(pid, 0)
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except ProcessLookupError:
+        return True
+    except OSError:   # no /proc: trust os.kill
+        return False
+
+
+def check_steps() -> None:
+    dead = [node for node, pid in steps.items() if exited(pid)]
+    if dead:
+        sys.exit(f"ray_cluster.sh: the Ray step on {', '.join(dead)} exited before the run started "
+                 f"(see ray-<node>-{job}.log in the run's logs folder)")
+
+
 deadline = time.time() + timeout
 while True:  # the head may not listen yet: retry the connection until the deadline
+    check_steps()
     try:
-        os.kill(head_pid, 0)
-    except ProcessLookupError:
-        sys.exit("ray_cluster.sh: the Ray head step exited (see ray-<node>-<job>.log)")
-    try:
+        # ray.init with no GCS listening blocks for minutes (its own retries), during which neither
+        # a dead Ray step nor the deadline would be noticed: wait for the GCS port first
+        socket.create_connection((host, int(port)), timeout=2.0).close()
         ray.init(address=os.environ["RAY_ADDRESS"], logging_level="ERROR", log_to_driver=False)
         break
     except Exception as e:  # ConnectionError and friends while the GCS starts
@@ -204,6 +239,7 @@ while True:  # the head may not listen yet: retry the connection until the deadl
             sys.exit(f"ray_cluster.sh: no Ray head at {os.environ['RAY_ADDRESS']} after {timeout:.0f} s: {e}")
         time.sleep(1.0)
 while True:
+    check_steps()
     alive = [n for n in ray.nodes() if n["Alive"]]
     if len(alive) >= want:
         print(f"ray: {len(alive)}/{want} nodes joined; resources {ray.cluster_resources()}", flush=True)

@@ -19,6 +19,7 @@ Run it alone (takes 3-6 minutes on 2 cores):
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -53,40 +54,70 @@ def _skip_reason() -> str | None:
     return None
 
 
+def _join_host_reason() -> str | None:
+    """Why the other Ray nodes cannot join the head on loopback here (None: they can). They join at
+    the host name (MRLHF_RAY_JOIN_HOST): Ray replaces a literal 127.0.0.1 in `ray start --address`
+    by the machine's external address, and the head listens on 127.0.0.1 only."""
+    try:
+        ip = socket.gethostbyname(socket.gethostname())
+    except OSError as e:
+        return f"the host name {socket.gethostname()!r} does not resolve ({e}); a multi-node Ray needs it"
+    if ip != "127.0.0.1":
+        return (f"the host name {socket.gethostname()!r} resolves to {ip}, not 127.0.0.1: the second Ray "
+                "node would join the head over a non-loopback address")
+    return None
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def slurm_env(tmp_path_factory):
-    """A running one-node SLURM; yields the environment for sbatch/scontrol and the job."""
-    reason = _skip_reason()
+@contextlib.contextmanager
+def running_slurm(state: Path, nodes: int = 1):
+    """A running SLURM on this machine (tests/slurm/start_slurm.sh) of ``nodes`` nodes, 2 CPUs each,
+    stopped on exit; yields the environment for sbatch/scontrol and the jobs. Skips the test (with
+    the reason) where SLURM cannot run. With ``nodes > 1`` the nodes share this host (one slurmd
+    each): Ray's per-node agent ports are left to Ray (0), since two nodes cannot share a port."""
+    reason = _skip_reason() or (_join_host_reason() if nodes > 1 else None)
     if reason:
         pytest.skip(reason)
-    state = tmp_path_factory.mktemp("slurm_state")
-    env = dict(os.environ, SLURM_CPUS="2", SLURM_CTLD_PORT=str(_free_port()), SLURM_SLURMD_PORT=str(_free_port()))
+    env = dict(os.environ, SLURM_CPUS="2", SLURM_NODES=str(nodes), SLURM_CTLD_PORT=str(_free_port()),
+               SLURM_SLURMD_PORT=",".join(str(_free_port()) for _ in range(nodes)))
     res = subprocess.run(["bash", str(REPO / "tests/slurm/start_slurm.sh"), str(state)], env=env,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, f"start_slurm.sh failed:\n{res.stdout}\n{res.stderr}"
-    ray_tmp = Path(f"/tmp/mrlhf_slurm_ray_{os.getpid()}")   # short: Ray's socket paths have a length limit
+    ray_tmp = Path(f"/tmp/mrlhf_slurm_ray_{os.getpid()}_{nodes}")   # short: Ray's socket paths have a length limit
+    agent_ports = (f"--dashboard-agent-listen-port={_free_port()} --dashboard-agent-grpc-port={_free_port()}"
+                   if nodes == 1 else "--dashboard-agent-listen-port=0 --dashboard-agent-grpc-port=0")
     env.update({
         "SLURM_CONF": str(state / "slurm.conf"),
         # Ray inside the job: loopback only, no token auth, its own ports and temp dir
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
         "MRLHF_RAY_HEAD_IP": "127.0.0.1", "MRLHF_RAY_PORT": str(_free_port()),
         "MRLHF_RAY_TMPDIR": str(ray_tmp),
-        "MRLHF_RAY_START_ARGS": f"--dashboard-agent-listen-port={_free_port()} "
-                                f"--dashboard-agent-grpc-port={_free_port()}",
+        "MRLHF_RAY_START_ARGS": f"{agent_ports} --dashboard-port={_free_port()} "
+                                f"--ray-client-server-port={_free_port()}",
         "MRLHF_SELF_REQUEUE": "0",   # the test requeues by hand, as the issue's scenario does
         "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
     })
+    if nodes > 1:   # the other nodes join at the host name (127.0.0.1 here), see ray_cluster.sh
+        env["MRLHF_RAY_JOIN_HOST"] = socket.gethostname()
     env.pop("RAY_ADDRESS", None)
-    yield env
-    subprocess.run(["bash", str(REPO / "tests/slurm/stop_slurm.sh"), str(state)], env=env,
-                   capture_output=True, text=True, timeout=120)
-    shutil.rmtree(ray_tmp, ignore_errors=True)
+    try:
+        yield env
+    finally:
+        subprocess.run(["bash", str(REPO / "tests/slurm/stop_slurm.sh"), str(state)], env=env,
+                       capture_output=True, text=True, timeout=120)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def slurm_env(tmp_path_factory):
+    """A running one-node SLURM; yields the environment for sbatch/scontrol and the job."""
+    with running_slurm(tmp_path_factory.mktemp("slurm_state")) as env:
+        yield env
 
 
 def _job(env, jid: str) -> dict:

@@ -132,6 +132,7 @@ class Run:
 
         from megatron_rlhf.rewards import MathVerifyReward
         from megatron_rlhf.rollout.pairs import select_pair
+        from megatron_rlhf.trainer.nodes import actor_nodes, write_actor_nodes
 
         cfg, timeout = self.cfg, self.timeout
         if any(t.kind == "math_verify" for t in cfg.tasks):
@@ -172,6 +173,7 @@ class Run:
                     timeout=timeout)
             if live and hasattr(self.transport, "setup"):   # broadcast: form the groups
                 self.transport.setup(self.learner, self.generators, timeout)
+        write_actor_nodes(self.run_dir, actor_nodes(self.learner, self.generators, self.rm_actors, timeout))
         self.channel = WeightChannel(PublishedWeights(version=0))
         self.batches = queue.Queue(maxsize=1)
         if not live:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Stop what tests/slurm/start_slurm.sh STATE_DIR started: cancel its jobs, then stop slurmd,
+# Stop what tests/slurm/start_slurm.sh STATE_DIR started: cancel its jobs, then stop each slurmd,
 # slurmctld and (if that script started it) munged, each by its PID file, never by name.
 # Usage: bash tests/slurm/stop_slurm.sh STATE_DIR [--purge]   (--purge also deletes STATE_DIR)
 set -uo pipefail
@@ -17,7 +17,7 @@ stop_pid() {  # $1 = pid file: TERM, wait up to 5 s, then KILL
   for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || return 0; sleep 0.1; done
   kill -KILL "$pid" 2>/dev/null || true
 }
-stop_pid "$STATE/slurmd.pid"      # its tini parent exits with it
+for f in "$STATE"/slurmd-*.pid; do stop_pid "$f"; done   # one per node; its tini parent exits with it
 stop_pid "$STATE/slurmctld.pid"
 stop_pid "$STATE/munged.pid"      # present only when start_slurm.sh started munged
 if [ "${2:-}" = --purge ]; then rm -rf "$STATE"; fi

@@ -1,0 +1,148 @@
+"""Recipe rehearsal (issue 13): the 8B cluster recipe itself, submitted the way users submit it, on a
+real two-node SLURM on this machine.
+
+``configs/online-dpo-llama3.1-8b-2n8g.yaml`` goes through ``slurm/submit.py`` (which renders the
+sbatch script from the recipe's ``placement`` section and calls sbatch) and
+``slurm/ray_cluster.sh``'s multi-node path: the head on the first node of the allocation with the
+``mrlhf_learner`` resource, a second Ray node started with ``srun -w <node 2>`` with
+``mrlhf_generator``, and ``train.py`` on the head. Only the size is scaled by overrides: a tiny
+random Llama for ``model.source``, TP=2 learner (the recipe's TP, DP 4 -> 1), 2 vLLM engines
+(8 -> 2), float32 and CPU nodes (2 CPUs each), 3 steps of 2 prompts x 4 samples of 8 tokens. The
+recipe's own choices stay: ``generators.transport=broadcast`` (gloo here, NCCL on GPUs), the
+distributed optimizer, sequence parallelism, bucket size, one-step async, the checkpoint at the end.
+The weight-sync probe check is on, as ``base_cluster.yaml`` has it (with the fp32 tolerance here).
+
+Proves: the job completes (exit 0) with both Ray nodes joined, every learner rank on the learner
+node and every engine on the generator node (``logs/actor_nodes-*.json``), metrics rows with
+staleness 0, 1, 1, a broadcast push with bytes, GB/s, learner-blocked time and a probe check
+within tolerance, a final checkpoint, one Ray log per node, and no Ray process left. Three steps,
+not the issue's two: with one-step async, batch 2 is generated before the first push lands, so the
+first batch that carries a push's bytes and its probe check is batch 3.
+
+The SLURM: tests/slurm/start_slurm.sh with SLURM_NODES=2 (two slurmd on this host, each its own
+node, see that script), via test_slurm.running_slurm; skipped where that cannot run (see
+test_slurm._skip_reason). Ray stays on loopback (the second node joins at the host name, which
+resolves to 127.0.0.1; see ray_cluster.sh MRLHF_RAY_JOIN_HOST).
+
+Run it alone (about 2-4 minutes on an idle 2-core machine):
+    MRLHF_SLURM_TESTS=1 .venv/bin/pytest -q tests/test_recipe_rehearsal.py -m integration
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from tests.test_slurm import DONE_STATES, REPO, _ray_processes, _wait, running_slurm
+
+pytestmark = [pytest.mark.integration]
+RECIPE = "configs/online-dpo-llama3.1-8b-2n8g.yaml"
+SCALE = [   # the recipe's layout and lengths scaled to two 2-CPU nodes; everything else as the recipe has it
+    "model.dtype=float32",                      # CPU: fp32 learner and engines
+    "learner.data_parallel=1",                  # TP=2 x DP=4 -> TP=2 x DP=1 (TP as the recipe)
+    "generators.num_workers=2",                 # 8 engines -> 2
+    "generators.max_new_tokens=8", "generators.max_model_len=512", "generators.prompts_per_request=2",
+    "generators.kv_cache_gib=0.0625",
+    "generators.check_weight_sync_tol=0.001",   # fp32: the tight tolerance (the recipe's 5e-2 is for bf16)
+    "algorithm.samples_per_prompt=4", "algorithm.prompts_per_step=2",
+    "tasks.0.reward=tests.plugins:char_parity",   # random weights never solve GSM8K: a 50/50 reward
+    "run.num_steps=3", "async.timeout_s=300",   # 3: see the module docstring
+    # Known defect on main: broadcast + the end-of-run eval hangs until async.timeout_s (being fixed
+    # on branch bcast). Until "broadcast+eval fix:" is on main the rehearsal runs without eval.
+    "eval.enabled=false",
+    "placement.gpus_per_node=0", "placement.cpus_per_node=2", "placement.time_limit=00:20:00",
+]
+
+
+@pytest.fixture(scope="module")
+def two_node_slurm(tmp_path_factory):
+    with running_slurm(tmp_path_factory.mktemp("slurm2_state"), nodes=2) as env:
+        yield env
+
+
+def _rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.timeout(600)
+def test_8b_recipe_runs_on_two_slurm_nodes_with_role_placement_broadcast_and_probe_check(two_node_slurm, tiny_llama_dir,
+                                                                                          tmp_path):
+    env = dict(two_node_slurm, MRLHF_NET_IFNAME="lo")   # the recipe's `auto` would pick eth0's interface
+    run_dir = tmp_path / "runs" / "rehearsal"
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "slurm/submit.py", "--config", RECIPE,
+                          f"model.source={tiny_llama_dir}", f"run.output_dir={run_dir.parent}", "run.name=rehearsal",
+                          *SCALE], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    jid = re.search(r"submitted job (\d+)", res.stdout).group(1)
+    driver_log = run_dir / "logs" / f"driver-{jid}.log"
+    info = _wait(env, jid, DONE_STATES, 540, driver_log)
+    text = driver_log.read_text()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, text[-4000:])
+    print(f"rehearsal job {jid}: {time.monotonic() - t0:.0f} s from submit to COMPLETED")
+
+    # the allocation: two SLURM nodes, learner node first, one Ray node each, with the role resources
+    nodes = info["NodeList"]
+    assert "learner nodes 1, generator nodes 1, shared=0" in text and "2/2 nodes joined" in text, text[-3000:]
+    assert "'mrlhf_learner': 2.0" in text and "'mrlhf_generator': 2.0" in text, text[-3000:]
+    ray_logs = sorted(p.name for p in (run_dir / "logs").glob(f"ray-*-{jid}.log"))
+    assert len(ray_logs) == 2, (nodes, ray_logs)
+
+    # the recipe ran as the recipe, scaled
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert cfg["generators"]["transport"] == "broadcast" and cfg["generators"]["check_weight_sync"] is True
+    assert cfg["learner"]["tensor_parallel"] == 2 and cfg["learner"]["distributed_optimizer"] is True
+    assert cfg["generators"]["num_workers"] == 2 and cfg["placement"]["learner_nodes"] == 1
+
+    # placement by role resources: learner ranks on the head (learner) node, engines on the other
+    (placed_file,) = (run_dir / "logs").glob(f"actor_nodes-{jid}-r0.json")
+    placed = json.loads(placed_file.read_text())
+    roles = {nid: n["role_resources"] for nid, n in placed["nodes"].items()}
+    assert len(roles) == 2, placed
+    learner_node = {nid for nid, r in roles.items() if "mrlhf_learner" in r}
+    generator_node = {nid for nid, r in roles.items() if "mrlhf_generator" in r}
+    assert len(learner_node) == len(generator_node) == 1 and learner_node != generator_node, placed
+    assert len(placed["learner_ranks"]) == 2 and set(placed["learner_ranks"]) == learner_node, placed
+    assert len(placed["generators"]) == 2 and set(placed["generators"]) == generator_node, placed
+    assert placed["nodes"][placed["trainer"]]["head"] and {placed["trainer"]} == learner_node, placed
+
+    # one-step async, a broadcast push checked by the probe
+    rows = _rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3], rows
+    assert [r["staleness/max"] for r in rows] == [0, 1, 1], rows
+    assert rows[2]["sync/bytes"] > 0 and rows[2]["sync/GBps"] > 0, rows[2]   # batch 3 came after the push of v1
+    assert 0 <= rows[2]["sync/check_max_abs_diff"] < 1e-3, rows[2]           # the probe check ran on it
+    assert [r["sync/learner_blocked_s"] > 0 for r in rows] == [True, True, False], rows   # nothing published after step 3
+    assert (run_dir / "checkpoints" / "step_3").is_dir()
+
+    time.sleep(3)
+    assert not _ray_processes(env["MRLHF_RAY_TMPDIR"]), "Ray processes left after the job"
+
+
+@pytest.mark.timeout(240)
+def test_a_ray_node_that_fails_to_start_fails_the_job_at_once_naming_the_node(two_node_slurm, tiny_llama_dir, tmp_path):
+    """`ray start` exits at once on both nodes (an unknown flag): the join wait notices the exited
+    srun steps and fails the job naming the node, instead of blocking in ray.init (minutes of Ray's
+    own retries with no GCS listening) and then waiting out placement.ray_join_timeout_s (600 s
+    here, longer than this test may run)."""
+    env = dict(two_node_slurm, MRLHF_NET_IFNAME="lo",
+               MRLHF_RAY_START_ARGS=two_node_slurm["MRLHF_RAY_START_ARGS"] + " --no-such-ray-start-flag")
+    run_dir = tmp_path / "runs" / "bad_ray"
+    res = subprocess.run([sys.executable, "slurm/submit.py", "--config", RECIPE,
+                          f"model.source={tiny_llama_dir}", f"run.output_dir={run_dir.parent}", "run.name=bad_ray",
+                          *SCALE, "placement.ray_join_timeout_s=600"], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    jid = re.search(r"submitted job (\d+)", res.stdout).group(1)
+    log = run_dir / "logs" / f"driver-{jid}.log"
+    info = _wait(env, jid, DONE_STATES, 180, log)
+    text = log.read_text()
+    assert info["JobState"] == "FAILED", (info, text[-3000:])
+    assert re.search(r"the Ray step on [\w.-]+(, [\w.-]+)* exited before the run started", text), text[-3000:]
+    assert not (run_dir / "metrics.jsonl").exists()
