@@ -53,9 +53,9 @@ SCALE = [   # the recipe's layout and lengths scaled to two 2-CPU nodes; everyth
     "algorithm.samples_per_prompt=4", "algorithm.prompts_per_step=2",
     "tasks.0.reward=tests.plugins:char_parity",   # random weights never solve GSM8K: a 50/50 reward
     "run.num_steps=3", "async.timeout_s=300",   # 3: see the module docstring
-    # Known defect on main: broadcast + the end-of-run eval hangs until async.timeout_s (being fixed
-    # on branch bcast). Until "broadcast+eval fix:" is on main the rehearsal runs without eval.
-    "eval.enabled=false",
+    # the eval stays on as the recipe has it (before step 1 and after the last step, on the
+    # broadcast-fed engines), on a few prompts
+    "eval.num_prompts=4", "eval.samples=1",
     "placement.gpus_per_node=0", "placement.cpus_per_node=2", "placement.time_limit=00:20:00",
 ]
 
@@ -120,6 +120,10 @@ def test_8b_recipe_runs_on_two_slurm_nodes_with_role_placement_broadcast_and_pro
     assert 0 <= rows[2]["sync/check_max_abs_diff"] < 1e-3, rows[2]           # the probe check ran on it
     assert [r["sync/learner_blocked_s"] > 0 for r in rows] == [True, True, False], rows   # nothing published after step 3
     assert (run_dir / "checkpoints" / "step_3").is_dir()
+    # the held-out eval before step 1 and after step 3, the last on version 3 (pushed by broadcast
+    # although no batch consumes it: the end-of-run eval never waits out async.timeout_s)
+    assert rows[0]["eval/step"] == 0 and rows[2]["eval/step"] == 3, (rows[0], rows[2])
+    assert rows[2]["eval/weight_version"] == 3, rows[2]
 
     time.sleep(3)
     assert not _ray_processes(env["MRLHF_RAY_TMPDIR"]), "Ray processes left after the job"

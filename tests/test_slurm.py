@@ -213,7 +213,9 @@ def test_sbatch_whole_step_sigterm_checkpoints_exits_0_and_resubmit_resumes(slur
     env = dict(slurm_env, MRLHF_TEST_SLOW_SAVE_S="20")
     runs = tmp_path / "runs"
     runs.mkdir()
-    num_steps = 4
+    # a tiny-model step takes about 0.2 s on an idle machine: 50 steps leave the signal (sent once
+    # step 1's row is seen) about 10 s to land before the run could end on its own
+    num_steps = 50
     common = (f"run.num_steps={num_steps}", "checkpoint.interval=0", "checkpoint.export_hf=false")
     jid = _submit(env, runs, tiny_llama_dir, "step_signal", *common)
     run, log = runs / "step_signal", runs / f"slurm-{jid}.out"
