@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rlhf.data.preferences import (detect_preference_format, load_preference_files,
+from megatron_rlhf.data.preferences import (detect_preference_format, find_preference_files, load_preference_files,
                                             load_preferences, parse_hh_dialogue, split_by_group)
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "preferences"
@@ -105,3 +105,16 @@ def test_real_shared_preference_sets_load_with_documented_counts():
     # hh harmless: 13 rows have an empty final reply or an unparseable dialogue
     assert by_name["hh_rlhf_harmless_base"]["malformed"] == 13
     assert counts["total"]["kept"] == len(ex) == 2299 + 363 + 3999
+
+
+@pytest.mark.timeout(60)
+def test_the_demo_reward_model_data_is_in_the_repo_with_its_licences_and_no_alpacaeval():
+    from megatron_rlhf.rewards.train import DEFAULT_DATA, REPO
+
+    assert DEFAULT_DATA.resolve().is_relative_to(REPO.resolve())   # a fresh clone trains it by itself
+    files = find_preference_files(DEFAULT_DATA)
+    assert not any("alpaca" in str(f).lower() for f in files)     # CC BY-NC: never in the repo
+    for f in files:
+        assert (f.parent / "LICENSE").is_file() and (f.parent / "README.md").is_file(), f
+    ex, counts = load_preference_files([DEFAULT_DATA])
+    assert counts["total"]["rows"] == 2312 + 363 and counts["total"]["kept"] == len(ex) >= 2600
