@@ -43,6 +43,29 @@ def test_bad_values_raise_error_naming_the_key(override, key):
         load_config(REPO / "configs" / "cpu_demo.yaml", [override])
 
 
+@pytest.mark.parametrize("override, key", [
+    ("learner.optimizer.lr=inf", "learner.optimizer.lr"),
+    ("learner.optimizer.lr=1e999", "learner.optimizer.lr"),
+    ("learner.optimizer.lr=-inf", "learner.optimizer.lr"),
+    ("learner.optimizer.lr=nan", "learner.optimizer.lr"),
+    ("learner.optimizer.lr=.inf", "learner.optimizer.lr"),
+    ("algorithm.beta=1e400", "algorithm.beta"),
+    ("algorithm.beta=" + "9" * 400, "algorithm.beta"),
+    ("learner.optimizer.clip_grad=inf", "learner.optimizer.clip_grad"),
+])
+def test_non_finite_numbers_refused_naming_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.") + ".*finite"):
+        load_config(REPO / "configs" / "cpu_demo.yaml", [override])
+
+
+def test_non_finite_number_in_yaml_refused(tmp_path):
+    for text in ("1e400", "inf", ".nan"):
+        path = tmp_path / "c.yaml"
+        path.write_text(f"defaults: {REPO / 'configs' / 'cpu_demo.yaml'}\nalgorithm:\n  beta: {text}\n")
+        with pytest.raises(ConfigError, match=r"algorithm\.beta.*finite"):
+            load_config(path)
+
+
 def test_missing_file_and_bad_yaml(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.yaml")
