@@ -892,6 +892,29 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
     return _build(Config, tree, "")
 
 
+def config_diff(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """``["key: old -> new", ...]`` for every dotted key whose value differs between two plain
+    config trees (as :func:`config_to_dict` writes them); lists compare index by index
+    (``tasks.0.data.path``), a key present on one side only shows ``<absent>`` on the other."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for k in list(old) + [k for k in new if k not in old]:
+            key = f"{prefix}.{k}" if prefix else str(k)
+            out += config_diff(old.get(k, _ABSENT), new.get(k, _ABSENT), key)
+        return out
+    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        return [d for i, (a, b) in enumerate(zip(old, new))
+                for d in config_diff(a, b, f"{prefix}.{i}" if prefix else str(i))]
+    return [] if old == new else [f"{prefix}: {_show(old)} -> {_show(new)}"]
+
+
+_ABSENT = object()
+
+
+def _show(value: Any) -> str:
+    return "<absent>" if value is _ABSENT else repr(value)
+
+
 def config_to_dict(cfg: Any) -> dict:
     """The resolved config as plain YAML-ready data (``async_`` written as ``async``)."""
     if dataclasses.is_dataclass(cfg):

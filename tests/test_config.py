@@ -98,3 +98,30 @@ def test_eval_interval_must_be_a_multiple_of_the_sync_interval():
     assert cfg.eval.interval == 4 and cfg.tasks[0].eval_data.path.endswith("mul1_eval.jsonl")
     with pytest.raises(ConfigError, match=r"eval\.samples"):
         load_config(REPO / "configs" / "cpu_demo.yaml", ["eval.samples=-1"])
+
+
+def test_config_diff_lists_changed_keys_old_to_new():
+    from megatron_rlhf.config import config_diff
+
+    old = config_to_dict(load_config(REPO / "configs" / "cpu_demo.yaml"))
+    new = config_to_dict(load_config(REPO / "configs" / "cpu_demo.yaml",
+                                     ["run.num_steps=99", "algorithm.beta=0.05", "tasks.0.data.limit=5"]))
+    assert config_diff(old, old) == []
+    diff = config_diff(old, new)
+    assert f"run.num_steps: {old['run']['num_steps']!r} -> 99" in diff
+    assert "algorithm.beta: 0.1 -> 0.05" in diff
+    assert any(d.startswith("tasks.0.data.limit: ") and d.endswith("-> 5") for d in diff)
+    assert len(diff) == 3
+    assert config_diff({"a": {"b": 1}}, {"a": {"c": 2}}) == ["a.b: 1 -> <absent>", "a.c: <absent> -> 2"]
+    assert config_diff({"t": [1, 2]}, {"t": [1]}) == ["t: [1, 2] -> [1]"]
+
+
+def test_resume_with_changed_config_names_the_keys(tmp_path):
+    from megatron_rlhf.trainer.run import _config_changes
+
+    cfg = load_config(REPO / "configs" / "cpu_demo.yaml")
+    assert _config_changes(cfg, tmp_path / "config.yaml") == []          # a new run: nothing to compare
+    save_config(cfg, tmp_path / "config.yaml")
+    assert _config_changes(cfg, tmp_path / "config.yaml") == []
+    changed = load_config(REPO / "configs" / "cpu_demo.yaml", ["learner.optimizer.lr=1e-5"])
+    assert _config_changes(changed, tmp_path / "config.yaml") == ["learner.optimizer.lr: 3e-06 -> 1e-05"]
