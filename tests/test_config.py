@@ -125,3 +125,17 @@ def test_resume_with_changed_config_names_the_keys(tmp_path):
     assert _config_changes(cfg, tmp_path / "config.yaml") == []
     changed = load_config(REPO / "configs" / "cpu_demo.yaml", ["learner.optimizer.lr=1e-5"])
     assert _config_changes(changed, tmp_path / "config.yaml") == ["learner.optimizer.lr: 3e-06 -> 1e-05"]
+
+
+def test_tensor_parallel_suggestions_divide_every_split_dimension():
+    from types import SimpleNamespace
+
+    from megatron_rlhf.learner.model import check_divisible
+
+    model = SimpleNamespace(num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536,
+                            num_hidden_layers=4)
+    check_divisible(model, tensor_parallel=3, pipeline_parallel=2)
+    with pytest.raises(ValueError, match=r"learner\.tensor_parallel=2.*one of \[1, 3\]$"):
+        check_divisible(model, tensor_parallel=2, pipeline_parallel=1)
+    with pytest.raises(ValueError, match=r"learner\.pipeline_parallel=3.*one of \[1, 2, 4\]$"):
+        check_divisible(model, tensor_parallel=1, pipeline_parallel=3)

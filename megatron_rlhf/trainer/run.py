@@ -99,7 +99,18 @@ class Run:
         return run
 
     def _prepare(self) -> "RunResult | None":
-        """Everything before any actor starts: model, pre-flight checks, data, plug-ins, folder."""
+        """Everything before any actor starts: model, pre-flight checks, data, plug-ins, folder.
+        A config error leaves no empty run folder behind (one this call created)."""
+        existed = self.run_dir.exists()
+        try:
+            return self._prepare_checked()
+        except ConfigError:
+            if not existed:
+                with contextlib.suppress(OSError):
+                    self.run_dir.rmdir()   # only when empty
+            raise
+
+    def _prepare_checked(self) -> "RunResult | None":
         cfg, say, run_dir = self.cfg, self.say, self.run_dir
         say(f"run folder {run_dir}")
         check_model_source(cfg.model)
@@ -689,7 +700,10 @@ def _load_prompts(cfg: Config, model_dir: Path):
         from megatron_rlhf.trainer.evaluate import split_eval_prompts
 
         def load_eval(task):
-            return load_prompts_for_task(replace(task, data=task.eval_data), tok, max_prompt)[0]
+            try:
+                return load_prompts_for_task(replace(task, data=task.eval_data), tok, max_prompt)[0]
+            except ValueError as e:   # the loader names tasks[<name>].data: here it read eval_data
+                raise ValueError(str(e).replace(f"tasks[{task.name}].data", f"tasks[{task.name}].eval_data")) from e
 
         by_task, eval_by_task, eval_counts = split_eval_prompts(cfg.tasks, by_task, cfg.eval, load_eval)
         for name, c in eval_counts.items():
