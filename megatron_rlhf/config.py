@@ -153,7 +153,7 @@ class RewardModelSpec:
 
     reward_model: str
     """``smollm2-demo`` (SmolLM2-135M-Instruct cut to 2 layers + a linear head, trained on
-    ``../shared/data/preferences`` on first use and cached under ``<model.cache_dir>/reward_models``)
+    the repo's ``data/preferences`` on first use and cached under ``<model.cache_dir>/reward_models``)
     or the path of a reward-model folder (HF sequence classification with ``num_labels: 1``, or one
     written by ``tools/train_reward_model.py``)."""
     batch_size: int = 8

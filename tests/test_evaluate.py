@@ -244,3 +244,56 @@ def test_eval_rows_in_metrics_and_tool_agrees_with_loop(ray_cluster, tiny_llama_
     last = rows[-1]
     for key in ("eval/math/reward_mean", "eval/math/len_mean_tokens"):
         assert abs(scored[key] - last[key]) <= max(last[key + "/se"], 1e-9), (key, scored[key], last[key])
+
+
+# ------------------------------------------------------------------------------ a failed eval
+@pytest.mark.timeout(30)
+def test_a_failed_eval_still_writes_its_row_and_every_later_row_then_raises():
+    import queue
+    from concurrent.futures import Future
+
+    from megatron_rlhf.trainer.evaluate import PendingRows
+
+    written = []
+    alive = threading.Thread(target=lambda: None)
+    rows = PendingRows(written.append, alive, queue.Queue(), timeout=5.0)
+    ok, failed = Future(), Future()
+    ok.set_result({"eval/step": 0, "eval/math/pass@1": 0.5, "time/eval_s": 2.0})
+    rows.add({"step": 1}, [ok])
+    rows.add({"step": 2}, [failed])
+    rows.add({"step": 3}, [])
+    assert [r["step"] for r in written] == [1]            # row 2 waits for its eval; row 3 behind it
+    failed.set_exception(RuntimeError("engine died during the eval"))
+    with pytest.raises(RuntimeError, match="engine died"):
+        rows.flush()
+    assert [r["step"] for r in written] == [1, 2, 3]      # every trained step is in metrics.jsonl
+    assert written[0]["eval/math/pass@1"] == 0.5 and written[0]["time/eval_s"] == 2.0
+    assert "eval/step" not in written[1] and written[1]["time/eval_s"] == 0.0
+
+
+@pytest.mark.timeout(30)
+def test_the_trained_steps_are_checkpointed_before_a_failed_end_of_run_eval_is_raised():
+    from megatron_rlhf.trainer.loop import _flush_and_save
+
+    class Rows:
+        def __init__(self, error):
+            self.error, self.flushed = error, False
+
+        def flush(self):
+            self.flushed = True
+            if self.error:
+                raise self.error
+
+    class FakeRun:
+        saves = []
+
+        def save(self, step, version, batch, pending=()):
+            self.saves.append((step, version, batch, tuple(pending)))
+            return step
+
+    run = FakeRun()
+    assert _flush_and_save(run, Rows(None), 16, 16, "b16", lambda: ("b17",)) == 16
+    assert run.saves == [(16, 16, "b16", ("b17",))]
+    with pytest.raises(TimeoutError):
+        _flush_and_save(run, Rows(TimeoutError("no eval result")), 16, 16, "b16", lambda: ("b17",))
+    assert run.saves[-1] == (16, 16, "b16", ())   # saved without pending batches, then the error

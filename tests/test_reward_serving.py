@@ -11,7 +11,7 @@ from megatron_rlhf.rewards import RewardModelWorker, RunningRewardNormalizer, re
 from megatron_rlhf.rewards import train as rm_train
 
 REPO = Path(__file__).resolve().parents[1]
-CACHED_DEMO = Path("~/.cache/megatron_rlhf/reward_models/smollm2-L2-T64").expanduser()
+CACHED_DEMO = Path("~/.cache/megatron_rlhf/reward_models").expanduser() / rm_train.DEMO_REWARD_MODELS["smollm2-demo"].folder
 
 PROMPTS = ["What is the capital of France?", "What is the capital of France?",
            "Write a haiku about rain.", "Write a haiku about rain."]

@@ -32,7 +32,9 @@ What training does (honest summary):
   the L2 strength is chosen by group-wise 4-fold cross-validation on the training pairs only (the
   held-out split is never used to choose anything).
 * Data: preference files (``hh_rlhf``, ``dove``, ``alpaca_eval`` formats, see
-  ``megatron_rlhf.data.preferences``), default ``../shared/data/preferences`` relative to the repo
+  ``megatron_rlhf.data.preferences``), default ``data/preferences`` in the repo (the MIT-licensed
+  HH-RLHF harmless-base and DOVE HH-helpful pairs; other folders, e.g. ``../shared/data/preferences``
+  with its CC BY-NC AlpacaEval pairs, are passed with ``data=``) relative to the repo
   (AlpacaEval annotations are CC BY-NC 4.0: read there, never copied); ``sources`` keeps some
   formats. Split by prompt group with a fixed seed so no prompt is on both sides.
 * Output (written into a temporary sibling folder and renamed into place, ``rm_report.json``
@@ -68,8 +70,9 @@ __all__ = ["DEFAULT_DATA", "DEFAULTS", "DEMO_REWARD_MODELS", "DemoRewardModel", 
 log = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[2]
-DEFAULT_DATA = REPO.parent / "shared" / "data" / "preferences"
-"""Default preference data: ``../shared/data/preferences`` next to the repo (read in place)."""
+DEFAULT_DATA = REPO / "data" / "preferences"
+"""Default preference data: ``data/preferences`` in the repo (MIT: 2,312 HH-RLHF harmless-base and 363
+DOVE HH-helpful pairs; see its README), so a fresh clone trains the demo reward model by itself."""
 ENCODING_VERSION = "v2:template+strip+eos,left-trunc,reply-len"
 DEFAULTS = dict(train_pairs=0, eval_pairs=500, max_len=64, layers=2, feature_layers=(2,), poolings=("last",),
                 reply_embedding_mean=True, length_feature=True, length_x_prompt_embedding=True)
@@ -100,9 +103,9 @@ class DemoRewardModel:
 
 DEMO_REWARD_MODELS: dict[str, DemoRewardModel] = {
     "smollm2-demo": DemoRewardModel(
-        name="smollm2-demo", folder="smollm2-L2-T64", train_kwargs=dict(base="smollm2", seed=0, **DEFAULTS),
+        name="smollm2-demo", folder="smollm2-L2-T64-mit", train_kwargs=dict(base="smollm2", seed=0, **DEFAULTS),
         description="SmolLM2-135M-Instruct cut to 2 layers, 64 tokens, linear head on every pair of "
-                    "../shared/data/preferences but 500 held out (held-out accuracy ~0.62 +- 0.02)"),
+                    "the repo's data/preferences (MIT) but 500 held out"),
 }
 """Demo reward models by name (``tasks[].reward: {reward_model: smollm2-demo}``)."""
 
@@ -145,7 +148,7 @@ def ensure_demo_reward_model(name: str, cache_dir: str | os.PathLike = "~/.cache
 
     A folder counts as cached when it holds ``rm_report.json`` (written last, and the folder is
     published by an atomic rename). Training the default ``smollm2-demo`` takes a few minutes on
-    2 CPU cores (features of ~6,600 pairs, cached under ``<cache_dir>/rm_features``, then the head).
+    2 CPU cores (features of ~2,700 pairs, cached under ``<cache_dir>/rm_features``, then the head).
     Concurrent callers may both train; the last rename wins and both get a complete folder.
 
     Args:
@@ -168,7 +171,7 @@ def ensure_demo_reward_model(name: str, cache_dir: str | os.PathLike = "~/.cache
     missing = [str(d) for d in data if not d.exists()]
     if missing:
         raise ValueError(f"{key} = {name!r}: not cached at {out}, and its training data {missing} is missing; "
-                         "put the preference data there (see ../shared/data/preferences/README.md) or give "
+                         "restore it (it is part of the repository: git checkout -- data/preferences) or give "
                          "a trained reward-model folder")
     log.warning("training demo reward model %r (%s) into %s; takes minutes on CPU, once",
                 name, spec.description, out)

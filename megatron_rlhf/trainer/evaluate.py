@@ -339,19 +339,36 @@ class PendingRows:
             self._write(*self._rows.pop(0))
 
     def flush(self) -> None:
-        """Write every queued row, waiting for its evals."""
+        """Write every queued row, waiting for its evals.
+
+        Raises:
+            the first failed eval's error (see :meth:`_result`), after every row is written: a
+            row whose eval failed is written without that eval's fields, so the trained steps
+            stay in ``metrics.jsonl`` and the caller can still checkpoint them.
+        """
+        error = None
         while self._rows:
-            self._write(*self._rows.pop(0))
+            try:
+                self._write(*self._rows.pop(0))
+            except Exception as e:   # noqa: BLE001 - re-raised below, once every row is written
+                error = error or e
+        if error is not None:
+            raise error
 
     def _write(self, row: dict, futures: list) -> None:
-        eval_s = 0.0
+        eval_s, error = 0.0, None
         for fut in futures:   # in order: a later eval's keys win (only when one row gets two)
-            res = self._result(fut)
+            try:
+                res = self._result(fut)
+            except Exception as e:   # noqa: BLE001 - the row is written first, then this is raised
+                error, res = error or e, None
             if res:
                 eval_s += res["time/eval_s"]
                 row.update(res)
         row["time/eval_s"] = eval_s
         self.log(row)
+        if error is not None:
+            raise error
 
     def _result(self, fut: Future) -> dict | None:
         """The eval's fields; None when it was cancelled or the producer ended without serving it.

@@ -111,16 +111,34 @@ def _loop(run: Run, stop: "_StopFlag", quiet: bool) -> RunResult:
                         loss=f"{row['loss/total'] if row['loss/total'] is None else round(row['loss/total'], 3)}",
                         pairs=f"{row['pairs/count']}/{row['prompts/drawn']}")
         if cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0 and done < n:
-            rows.flush()   # a checkpoint never gets ahead of metrics.jsonl
-            saved = run.save(done, version, batch, run.take_for_checkpoint(stop))
+            saved = _flush_and_save(run, rows, done, version, batch, lambda: run.take_for_checkpoint(stop))
         run.watchdog.end_step()   # a step's time includes its checkpoint (a hung save is caught too)
     run.end_evals(completed=done >= n)
-    rows.flush()
     wall = time.perf_counter() - t_start
     if last_batch is not None and saved < done:  # the end, or a stop signal
-        saved = run.save(done, version, last_batch, run.take_for_checkpoint(stop) if done < n else ())
+        saved = _flush_and_save(run, rows, done, version, last_batch,
+                                lambda: run.take_for_checkpoint(stop) if done < n else ())
+    rows.flush()
     bar.close()
     return run.finish(done, wall, stopped_early=done < n)
+
+
+def _flush_and_save(run: Run, rows: PendingRows, done: int, version: int, batch, pending) -> int:
+    """Write the queued metrics rows (waiting for their evals), then checkpoint step ``done``, so a
+    checkpoint never gets ahead of ``metrics.jsonl``. When an eval failed (e.g. an engine died
+    during the end-of-run eval) its row is still written without the eval's fields and the trained
+    steps are checkpointed (without pending batches: a resumed run regenerates them) before the
+    error is raised: a failed eval never costs trained steps.
+
+    Returns:
+        ``done``, the step now checkpointed.
+    """
+    try:
+        rows.flush()
+    except BaseException:
+        run.save(done, version, batch, ())
+        raise
+    return run.save(done, version, batch, pending())
 
 
 def _learner_batch(run: Run, batch, version: int, step: int):
