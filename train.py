@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="YAML recipe, e.g. configs/cpu_demo.yaml")
     parser.add_argument("overrides", nargs="*", help="dotted overrides: run.num_steps=4 algorithm.beta=0.05")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
 
     from megatron_rlhf.config import ConfigError, config_to_dict, load_config
 

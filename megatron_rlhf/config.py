@@ -3,7 +3,7 @@
 One tree, one place: every component receives its own sub-config (``cfg.learner``,
 ``cfg.generators``, ...), never the whole tree. Load with :func:`load_config`::
 
-    cfg = load_config("configs/cpu_demo.yaml", overrides=["run.steps=3", "algorithm.beta=0.05"])
+    cfg = load_config("configs/cpu_demo.yaml", overrides=["run.num_steps=3", "algorithm.beta=0.05"])
 
 * ``defaults: other.yaml`` (or a list) at the top of a YAML file inherits from that file
   (path relative to the including file); the child's keys are merged over the parent's.
@@ -853,16 +853,21 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             raise ConfigError(f"config key '{key}' = {value!r} must be an integer")
         return value
     if tp is float:
-        if isinstance(value, str):  # YAML reads 1e-6 (no dot) as a string
+        number = value
+        if isinstance(value, str):  # YAML reads 1e-6, inf, 1e400 (no dot) as strings
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(number, bool) or not isinstance(number, (int, float)):
             raise ConfigError(f"config key '{key}' = {value!r} must be a number")
-        if not math.isfinite(float(value)):
+        try:
+            number = float(number)
+        except OverflowError:  # an integer too large for a float
+            number = math.inf
+        if not math.isfinite(number):
             raise ConfigError(f"config key '{key}' = {value!r} must be a finite number")
-        return float(value)
+        return number
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(f"config key '{key}' = {value!r} must be a string")
@@ -885,6 +890,29 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
     for item in overrides or []:
         _apply_override(tree, item)
     return _build(Config, tree, "")
+
+
+def config_diff(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """``["key: old -> new", ...]`` for every dotted key whose value differs between two plain
+    config trees (as :func:`config_to_dict` writes them); lists compare index by index
+    (``tasks.0.data.path``), a key present on one side only shows ``<absent>`` on the other."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for k in list(old) + [k for k in new if k not in old]:
+            key = f"{prefix}.{k}" if prefix else str(k)
+            out += config_diff(old.get(k, _ABSENT), new.get(k, _ABSENT), key)
+        return out
+    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        return [d for i, (a, b) in enumerate(zip(old, new))
+                for d in config_diff(a, b, f"{prefix}.{i}" if prefix else str(i))]
+    return [] if old == new else [f"{prefix}: {_show(old)} -> {_show(new)}"]
+
+
+_ABSENT = object()
+
+
+def _show(value: Any) -> str:
+    return "<absent>" if value is _ABSENT else repr(value)
 
 
 def config_to_dict(cfg: Any) -> dict:

@@ -82,8 +82,11 @@ def test_task_config_driven_loading_and_empty_result_raises_naming_the_path(tok,
     assert counts["kept"] == 10 and all(p.task == "chat" for p in prompts)
     with pytest.raises(ValueError, match="data.path"):
         load_chat_prompts("data/chat/mt_bench/question.jsonl", task="chat", tokenizer=tok, max_prompt_tokens=3)
-    with pytest.raises(ValueError, match="not found"):
+    with pytest.raises(ValueError, match=r"tasks\[chat\]\.data\.path=.*not found"):
         load_chat_prompts(tmp_path / "nope.jsonl", task="chat", tokenizer=tok, max_prompt_tokens=10)
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(ValueError, match=r"tasks\[chat\]\.data\.path: .*holds no records"):
+        load_chat_prompts(tmp_path / "empty.jsonl", task="chat", tokenizer=tok, max_prompt_tokens=10)
 
 
 @pytest.mark.timeout(10)

@@ -43,6 +43,29 @@ def test_bad_values_raise_error_naming_the_key(override, key):
         load_config(REPO / "configs" / "cpu_demo.yaml", [override])
 
 
+@pytest.mark.parametrize("override, key", [
+    ("learner.optimizer.lr=inf", "learner.optimizer.lr"),
+    ("learner.optimizer.lr=1e999", "learner.optimizer.lr"),
+    ("learner.optimizer.lr=-inf", "learner.optimizer.lr"),
+    ("learner.optimizer.lr=nan", "learner.optimizer.lr"),
+    ("learner.optimizer.lr=.inf", "learner.optimizer.lr"),
+    ("algorithm.beta=1e400", "algorithm.beta"),
+    ("algorithm.beta=" + "9" * 400, "algorithm.beta"),
+    ("learner.optimizer.clip_grad=inf", "learner.optimizer.clip_grad"),
+])
+def test_non_finite_numbers_refused_naming_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.") + ".*finite"):
+        load_config(REPO / "configs" / "cpu_demo.yaml", [override])
+
+
+def test_non_finite_number_in_yaml_refused(tmp_path):
+    for text in ("1e400", "inf", ".nan"):
+        path = tmp_path / "c.yaml"
+        path.write_text(f"defaults: {REPO / 'configs' / 'cpu_demo.yaml'}\nalgorithm:\n  beta: {text}\n")
+        with pytest.raises(ConfigError, match=r"algorithm\.beta.*finite"):
+            load_config(path)
+
+
 def test_missing_file_and_bad_yaml(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.yaml")
@@ -75,3 +98,44 @@ def test_eval_interval_must_be_a_multiple_of_the_sync_interval():
     assert cfg.eval.interval == 4 and cfg.tasks[0].eval_data.path.endswith("mul1_eval.jsonl")
     with pytest.raises(ConfigError, match=r"eval\.samples"):
         load_config(REPO / "configs" / "cpu_demo.yaml", ["eval.samples=-1"])
+
+
+def test_config_diff_lists_changed_keys_old_to_new():
+    from megatron_rlhf.config import config_diff
+
+    old = config_to_dict(load_config(REPO / "configs" / "cpu_demo.yaml"))
+    new = config_to_dict(load_config(REPO / "configs" / "cpu_demo.yaml",
+                                     ["run.num_steps=99", "algorithm.beta=0.05", "tasks.0.data.limit=5"]))
+    assert config_diff(old, old) == []
+    diff = config_diff(old, new)
+    assert f"run.num_steps: {old['run']['num_steps']!r} -> 99" in diff
+    assert "algorithm.beta: 0.1 -> 0.05" in diff
+    assert any(d.startswith("tasks.0.data.limit: ") and d.endswith("-> 5") for d in diff)
+    assert len(diff) == 3
+    assert config_diff({"a": {"b": 1}}, {"a": {"c": 2}}) == ["a.b: 1 -> <absent>", "a.c: <absent> -> 2"]
+    assert config_diff({"t": [1, 2]}, {"t": [1]}) == ["t: [1, 2] -> [1]"]
+
+
+def test_resume_with_changed_config_names_the_keys(tmp_path):
+    from megatron_rlhf.trainer.run import _config_changes
+
+    cfg = load_config(REPO / "configs" / "cpu_demo.yaml")
+    assert _config_changes(cfg, tmp_path / "config.yaml") == []          # a new run: nothing to compare
+    save_config(cfg, tmp_path / "config.yaml")
+    assert _config_changes(cfg, tmp_path / "config.yaml") == []
+    changed = load_config(REPO / "configs" / "cpu_demo.yaml", ["learner.optimizer.lr=1e-5"])
+    assert _config_changes(changed, tmp_path / "config.yaml") == ["learner.optimizer.lr: 3e-06 -> 1e-05"]
+
+
+def test_tensor_parallel_suggestions_divide_every_split_dimension():
+    from types import SimpleNamespace
+
+    from megatron_rlhf.learner.model import check_divisible
+
+    model = SimpleNamespace(num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536,
+                            num_hidden_layers=4)
+    check_divisible(model, tensor_parallel=3, pipeline_parallel=2)
+    with pytest.raises(ValueError, match=r"learner\.tensor_parallel=2.*one of \[1, 3\]$"):
+        check_divisible(model, tensor_parallel=2, pipeline_parallel=1)
+    with pytest.raises(ValueError, match=r"learner\.pipeline_parallel=3.*one of \[1, 2, 4\]$"):
+        check_divisible(model, tensor_parallel=1, pipeline_parallel=3)

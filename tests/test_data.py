@@ -114,8 +114,11 @@ def test_too_long_prompts_are_filtered_and_counted(tokenizer, tmp_path):
 def test_limit_missing_file_and_empty_result_errors(tokenizer, tmp_path):
     prompts, counts = load_task_prompts(TaskConfig(name="m", data=dataset_config("mawps", limit=7)), tokenizer, 2048)
     assert len(prompts) == 7 and counts["rows"] == 7
-    with pytest.raises(ValueError, match=r"tasks\[\]\.data\.path"):
+    with pytest.raises(ValueError, match=r"tasks\[m\]\.data\.path"):
         load_task_prompts(_task("m", path=str(tmp_path / "missing.jsonl")), tokenizer, 2048)
+    (tmp_path / "blank.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match=r"tasks\[m\]\.data\.path: .*holds no records \(the file is empty"):
+        load_task_prompts(_task("m", path=str(tmp_path / "blank.jsonl")), tokenizer, 2048)
     f = tmp_path / "empty.jsonl"
     f.write_text("not json\n")
     with pytest.raises(ValueError, match=r"tasks\[m\]\.data\.path.*yields no prompt"):

@@ -110,6 +110,17 @@ def test_train_cli_reports_config_errors_before_any_work(tmp_path, capsys):
     assert "algorithm.beta" in capsys.readouterr().err
 
 
+@pytest.mark.timeout(120)
+def test_config_error_in_the_data_leaves_no_empty_run_folder(tiny_llama_dir, tmp_path, capsys):
+    import train
+
+    cfg = Path(__file__).resolve().parents[1] / "configs" / "ci_tiny.yaml"
+    code = train.main(["--config", str(cfg), f"model.source={tiny_llama_dir}", f"run.output_dir={tmp_path}",
+                       "run.name=bad", f"tasks.0.data.path={tmp_path / 'missing.jsonl'}"])
+    assert code == 2 and r"tasks[math].data.path" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+
+
 @pytest.mark.timeout(180)
 def test_run_can_start_from_a_megatron_checkpoint(tiny_llama_dir, tmp_path):
     """model.source = an hf_to_megatron checkpoint: exported once (exactly) to the HF folder the

@@ -1,7 +1,7 @@
 """Score any HF model folder on a recipe's held-out prompts, exactly as the trainer's eval does.
 
     .venv/bin/python tools/evaluate.py runs/cpu_demo/hf_final --config configs/cpu_demo.yaml
-    .venv/bin/python tools/evaluate.py ~/.cache/megatron_rlhf/smollm2-135m-instruct \\
+    .venv/bin/python tools/evaluate.py ~/.cache/megatron_rlhf/SmolLM2-135M-Instruct-hf \\
         --config configs/cpu_demo.yaml eval.num_prompts=128 --out base_eval.json
 
 The config gives the tasks (their held-out prompts: ``tasks[].eval_data`` or the fixed held-out
@@ -87,14 +87,19 @@ def evaluate_folder(model_dir: str | Path, cfg, *, step: int | None = None) -> d
                 head.stop()
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; dotted overrides may come anywhere (before, between or after the options)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model_dir", help="HF model folder (a run's hf_final, a converted checkpoint, a base model)")
     ap.add_argument("--config", required=True, help="the recipe whose tasks and eval settings to use")
     ap.add_argument("--out", type=Path, default=None, help="also write the values to this JSON file")
     ap.add_argument("--step", type=int, default=None, help="value of eval/step to record (default -1)")
     ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. eval.num_prompts=128")
-    args = ap.parse_args(argv)
+    return ap.parse_intermixed_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
 
     from megatron_rlhf.config import ConfigError, load_config
     from megatron_rlhf.runtime import apply_process_env

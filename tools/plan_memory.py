@@ -419,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--overhead-gib", type=float, default=3.0)
     ap.add_argument("--only", choices=("learner", "generator"), help="estimate one GPU kind only")
     ap.add_argument("--json", action="store_true", help="print the estimate as JSON")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)
     try:
         if args.config:
             from megatron_rlhf.config import load_config

@@ -131,8 +131,12 @@ def load_chat_prompts(path: str | Path, *, task: str, tokenizer, max_prompt_toke
         ValueError: the file is missing, ``fmt`` is unknown, or no prompt is left (the message
             names ``data.path`` and the counts).
     """
-    p = resolve_data_path(path, key="tasks[].data.path")
-    records, _ = read_json_records(p)
+    key = f"tasks[{task}].data.path"
+    p = resolve_data_path(path, key=key)
+    try:
+        records, _ = read_json_records(p)
+    except ValueError as e:
+        raise ValueError(f"{key}: {e}") from e
     if fmt == "auto":
         fmt = detect_chat_format(records)
     if fmt not in CHAT_FORMATS:

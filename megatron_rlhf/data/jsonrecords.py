@@ -95,7 +95,9 @@ def read_json_records(path: str | Path) -> tuple[list[dict | None], int]:
             obj = None   # malformed: invalid UTF-8 or not JSON; never altered, skipped and counted
         recs.append(obj if isinstance(obj, dict) else None)
     if not recs:
-        raise ValueError(f"data file {str(p)!r} holds no records (Arrow said: {arrow_error})")
+        why = "the file is empty or blank" if not raw.strip() else f"Arrow said: {arrow_error}"
+        raise ValueError(f"data file {str(p)!r} holds no records ({why}); give a JSONL file with one "
+                         "JSON object per line")
     return recs, sum(r is None for r in recs)
 
 

@@ -114,14 +114,14 @@ def dataset_config(name: str, **overrides: Any) -> DataConfig:
     return DataConfig(**kw)
 
 
-def resolve_data_path(path: str) -> Path:
+def resolve_data_path(path: str, key: str = "tasks[].data.path") -> Path:
     """Absolute path of a task's data file: ``~`` expanded; a relative path is looked up under the
     repo root first, then the current directory (``data.jsonrecords.resolve_data_path``).
 
     Raises:
         ValueError: no such file (names ``tasks[].data.path`` and where it looked).
     """
-    return _resolve(path, key="tasks[].data.path")
+    return _resolve(path, key=key)
 
 
 # ------------------------------------------------------------------------------ loading
@@ -162,7 +162,8 @@ def load_task_prompts(task_cfg: TaskConfig, tokenizer, max_prompt_tokens: int) -
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"task {task_cfg.name!r}: the tokenizer has no chat_template; use an "
                          "instruct/chat model folder (tokenizer_config.json with chat_template)")
-    path = resolve_data_path(data.path)
+    key = f"tasks[{task_cfg.name}].data.path"
+    path = resolve_data_path(data.path, key=key)
     parts = [p.strip() for p in data.prompt_field.split("+")]
     counts = {"rows": 0, "malformed": 0, "filtered": 0, "too_long": 0, "kept": 0}
     prompts: list[Prompt] = []
@@ -184,7 +185,7 @@ def load_task_prompts(task_cfg: TaskConfig, tokenizer, max_prompt_tokens: int) -
                                   answer=ans, text=text))
         batch.clear()
 
-    for idx, row in _read_rows(path):
+    for idx, row in _read_rows(path, key):
         if data.limit and counts["kept"] >= data.limit:
             break
         counts["rows"] += 1
@@ -239,7 +240,7 @@ def load_prompts_for_task(task_cfg: TaskConfig, tokenizer, max_prompt_tokens: in
     return load_task_prompts(task_cfg, tokenizer, max_prompt_tokens)
 
 
-def _read_rows(path: Path):
+def _read_rows(path: Path, key: str = "tasks[].data.path"):
     """Yield ``(index, row)`` for each non-blank line: ``row`` is the parsed JSON object, or
     ``None`` when the line is not valid JSON / not an object (``data.jsonrecords``: Arrow via
     ``datasets.load_dataset("json")``, line-by-line ``json.loads`` when Arrow refuses the file)."""
@@ -250,6 +251,8 @@ def _read_rows(path: Path):
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # a refused file logs an error
     try:
         records, _ = read_json_records(path)
+    except ValueError as e:   # empty or unreadable file: name the config key
+        raise ValueError(f"{key}: {e}") from e
     finally:
         datasets.logging.set_verbosity(level)
     yield from enumerate(records)

@@ -34,14 +34,16 @@ def check_divisible(hf_config, *, tensor_parallel: int, pipeline_parallel: int) 
     """
     h = hf_config
     kv = getattr(h, "num_key_value_heads", None) or h.num_attention_heads
-    for what, n, k, key in (("num_attention_heads", h.num_attention_heads, tensor_parallel, "tensor_parallel"),
-                            ("num_key_value_heads", kv, tensor_parallel, "tensor_parallel"),
-                            ("intermediate_size", h.intermediate_size, tensor_parallel, "tensor_parallel"),
-                            ("num_hidden_layers", h.num_hidden_layers, pipeline_parallel, "pipeline_parallel")):
-        if n % k:
-            divisors = [d for d in range(1, min(n, 16) + 1) if n % d == 0]
-            raise ValueError(f"model {what}={n} is not divisible by learner.{key}={k}; "
-                             f"choose a divisor of {n} (e.g. {divisors})")
+    tp_dims = (("num_attention_heads", h.num_attention_heads), ("num_key_value_heads", kv),
+               ("intermediate_size", h.intermediate_size))
+    for dims, k, key in ((tp_dims, tensor_parallel, "tensor_parallel"),
+                         ((("num_hidden_layers", h.num_hidden_layers),), pipeline_parallel, "pipeline_parallel")):
+        for what, n in dims:
+            if n % k:
+                valid = [d for d in range(1, 17) if all(m % d == 0 for _, m in dims)]
+                fields = ", ".join(f"{w}={m}" for w, m in dims)
+                raise ValueError(f"model {what}={n} is not divisible by learner.{key}={k}; choose a "
+                                 f"value that divides {fields}: one of {valid}")
 
 
 def load_hf_config(model_dir: str | Path):

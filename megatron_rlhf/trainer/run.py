@@ -21,7 +21,9 @@ import threading
 import time
 from pathlib import Path
 
-from megatron_rlhf.config import Config, ConfigError, config_to_dict, save_config
+import yaml
+
+from megatron_rlhf.config import Config, ConfigError, config_diff, config_to_dict, save_config
 from megatron_rlhf.generator.pool import GeneratorPool
 from megatron_rlhf.generator.weight_sync import PublishedWeights, make_transport
 from megatron_rlhf.trainer.checkpoint import CheckpointManager
@@ -97,7 +99,18 @@ class Run:
         return run
 
     def _prepare(self) -> "RunResult | None":
-        """Everything before any actor starts: model, pre-flight checks, data, plug-ins, folder."""
+        """Everything before any actor starts: model, pre-flight checks, data, plug-ins, folder.
+        A config error leaves no empty run folder behind (one this call created)."""
+        existed = self.run_dir.exists()
+        try:
+            return self._prepare_checked()
+        except ConfigError:
+            if not existed:
+                with contextlib.suppress(OSError):
+                    self.run_dir.rmdir()   # only when empty
+            raise
+
+    def _prepare_checked(self) -> "RunResult | None":
         cfg, say, run_dir = self.cfg, self.say, self.run_dir
         say(f"run folder {run_dir}")
         check_model_source(cfg.model)
@@ -114,13 +127,18 @@ class Run:
         if done_before is not None:
             say(f"run already complete at step {cfg.run.num_steps}: nothing to train (raise run.num_steps "
                 "to continue it, or pick another run.name for a new run)")
-            saved = run_dir / "config.yaml"
-            if saved.is_file() and _config_differs(cfg, saved):
-                say(f"note: this config differs from the one the run used ({saved}); it was not applied")
+            changes = _config_changes(cfg, run_dir / "config.yaml")
+            if changes:
+                say(f"note: this config differs from the one the run used ({run_dir / 'config.yaml'}); "
+                    f"it was not applied: {'; '.join(changes)}")
             return done_before
         self.reward_models = _resolve_reward_models(cfg)
         for task, folder in self.reward_models.items():
             say(f"task {task}: reward model {folder}{_rm_accuracy(folder)}")
+        changes = _config_changes(cfg, run_dir / "config.yaml")
+        if changes:
+            say(f"warning: resuming {run_dir} with a changed config (config.yaml is rewritten, the new "
+                f"values apply from here on): {'; '.join(changes)}")
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.yaml")
         return None
@@ -682,7 +700,10 @@ def _load_prompts(cfg: Config, model_dir: Path):
         from megatron_rlhf.trainer.evaluate import split_eval_prompts
 
         def load_eval(task):
-            return load_prompts_for_task(replace(task, data=task.eval_data), tok, max_prompt)[0]
+            try:
+                return load_prompts_for_task(replace(task, data=task.eval_data), tok, max_prompt)[0]
+            except ValueError as e:   # the loader names tasks[<name>].data: here it read eval_data
+                raise ValueError(str(e).replace(f"tasks[{task.name}].data", f"tasks[{task.name}].eval_data")) from e
 
         by_task, eval_by_task, eval_counts = split_eval_prompts(cfg.tasks, by_task, cfg.eval, load_eval)
         for name, c in eval_counts.items():
@@ -749,14 +770,16 @@ def _completed_run(cfg: Config, ckpts: CheckpointManager, run_dir: Path) -> RunR
     return result
 
 
-def _config_differs(cfg: Config, saved: Path) -> bool:
-    """Whether ``cfg`` differs from the config saved at ``saved`` (ignoring unreadable files)."""
-    from megatron_rlhf.config import load_config
-
+def _config_changes(cfg: Config, saved: Path) -> list[str]:
+    """``["key: old -> new", ...]`` between the config saved at ``saved`` and ``cfg``; empty when
+    there is no saved config or it cannot be read (a note only)."""
+    if not saved.is_file():
+        return []
     try:
-        return config_to_dict(load_config(saved)) != config_to_dict(cfg)
-    except Exception:  # noqa: BLE001 - a note only
-        return False
+        old = yaml.safe_load(saved.read_text())
+    except (OSError, yaml.YAMLError):
+        return []
+    return config_diff(old, config_to_dict(cfg))
 
 
 def _rm_accuracy(folder: Path) -> str:
