@@ -20,7 +20,7 @@ import pytest
 from megatron_rlhf.config import GeneratorConfig
 from megatron_rlhf.types import Completion, Prompt
 
-MAX_NEW = 48
+MAX_NEW = 192   # about 1 s of steps on an idle machine: the mid-request push (polled every 0.2 s) lands inside it
 TOL = 5e-4   # vLLM fp32 vs transformers fp32 token logprobs (7e-5 observed); versions differ by > 0.05
 
 
@@ -85,7 +85,7 @@ def engine(ray_cluster, tiny_llama_dir):
 
     from megatron_rlhf.generator.vllm_engine import RAY_ACTOR_OPTIONS, VLLMGenerator
 
-    cfg = GeneratorConfig(max_new_tokens=MAX_NEW, max_model_len=96, kv_cache_gib=0.0625,
+    cfg = GeneratorConfig(max_new_tokens=MAX_NEW, max_model_len=256, kv_cache_gib=0.0625,
                           check_weight_sync=True, check_weight_sync_tol=TOL)
     handle = ray.remote(num_cpus=1, **RAY_ACTOR_OPTIONS)(VLLMGenerator).remote(
         model_dir=str(tiny_llama_dir), generator_cfg=cfg, seed=0, cpu_core=-1)
@@ -200,7 +200,7 @@ def test_real_engine_keeps_generating_while_another_engine_is_busy(engine):
 
     handle, cfg, _ = engine
     slow = ray.remote(num_cpus=0, max_concurrency=2)(_FakeGenerator).remote("slow", held=True)
-    pool = _pool([handle, slow], GeneratorConfig(max_new_tokens=MAX_NEW, max_model_len=96))
+    pool = _pool([handle, slow], GeneratorConfig(max_new_tokens=MAX_NEW, max_model_len=256))
     order = _stream_until_slow_released(pool, slow, num_requests=4, fast_results_first=2)
     assert order.index("slow") >= 2 and len(order) == 4
     stats = pool.take_stats()
