@@ -118,7 +118,8 @@ def test_8b_recipe_runs_on_two_slurm_nodes_with_role_placement_broadcast_and_pro
     assert [r["staleness/max"] for r in rows] == [0, 1, 1], rows
     assert rows[2]["sync/bytes"] > 0 and rows[2]["sync/GBps"] > 0, rows[2]   # batch 3 came after the push of v1
     assert 0 <= rows[2]["sync/check_max_abs_diff"] < 1e-3, rows[2]           # the probe check ran on it
-    assert [r["sync/learner_blocked_s"] > 0 for r in rows] == [True, True, False], rows   # nothing published after step 3
+    # v1 and v2 for generation, v3 for the end-of-run eval: the learner stages every one
+    assert all(r["sync/learner_blocked_s"] > 0 for r in rows), rows
     assert (run_dir / "checkpoints" / "step_3").is_dir()
     # the held-out eval before step 1 and after step 3, the last on version 3 (pushed by broadcast
     # although no batch consumes it: the end-of-run eval never waits out async.timeout_s)
