@@ -84,7 +84,7 @@ class MetricsLogger:
         self.rows, self.aside = adopt_rows(self.path, resume_step)
         self.adopted_wall_s = sum(r.get("time/step_s") or 0.0 for r in self.rows)
         self._wandb = self._tb = self.tensorboard_dir = None
-        if getattr(logging_cfg, "tensorboard", False):
+        if logging_cfg.tensorboard:
             self.tensorboard_dir = Path(run_dir) / TENSORBOARD_DIR
             self._tb = open_tensorboard(self.tensorboard_dir, resume_step + 1, config_dict)
         self.warn_mismatch = getattr(logging_cfg, "warn_token_mult_prob_error", float("inf"))

@@ -281,9 +281,10 @@ class Run:
         if not self.trains:
             return {"loss/total": None}
         out = self.call(self.learner.train_step.remote(learner_batch), f"train_step of step {step}")
-        critic_only = bool(out.get("critic/skipped_nonfinite")) and not out.get("train/skipped_nonfinite")
-        skipped = out.get("train/skipped_nonfinite") or critic_only
-        self.skipped_in_row = self.skipped_in_row + 1 if skipped else 0
+        policy_skipped = bool(out.get("train/skipped_nonfinite"))
+        critic_skipped = bool(out.get("critic/skipped_nonfinite"))
+        critic_only = critic_skipped and not policy_skipped
+        self.skipped_in_row = self.skipped_in_row + 1 if policy_skipped or critic_skipped else 0
         limit = self.cfg.learner.max_skipped_steps
         if self.skipped_in_row >= limit:
             what, norm = (("the critic's value loss or gradient", "critic/grad_norm") if critic_only
