@@ -117,7 +117,7 @@ def test_config_diff_lists_changed_keys_old_to_new():
 
 
 def test_resume_with_changed_config_names_the_keys(tmp_path):
-    from megatron_rlhf.trainer.run import _config_changes
+    from megatron_rlhf.trainer.setup import config_changes as _config_changes
 
     cfg = load_config(REPO / "configs" / "cpu_demo.yaml")
     assert _config_changes(cfg, tmp_path / "config.yaml") == []          # a new run: nothing to compare

@@ -71,7 +71,7 @@ def test_eval_file_prompts_are_taken_out_of_training():
 
 def test_real_data_eval_and_training_prompts_disjoint(tiny_llama_dir):
     """The trainer's own loading path on real data (MAWPS, ci_tiny's task)."""
-    from megatron_rlhf.trainer.run import _load_prompts
+    from megatron_rlhf.trainer.setup import load_prompts as _load_prompts
 
     cfg = load_config(REPO / "configs" / "ci_tiny.yaml", [f"model.source={tiny_llama_dir}",
                                                           "eval.num_prompts=32"])
@@ -89,7 +89,7 @@ def test_real_data_eval_and_training_prompts_disjoint(tiny_llama_dir):
 def test_demo_eval_sets_are_the_held_out_arithmetic_file_and_mt_bench(tiny_llama_dir):
     """configs/cpu_demo.yaml: math eval = the 128 rows of 32 products training never sees; chat
     eval = 32 MT-Bench questions (another source than the HH training prompts)."""
-    from megatron_rlhf.trainer.run import _load_prompts
+    from megatron_rlhf.trainer.setup import load_prompts as _load_prompts
 
     cfg = load_config(REPO / "configs" / "cpu_demo.yaml", [f"model.source={tiny_llama_dir}"])
     sampler, counts, _, held = _load_prompts(cfg, tiny_llama_dir)

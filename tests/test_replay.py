@@ -34,7 +34,7 @@ def test_rollout_only_saves_every_batch_and_never_trains(generator, tiny_llama_d
 @pytest.mark.timeout(900)
 def test_train_only_replay_reproduces_the_live_runs_losses_without_vllm(generator, tiny_llama_dir, tmp_path,
                                                                          monkeypatch):
-    from megatron_rlhf.trainer import run as run_mod
+    from megatron_rlhf.trainer import setup as run_mod
     from megatron_rlhf.trainer.loop import train
 
     live = train(_cfg(tiny_llama_dir, tmp_path, "live", "run.save_rollouts=true", "run.num_steps=3"),
@@ -43,7 +43,7 @@ def test_train_only_replay_reproduces_the_live_runs_losses_without_vllm(generato
     def no_engine(*a, **k):
         raise AssertionError("train_only started a vLLM engine")
 
-    monkeypatch.setattr(run_mod, "_build_generators", no_engine)
+    monkeypatch.setattr(run_mod, "build_generators", no_engine)
     replay = train(_cfg(tiny_llama_dir, tmp_path, "replay", "run.mode=train_only", f"run.replay={live['run_dir']}",
                         "run.num_steps=3", "eval.enabled=false"), quiet=True)
     a, b = _rows(live["run_dir"]), _rows(replay["run_dir"])

@@ -41,7 +41,7 @@ def evaluate_folder(model_dir: str | Path, cfg, *, step: int | None = None) -> d
     from megatron_rlhf.generator.vllm_engine import VLLMGenerator
     from megatron_rlhf.generator.weight_sync import ObjectStoreTransport
     from megatron_rlhf.rewards import MathVerifyReward
-    from megatron_rlhf.trainer import run as setup
+    from megatron_rlhf.trainer import setup
     from megatron_rlhf.trainer.preflight import import_plugins
     from megatron_rlhf.trainer.evaluate import Evaluator
 
@@ -51,21 +51,21 @@ def evaluate_folder(model_dir: str | Path, cfg, *, step: int | None = None) -> d
     if not cfg.eval.enabled:
         raise ConfigError("eval.enabled is false in this config: nothing to evaluate (set eval.enabled=true)")
     try:
-        _, _, _, eval_by_task = setup._load_prompts(cfg, model_dir)
+        _, _, _, eval_by_task = setup.load_prompts(cfg, model_dir)
     except (ValueError, FileNotFoundError) as e:
         raise ConfigError(str(e)) from e
     plugins = import_plugins(cfg)
-    folders = setup._resolve_reward_models(cfg)
+    folders = setup.resolve_reward_models(cfg)
     math = MathVerifyReward(num_workers=1) if any(t.kind == "math_verify" for t in cfg.tasks) else None
     import tempfile
 
     scratch = Path(tempfile.mkdtemp(prefix="mrlhf-evaluate-"))   # Ray's stack dumps (hang watchdog)
-    head = setup._init_ray(cfg, scratch, scratch / "stacks", extra_cpus=len(set(folders.values())))
+    head = setup.init_ray(cfg, scratch, scratch / "stacks", extra_cpus=len(set(folders.values())))
     actors = []
     try:
-        rm_actors = setup._build_reward_models(cfg, folders)
+        rm_actors = setup.build_reward_models(cfg, folders)
         actors += list(set(rm_actors.values()))
-        fns = setup._reward_fns(cfg, math, rm_actors, plugins, cfg.async_.timeout_s)
+        fns = setup.reward_fns(cfg, math, rm_actors, plugins, cfg.async_.timeout_s)
         gen = ray.remote(num_cpus=1, max_restarts=0)(VLLMGenerator).remote(
             model_dir=str(model_dir), generator_cfg=cfg.generators, dtype=cfg.model.dtype, seed=cfg.run.seed)
         actors.append(gen)

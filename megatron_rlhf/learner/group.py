@@ -85,7 +85,7 @@ class LearnerGroup:
         cpu_core: rank r is pinned to core ``cpu_core + r`` (modulo the cores of its node);
             -1: no pinning.
         rank_actor_options: ``ray.remote`` options of each rank actor (default one CPU; on GPU
-            clusters ``num_gpus=1`` and the learner role resource, see ``trainer.run._actor_options``),
+            clusters ``num_gpus=1`` and the learner role resource, see ``trainer.setup.actor_options``),
             or a list of them, one per rank (placement-group bundles:
             ``megatron_rlhf.placement.ActorPlacement.learner_options``).
         timeout_s: upper bound of any wait on the ranks (seconds).

@@ -33,7 +33,6 @@ Miller 2024 ("Adding Error Bars to Evals", eq. 1).
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import math
 import queue

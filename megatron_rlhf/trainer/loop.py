@@ -27,7 +27,8 @@ import time
 
 from megatron_rlhf.config import Config
 from megatron_rlhf.trainer.evaluate import PendingRows, eval_due
-from megatron_rlhf.trainer.run import LearnerDiedError, Run, RunResult, resolve_model_dir
+from megatron_rlhf.trainer.run import LearnerDiedError, Run, RunResult
+from megatron_rlhf.trainer.setup import resolve_model_dir
 from megatron_rlhf.testing.faults import kill_point
 from megatron_rlhf.trainer.staleness import split_by_staleness
 from megatron_rlhf.types import LearnerBatch
