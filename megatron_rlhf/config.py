@@ -495,8 +495,25 @@ class AlgorithmConfig:
     function and the first bad value; ``skip`` skips every prompt with such a completion (its group
     never trains) and counts them (``reward/invalid_completions``, ``reward/invalid_prompts``)."""
 
+    overlong: str = "keep"
+    """Completions cut at ``generators.max_new_tokens`` (finish reason ``length``; DAPO, Yu et al.
+    2025 sec. 3.4): ``keep`` trains on them; ``mask`` keeps them out of the loss and out of pairs
+    (DPO pairs use untruncated completions only; the policy-gradient losses give them loss weight 0
+    and keep them in the group baseline, as NeMo-RL's overlong_filtering); ``soft_penalty`` adds
+    DAPO's linear length penalty in the last ``overlong_buffer`` tokens to the reward
+    (``megatron_rlhf.rollout.overlong``). Counted per task: ``task/<t>/overlong_frac``."""
+    overlong_buffer: int = 0
+    """``soft_penalty``: L_buf, the tokens before ``generators.max_new_tokens`` over which the
+    penalty falls linearly from 0 to -1 (DAPO uses 4096 of 20480); 1 <= it <= max_new_tokens."""
+
     def __post_init__(self):
         _check(self.loss in LOSS_NAMES, "algorithm.loss", self.loss, "one of: " + ", ".join(LOSS_NAMES))
+        _check(self.overlong in ("keep", "mask", "soft_penalty"), "algorithm.overlong", self.overlong,
+               "keep, mask or soft_penalty")
+        _check(self.overlong_buffer >= 0, "algorithm.overlong_buffer", self.overlong_buffer, "an integer >= 0")
+        _check(self.overlong != "soft_penalty" or self.overlong_buffer >= 1, "algorithm.overlong_buffer",
+               self.overlong_buffer, "an integer >= 1 with algorithm.overlong=soft_penalty (the penalty's "
+               "ramp length in tokens, e.g. a quarter of generators.max_new_tokens)")
         if self.prompts_per_step is not None and self.pairs_per_step is not None:
             _check(self.prompts_per_step == self.pairs_per_step, "algorithm.pairs_per_step",
                    self.pairs_per_step, f"equal to algorithm.prompts_per_step ({self.prompts_per_step}) "
@@ -684,6 +701,10 @@ class Config:
         _check(self.algorithm.prompts_per_step >= lp.data_parallel, "algorithm.prompts_per_step",
                self.algorithm.prompts_per_step,
                f">= learner.data_parallel ({lp.data_parallel}): every data-parallel rank needs a pair")
+        if self.algorithm.overlong == "soft_penalty":
+            _check(self.algorithm.overlong_buffer <= self.generators.max_new_tokens, "algorithm.overlong_buffer",
+                   self.algorithm.overlong_buffer, f"<= generators.max_new_tokens ({self.generators.max_new_tokens}): "
+                   "the penalty ramps over the last overlong_buffer tokens of a completion")
         if self.eval.enabled and self.eval.interval:
             _check(self.eval.interval % self.async_.sync_interval == 0, "eval.interval", self.eval.interval,
                    f"a multiple of async.sync_interval ({self.async_.sync_interval}): the generators "

@@ -96,12 +96,23 @@ class RolloutGroup:
         pair: ``(chosen, rejected)`` indices into ``rollouts`` (pair losses), or None.
         loss_rewards: ``[K]`` the rewards the loss sees (per-task normalised for the
             policy-gradient losses, 0/1 correctness for group_dpo); None: the rollouts' rewards.
+        loss_weights: ``[K]`` weight of each rollout's tokens in the loss (its ``loss_mask`` row
+            is multiplied by it; 0 keeps a truncated completion out of the loss with
+            ``algorithm.overlong: mask``, ``megatron_rlhf.rollout.overlong``); None: all 1.
     """
 
     prompt: Prompt
     rollouts: tuple[Rollout, ...]
     pair: tuple[int, int] | None = None
     loss_rewards: tuple[float, ...] | None = None
+    loss_weights: tuple[float, ...] | None = None
+
+    def __post_init__(self):
+        if self.loss_weights is not None:
+            object.__setattr__(self, "loss_weights", tuple(float(w) for w in self.loss_weights))  # JSON lists
+            if len(self.loss_weights) != len(self.rollouts):
+                raise ValueError(f"RolloutGroup: {len(self.loss_weights)} loss_weights for "
+                                 f"{len(self.rollouts)} rollouts")
 
     @property
     def rewards(self) -> tuple[float, ...]:
@@ -163,8 +174,9 @@ class LearnerBatch:
         input_ids: ``[2P, S]`` int64; row ``2i`` is pair i's chosen sequence (prompt+completion),
             row ``2i+1`` its rejected one; right-padded with ``pad_id``.
         loss_mask: ``[2P, S]`` float32; 1.0 where the token at that position is a completion token
-            (its logprob ``log p(x_t | x_<t)`` counts), 0.0 on prompt and padding. Position 0 is
-            always 0.
+            (its logprob ``log p(x_t | x_<t)`` counts), 0.0 on prompt and padding, times the
+            rollout's ``RolloutGroup.loss_weights`` entry (0 for a masked truncated completion).
+            Position 0 is always 0.
         weight_version: oldest weight version that generated any sequence in the batch.
         sampling_logprobs: ``[2P, S]`` float32 generator logprobs aligned like ``loss_mask``
             (0 where the mask is 0).
@@ -211,6 +223,7 @@ class LearnerBatch:
         rows: list[Rollout] = []
         rewards: list[float] = []
         gids: list[int] = []
+        weights: list[float] = []
         for g, grp in enumerate(groups):
             rw = grp.rewards
             try:
@@ -220,7 +233,11 @@ class LearnerBatch:
             rows.extend(grp.rollouts[i] for i in idx)
             rewards.extend(float(rw[i]) for i in idx)
             gids.extend([g] * len(idx))
+            weights.extend(1.0 if grp.loss_weights is None else grp.loss_weights[i] for i in idx)
         ids, mask, slp = _stack(rows, pad_id, pad_to_multiple)
+        if any(w != 1.0 for w in weights):   # RolloutGroup.loss_weights (overlong: mask)
+            w = torch.tensor(weights, dtype=torch.float32)[:, None]
+            mask, slp = mask * w, torch.where(w > 0, slp, torch.zeros_like(slp))
         return LearnerBatch(
             input_ids=ids, loss_mask=mask, sampling_logprobs=slp,
             weight_version=min(r.completion.weight_version for r in rows),

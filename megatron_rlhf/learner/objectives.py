@@ -86,7 +86,7 @@ class BatchTotals:
     """Denominators of the whole batch (all micro-batches, all DP ranks).
 
     Attributes:
-        num_sequences: rows ``B``; num_tokens: completion tokens (``loss_mask.sum()``);
+        num_sequences: rows ``B`` with a completion token; num_tokens: completion tokens (``loss_mask.sum()``);
         num_pairs: DPO pairs (online_dpo: ``B/2``; group_dpo: (correct, incorrect) pairs), else 0.
     """
 
@@ -182,7 +182,9 @@ def prepare_batch(algo: AlgorithmConfig, *, mask: torch.Tensor, rewards: torch.T
     """
     name = algo.loss
     b = mask.shape[0]
-    totals = BatchTotals(num_sequences=float(b), num_tokens=float(mask.sum()))
+    # sequences with a completion token: a row whose loss_mask is all 0 (algorithm.overlong: mask)
+    # is no trained sequence (NeMo-RL's global_valid_seqs)
+    totals = BatchTotals(num_sequences=float((mask.sum(-1) > 0).sum()), num_tokens=float(mask.sum()))
     if name == "online_dpo":
         return Prepared(totals=BatchTotals(totals.num_sequences, totals.num_tokens, float(b // 2)))
     if name == "best_of_k_sft":

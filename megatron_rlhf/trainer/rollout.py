@@ -48,6 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from megatron_rlhf.generator.weight_sync import PublishedWeights
 from megatron_rlhf.rewards.reward_model import length_normalized_rewards
+from megatron_rlhf.rollout.overlong import OverlongFilter
 from megatron_rlhf.testing.faults import kill_point
 from megatron_rlhf.trainer.staleness import trained_rollouts
 from megatron_rlhf.types import Rollout, RolloutGroup
@@ -245,6 +246,7 @@ class RolloutProducer:
             self.rates.update(producer_state.get("rates", {}))
             if "pool" in producer_state:
                 pool.load_state_dict(producer_state["pool"])
+        self.overlong = OverlongFilter.of(algorithm_cfg, generator_cfg.max_new_tokens)   # algorithm.overlong
         self.stop_event = threading.Event()
         self.phase = "not started"   # what run() is doing (the hang watchdog's report)
 
@@ -379,6 +381,7 @@ class RolloutProducer:
         stats = self._stats(chosen, b.rollouts, b.per_task, quotas, b.drawn, b.truncated, gen_s, b.reward_s,
                             idle_s, b.versions)
         stats.update(self.pool.take_stats())
+        stats.update(self.overlong.take_stats())
         stats.update(sync)
         stats["reward/invalid_completions"], stats["reward/invalid_prompts"] = b.invalid
         producer_state = {"normalizer": self.normalizer.state_dict(), "rates": dict(self.rates),
@@ -427,6 +430,7 @@ class RolloutProducer:
                 b.invalid[0] += sum(r is None for r in rw)
                 b.invalid[1] += 1
                 continue
+            rw = self.overlong.rewards(task, comps, rw)   # DAPO soft penalty (algorithm.overlong)
             self.normalizer.update(task, rw)
             group = [Rollout(prompt=prompt, completion=c, reward=r) for c, r in zip(comps, rw)]
             b.rollouts.extend(group)
@@ -436,7 +440,7 @@ class RolloutProducer:
             st = b.per_task[task]
             st["rewards"].extend(rw)
             st["lens"].extend(len(c.token_ids) for c in comps)
-            unit = self._group(prompt, group)
+            unit = self.overlong.group(self._group, prompt, group)   # mask: no truncated rows train
             if unit is None:
                 st["skipped"] += 1
                 continue
