@@ -41,7 +41,7 @@ CLUSTER = {  # recipe -> its model
 CPU_RECIPES = ("cpu_demo.yaml", "ci_tiny.yaml", "ci_slurm.yaml")
 GPU_COMMON = {"dtype": "bfloat16", "seed": 0, "max_model_len": 2048, "max_num_seqs": 128,
               "max_num_batched_tokens": 8192, "enable_prefix_caching": True,
-              "logprobs_mode": "processed_logprobs", "gpu_memory_utilization": 0.9, "enforce_eager": False}
+              "logprobs_mode": "processed_logprobs", "use_tqdm_on_load": False, "gpu_memory_utilization": 0.9, "enforce_eager": False}
 EXPECTED = {  # recipe -> exact LLM(...) keyword arguments of each engine (model path aside)
     "online-dpo-llama3.1-8b-2n8g.yaml": {**GPU_COMMON, "tensor_parallel_size": 1},
     "online-dpo-llama3.1-70b-8n8g-tp8pp2.yaml": {**GPU_COMMON, "tensor_parallel_size": 4,
@@ -49,11 +49,11 @@ EXPECTED = {  # recipe -> exact LLM(...) keyword arguments of each engine (model
     "online-dpo-qwen2.5-7b-math-chat-2n8g.yaml": {**GPU_COMMON, "tensor_parallel_size": 1},
     "cpu_demo.yaml": {"dtype": "float32", "seed": 0, "max_model_len": 512, "tensor_parallel_size": 1,
                       "max_num_seqs": 256, "max_num_batched_tokens": 8192, "enable_prefix_caching": True,
-                      "logprobs_mode": "processed_logprobs", "enforce_eager": True,
+                      "logprobs_mode": "processed_logprobs", "use_tqdm_on_load": False, "enforce_eager": True,
                       "kv_cache_memory_bytes": GiB // 4},
     "ci_tiny.yaml": {"dtype": "float32", "seed": 0, "max_model_len": 320, "tensor_parallel_size": 1,
                      "max_num_seqs": 256, "max_num_batched_tokens": 8192, "enable_prefix_caching": True,
-                     "logprobs_mode": "processed_logprobs", "enforce_eager": True,
+                     "logprobs_mode": "processed_logprobs", "use_tqdm_on_load": False, "enforce_eager": True,
                      "kv_cache_memory_bytes": GiB // 16},
 }
 EXPECTED["ci_slurm.yaml"] = EXPECTED["ci_tiny.yaml"]

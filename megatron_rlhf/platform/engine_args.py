@@ -127,6 +127,7 @@ def engine_kwargs(gen, *, model: str, dtype: str, seed: int, device: str | None 
         "enable_prefix_caching": gen.enable_prefix_caching,
         # the sampled token's logprob under the distribution it was drawn from (types.Completion)
         "logprobs_mode": "processed_logprobs",
+        "use_tqdm_on_load": False,   # no weight-loading bar on the console at every engine start
     }
     if gen.tensor_parallel > 1:
         kw["distributed_executor_backend"] = gen.distributed_executor_backend
