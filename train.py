@@ -79,8 +79,26 @@ def format_summary(res: dict) -> str:
         f"sync {f(res['sync_s_mean'], 2)}",
         f"async speed-up: {f(res['async_speedup'], 2)}x (gen+train+sync {f(res['serial_s'], 0)} s "
         f"serial vs {f(res['wall_s'], 0)} s wall)",
+        *_time_lines(res.get("time") or {}),
     ]
     return "\n".join(lines)
+
+
+def _time_lines(t: dict) -> list[str]:
+    """Where the time went (``summary["time"]``, ``trainer.metrics.time_breakdown``), in seconds."""
+    if not t:
+        return []
+    s = lambda k: f"{t[k]:.0f}"  # noqa: E731
+    setup = [f"{name} {s(k)}" for name, k in (("model", "time/model_s"), ("reward model", "time/reward_model_s"),
+                                              ("start", "time/start_s")) if k in t]
+    inside = [f"{name} {s(k)}" for name, k in (("eval before step 1" if t.get("time/eval_last_s") is not None
+                                                 else "eval", "time/eval_first_s"),
+                                                ("final eval", "time/eval_last_s"), ("generation", "time/gen_total_s"),
+                                                ("training", "time/train_total_s"), ("sync", "time/sync_total_s"))
+              if k in t]
+    tail = [f"{name} {s(k)}" for name, k in (("hf export", "time/export_s"), ("other", "time/other_s")) if k in t]
+    return [f"time (s): total {s('time/total_s')} = set-up ({', '.join(setup)}) + steps {s('time/loop_s')} "
+            f"(overlapped inside: {', '.join(inside)}) + {', '.join(tail)}"]
 
 
 def _eval_lines(evals: dict, f) -> list[str]:

@@ -73,8 +73,8 @@ def table(rows: list[dict]) -> str:
         p, m, c, n = r.get("pass@1"), r.get("mean@k"), r.get("chat"), r.get("len")
         out.append(
             f"| {r['run']} | {p[0]:.3f} ± {p[1]:.3f} -> {p[2]:.3f} ± {p[3]:.3f} | {p[4]:+.3f} ({p[5]:.1f}) | "
-            f"{m[0]:.3f} ± {m[1]:.3f} -> {m[2]:.3f} ± {m[3]:.3f} | "
-            f"{c[0]:.2f} ± {c[1]:.2f} -> {c[2]:.2f} ± {c[3]:.2f} | {n[0]:.0f} -> {n[2]:.0f} | "
+            + (f"{m[0]:.3f} ± {m[1]:.3f} -> {m[2]:.3f} ± {m[3]:.3f} | " if m else "n/a (eval.samples: 0) | ")
+            + f"{c[0]:.2f} ± {c[1]:.2f} -> {c[2]:.2f} ± {c[3]:.2f} | {n[0]:.0f} -> {n[2]:.0f} | "
             f"{r['wall_min']:.1f} min |")
     gains = [r["pass@1"][4] for r in rows if r.get("pass@1")]
     if len(gains) > 1:

@@ -39,3 +39,22 @@ def test_plan_memory_passes_overrides_after_options_to_the_config(capsys):
     code = plan_memory.main(["--config", str(REPO / "configs" / "cpu_demo.yaml"), "algorithm.beta=0.05",
                              "--json", "learner.micro_batch_size=abc"])
     assert code != 0 and "learner.micro_batch_size" in capsys.readouterr().err
+
+
+def test_time_breakdown_and_its_summary_line_by_hand():
+    import train
+    from megatron_rlhf.trainer.metrics import time_breakdown
+
+    rows = [{"step": 1, "eval/step": 0, "time/eval_s": 100.0, "time/gen_s": 30.0, "time/train_s": 20.0, "time/sync_s": 1.0},
+            {"step": 2, "time/eval_s": 0.0, "time/gen_s": 40.0, "time/train_s": 25.0, "time/sync_s": 2.0},
+            {"step": 3, "eval/step": 3, "time/eval_s": 80.0, "time/gen_s": 35.0, "time/train_s": 22.0, "time/sync_s": None}]
+    t = time_breakdown(rows, {"model": 60.0, "reward_model": 90.0, "start": 50.0, "export": 5.0},
+                       loop_s=400.0, total_s=610.0)
+    assert t == {"time/model_s": 60.0, "time/reward_model_s": 90.0, "time/start_s": 50.0, "time/export_s": 5.0,
+                 "time/eval_first_s": 100.0, "time/eval_last_s": 80.0, "time/eval_total_s": 180.0,
+                 "time/gen_total_s": 105.0, "time/train_total_s": 67.0, "time/sync_total_s": 3.0,
+                 "time/loop_s": 400.0, "time/other_s": 5.0, "time/total_s": 610.0}
+    assert train._time_lines(t) == [
+        "time (s): total 610 = set-up (model 60, reward model 90, start 50) + steps 400 (overlapped inside: "
+        "eval before step 1 100, final eval 80, generation 105, training 67, sync 3) + hf export 5, other 5"]
+    assert train._time_lines({}) == []

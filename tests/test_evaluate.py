@@ -165,6 +165,30 @@ def test_evaluator_values_and_standard_errors_by_hand():
     assert pool.pushed == [5]
 
 
+def test_evaluator_console_lines_start_progress_and_result():
+    import time as _time
+
+    class SlowPool(FakePool):
+        def generate(self, prompts, n, refresh=None, temperature=None):
+            _time.sleep(0.3)
+            return super().generate(prompts, n, refresh, temperature)
+
+    held = {"math": [Prompt(index=i, task="math", token_ids=(1,), answer="7", text=f"m{i}") for i in range(4)],
+            "chat": [Prompt(index=i, task="chat", token_ids=(1,), text=f"c{i}") for i in range(3)]}
+    lines: list[str] = []
+    ev = Evaluator(SlowPool(), held, {"math": "math_verify", "chat": "reward_model"}, _fns(),
+                   EvalConfig(samples=4), 1.0, log=lines.append, progress_every_s=0.1)
+    ev.evaluate(0)
+    assert lines[0] == "eval before step 1: math 4, chat 3 held-out prompts, greedy + 4 samples of each math prompt..."
+    assert any(ln.startswith("eval before step 1: greedy completions of 7 prompts... ") for ln in lines[1:-1])
+    assert any(ln.startswith("eval before step 1: 4 sampled completions of 4 math prompts... ") for ln in lines[1:-1])
+    # pass@1 2/4, se sqrt(1/3)/2 = 0.289; mean@4 0.25; chat rewards 0, 1, 2: 1.00 +- 0.58
+    assert lines[-1].startswith("eval before step 1: math pass@1 2/4 = 0.500 +- 0.289, mean@4 0.250; "
+                                "chat reward 1.00 +- 0.58 (")
+    ev.log = None   # silent without a log
+    ev.evaluate(3)
+
+
 def test_evaluator_refuses_completions_of_two_weight_versions():
     held = {"math": [Prompt(index=0, task="math", token_ids=(1,), answer="7", text="m")]}
     ev = Evaluator(FakePool(mixed=True), held, {"math": "math_verify"}, _fns(), EvalConfig(samples=2), 1.0)

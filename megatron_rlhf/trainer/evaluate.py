@@ -44,7 +44,7 @@ from typing import Callable
 from megatron_rlhf.types import Prompt
 
 __all__ = ["mean_se", "heldout_order", "split_eval_prompts", "Evaluator", "EvalService", "PendingRows",
-           "eval_due", "eval_keys_of", "eval_metrics"]
+           "eval_due", "eval_keys_of", "eval_metrics", "format_eval_line"]
 
 
 def mean_se(values: list[float]) -> tuple[float, float]:
@@ -167,13 +167,18 @@ class Evaluator:
         reward_fns: task name -> ``(prompts, completions) -> rewards`` (the trainer's scorers).
         eval_cfg: ``EvalConfig`` (``samples``, ``temperature``).
         sample_temperature: ``generators.temperature`` (used when ``eval.temperature`` is null).
+        log: console lines (None: silent): one as the eval starts, one every
+            ``progress_every_s`` seconds while it generates, and its result
+            (:func:`format_eval_line`).
     """
 
     def __init__(self, pool, eval_by_task: dict[str, list[Prompt]], kinds: dict[str, str],
-                 reward_fns: dict[str, Callable], eval_cfg, sample_temperature: float):
+                 reward_fns: dict[str, Callable], eval_cfg, sample_temperature: float,
+                 log: Callable[[str], None] | None = None, progress_every_s: float = 30.0):
         self.pool, self.eval_by_task, self.kinds, self.reward_fns = pool, eval_by_task, kinds, reward_fns
         self.samples = eval_cfg.samples
         self.temperature = eval_cfg.temperature if eval_cfg.temperature is not None else sample_temperature
+        self.log, self.progress_every_s = log, progress_every_s
 
     def evaluate(self, step: int, weights=None) -> dict:
         """Push ``weights`` (a ``PublishedWeights``; None: what the pool holds) to every worker
@@ -191,17 +196,27 @@ class Evaluator:
         version = min(self.pool.versions())
         tasks = [t for t, ps in self.eval_by_task.items() if ps]   # a task too small to hold any out: none
         prompts = [p for t in tasks for p in self.eval_by_task[t]]
-        greedy = self.pool.generate(prompts, 1, temperature=0.0)
         math_prompts = [p for p in prompts if self.kinds[p.task] == "math_verify"]
-        sampled = (self.pool.generate(math_prompts, self.samples, temperature=self.temperature)
-                   if math_prompts and self.samples > 0 else [])
-        seen = {v for g in (*greedy, *sampled) for c in g
-                for v in (c.weight_version, getattr(c, "weight_version_last", c.weight_version))}
-        if seen - {version}:   # (no eval prompt at all: nothing generated, nothing to check)
-            raise RuntimeError(f"eval at step {step}: completions came from weight versions {sorted(seen)}, "
-                               f"expected only {version} (a weight push during the eval)")
-        greedy_r = self._score(prompts, [[g[0]] for g in greedy])
-        sampled_r = self._score(math_prompts, sampled) if sampled else []
+        label = "eval before step 1" if step == 0 else f"eval after step {step}"
+        stage = [f"greedy completions of {len(prompts)} prompts"]
+        if self.log is not None:
+            self.log(f"{label}: " + ", ".join(f"{t} {len(self.eval_by_task[t])}" for t in tasks)
+                     + " held-out prompts, greedy" + (f" + {self.samples} samples of each math prompt"
+                                                     if math_prompts and self.samples > 0 else "") + "...")
+        with _Heartbeat(self.log, lambda: f"{label}: {stage[0]}... {time.perf_counter() - t0:.0f} s",
+                        self.progress_every_s):
+            greedy = self.pool.generate(prompts, 1, temperature=0.0)
+            stage[0] = f"{self.samples} sampled completions of {len(math_prompts)} math prompts"
+            sampled = (self.pool.generate(math_prompts, self.samples, temperature=self.temperature)
+                       if math_prompts and self.samples > 0 else [])
+            seen = {v for g in (*greedy, *sampled) for c in g
+                    for v in (c.weight_version, getattr(c, "weight_version_last", c.weight_version))}
+            if seen - {version}:   # (no eval prompt at all: nothing generated, nothing to check)
+                raise RuntimeError(f"eval at step {step}: completions came from weight versions {sorted(seen)}, "
+                                   f"expected only {version} (a weight push during the eval)")
+            stage[0] = "scoring"
+            greedy_r = self._score(prompts, [[g[0]] for g in greedy])
+            sampled_r = self._score(math_prompts, sampled) if sampled else []
         by_math = {id(p): r for p, r in zip(math_prompts, sampled_r)}
         out: dict = {"eval/step": step, "eval/weight_version": version, "eval/k": self.samples}
         for t in tasks:
@@ -210,6 +225,8 @@ class Evaluator:
             out.update(eval_metrics(t, self.kinds[t], [greedy_r[i][0] for i in idx],
                                     [len(greedy[i][0].token_ids) for i in idx], samp))
         out["time/eval_s"] = time.perf_counter() - t0
+        if self.log is not None:
+            self.log(format_eval_line(label, out))
         return out
 
     def _score(self, prompts: list[Prompt], groups: list[list]) -> list[list[float]]:
@@ -227,6 +244,48 @@ class Evaluator:
                 out[i] = [float(x) for x in flat[pos:pos + len(groups[i])]]
                 pos += len(groups[i])
         return out
+
+
+def format_eval_line(label: str, fields: dict) -> str:
+    """One console line of an eval's result: ``eval before step 1: math pass@1 78/128 = 0.609 +-
+    0.043, mean@k ...; chat reward 0.30 +- 0.08 (95 s)`` (from :meth:`Evaluator.evaluate`'s fields)."""
+    parts = []
+    for t in dict.fromkeys(k.split("/")[1] for k in fields if k.count("/") == 2 and k.startswith("eval/")):
+        pre, n = f"eval/{t}/", fields.get(f"eval/{t}/num_prompts", 0)
+        if pre + "pass@1" in fields:
+            p = fields[pre + "pass@1"]
+            txt = f"{t} pass@1 {round(p * n)}/{n} = {p:.3f} +- {fields[pre + 'pass@1/se']:.3f}"
+            if pre + "mean@k" in fields:
+                txt += f", mean@{fields.get('eval/k')} {fields[pre + 'mean@k']:.3f}"
+            parts.append(txt)
+        elif pre + "reward_mean" in fields:
+            parts.append(f"{t} reward {fields[pre + 'reward_mean']:.2f} +- {fields[pre + 'reward_mean/se']:.2f}")
+    return f"{label}: " + "; ".join(parts) + f" ({fields.get('time/eval_s', 0.0):.0f} s)"
+
+
+class _Heartbeat:
+    """While its block runs, calls ``log(line())`` every ``every_s`` seconds from a daemon thread
+    (an eval's progress: generation is one blocking call per stage). No-op when ``log`` is None."""
+
+    def __init__(self, log: Callable[[str], None] | None, line: Callable[[], str], every_s: float):
+        self.log, self.line, self.every_s = log, line, every_s
+        self._done = threading.Event()
+        self._thread = None
+
+    def __enter__(self):
+        if self.log is not None and self.every_s > 0:
+            self._thread = threading.Thread(target=self._beat, name="eval-progress", daemon=True)
+            self._thread.start()
+        return self
+
+    def _beat(self) -> None:
+        while not self._done.wait(self.every_s):
+            self.log(self.line())
+
+    def __exit__(self, *exc):
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
 
 
 _CLOSE = object()

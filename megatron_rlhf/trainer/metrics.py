@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["MetricsLogger", "REQUIRED_KEYS", "adopt_rows", "summarize", "summarize_evals", "task_names",
+           "time_breakdown",
            "wandb_run_id", "open_tensorboard", "TENSORBOARD_DIR"]
 
 TENSORBOARD_DIR = "tensorboard"
@@ -309,4 +310,38 @@ def summarize_evals(rows: list[dict]) -> dict:
         out.setdefault(parts[1], {})[parts[2]] = {
             "first": first[key], "first_se": first.get(key + "/se"), "first_step": first["eval/step"],
             "last": last.get(key), "last_se": last.get(key + "/se"), "last_step": last["eval/step"]}
+    return out
+
+
+def time_breakdown(rows: list[dict], phases: dict[str, float], *, loop_s: float, total_s: float) -> dict:
+    """Where the run's time went, in seconds (the summary's ``time`` table; ``train.py`` prints it).
+
+    Args:
+        rows: the run's metric rows (every session's).
+        phases: this session's set-up / teardown phases (``Run.phase``): ``model`` (the HF folder:
+            GGUF conversion on first use), ``reward_model`` (trained on first use), ``start`` (Ray,
+            learner, generators, reward models, first weights), ``export`` (``hf_final``).
+        loop_s: wall seconds of this session's step loop.
+        total_s: wall seconds from opening the run to its summary.
+    Returns:
+        ``time/<phase>_s`` for each phase; ``time/loop_s``; inside the loop (overlapped, so they add
+        up to more than ``loop_s``): ``time/eval_first_s`` (the first eval's seconds, before step
+        1 on a fresh run), ``time/eval_last_s`` (the last eval's, when there are two or more),
+        ``time/eval_total_s``, and the sums over rows of ``time/gen_s``, ``time/train_s``,
+        ``time/sync_s`` as ``time/gen_total_s``, ``time/train_total_s``, ``time/sync_total_s``;
+        ``time/other_s`` = total minus the phases and the loop (data, checkpoints of the end,
+        summary); ``time/total_s``.
+    """
+    out = {f"time/{k}_s": float(v) for k, v in phases.items()}
+    evals = [r.get("time/eval_s") or 0.0 for r in rows if r.get("eval/step") is not None]
+    if evals:
+        out["time/eval_first_s"] = evals[0]
+        if len(evals) > 1:
+            out["time/eval_last_s"] = evals[-1]
+        out["time/eval_total_s"] = sum(evals)
+    for key in ("gen", "train", "sync"):
+        out[f"time/{key}_total_s"] = sum(r.get(f"time/{key}_s") or 0.0 for r in rows)
+    out["time/loop_s"] = float(loop_s)
+    out["time/other_s"] = max(0.0, total_s - loop_s - sum(phases.values()))
+    out["time/total_s"] = float(total_s)
     return out

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from megatron_rlhf.config import Config
 from megatron_rlhf.trainer.checkpoint import CheckpointManager
-from megatron_rlhf.trainer.metrics import summarize
+from megatron_rlhf.trainer.metrics import summarize, time_breakdown
 from megatron_rlhf.trainer.rollout import ProducerError, RewardError
 
 __all__ = ["Run", "RunResult", "LearnerDiedError", "NonFiniteTrainingError", "learner_guard"]
@@ -67,6 +67,20 @@ class Run:
         self._calls: dict[str, float] = {}   # learner calls in flight -> start (monotonic s)
         self.stacks_dir = self.watchdog = None
         self.skipped_in_row = 0
+        self.phase_s: dict[str, float] = {}   # seconds of this session's set-up / teardown phases
+        self.t_open = time.perf_counter()
+
+    @contextlib.contextmanager
+    def phase(self, name: str, what: str | None = None):
+        """Time one phase of this session (``time/<name>_s`` in the summary's ``time`` table,
+        :func:`metrics.time_breakdown`); ``what``: its console line, printed as it starts."""
+        if what:
+            self.say(what)
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phase_s[name] = self.phase_s.get(name, 0.0) + time.perf_counter() - t0
 
     @classmethod
     def open(cls, cfg: Config, *, quiet: bool = False, generators: list | None = None) -> "Run | RunResult":
@@ -77,7 +91,7 @@ class Run:
             ConfigError: a bad config or model folder, before any actor starts.
             LearnerDiedError / TimeoutError: an actor failed while starting.
         """
-        say = (lambda *a: None) if quiet else (lambda *a: print("[megatron-rlhf]", *a, flush=True))
+        say = (lambda *a: None) if quiet else _say
         run = cls(cfg, say)
         from megatron_rlhf.trainer import setup
 
@@ -85,7 +99,8 @@ class Run:
         if done is not None:
             return done
         try:
-            setup.start(run, generators)
+            with run.phase("start", "starting Ray, the learner, the generators and the reward models..."):
+                setup.start(run, generators)
         except BaseException:
             run.close()
             raise
@@ -233,8 +248,11 @@ class Run:
         cfg, run_dir = self.cfg, self.run_dir
         if not stopped_early and cfg.checkpoint.export_hf and self.trains and (done > self.start_step or not (
                 run_dir / "hf_final" / "config.json").is_file()):
-            _export_final(self, run_dir, self.model_dir)
+            with self.phase("export"):
+                _export_final(self, run_dir, self.model_dir)
         result = RunResult(summarize(self.metrics.rows, wall_s + self.metrics.adopted_wall_s))
+        result["time"] = time_breakdown(self.metrics.rows, self.phase_s, loop_s=wall_s,
+                                        total_s=time.perf_counter() - self.t_open)
         result.update(run_dir=str(run_dir), stopped_early=stopped_early, resumed_from_step=self.start_step,
                       data=self.data_counts, prompts_too_long=self.too_long,
                       generator_restarts=self.pool.restarts if self.pool else 0,
@@ -279,6 +297,15 @@ class Run:
 
 
 # ----- helpers ----------------------------------------------------------------------------------
+
+def _say(*parts) -> None:
+    """A ``[megatron-rlhf]`` console line; through ``tqdm.write`` so that a line printed while the
+    step bar is shown (an eval's progress, from the producer thread) does not break the bar."""
+    from tqdm import tqdm
+
+    tqdm.write(" ".join(["[megatron-rlhf]", *map(str, parts)]))
+    sys.stdout.flush()
+
 
 def _learner_call(ref, what: str, timeout: float, ckpts: CheckpointManager):
     """``ray.get`` of a learner call; a dead learner stops the run with a clear error.

@@ -53,13 +53,16 @@ def _prepare_checked(run) -> "RunResult | None":
     cfg, say, run_dir = run.cfg, run.say, run.run_dir
     say(f"run folder {run_dir}")
     check_model_source(cfg.model)
-    run.model_dir = resolve_model_dir(cfg.model)
+    with run.phase("model", f"model {cfg.model.source}: preparing the Hugging Face folder (a GGUF or "
+                   "Megatron source is converted once and cached)..."):
+        run.model_dir = resolve_model_dir(cfg.model)
     run.plugins = preflight(cfg, run.model_dir)    # before any actor starts: a bad config stops here
     try:
         run.sampler, run.data_counts, run.pad_id, run.eval_by_task = load_prompts(cfg, run.model_dir)
     except (ValueError, FileNotFoundError) as e:   # names tasks[].data.*: a config problem
         raise ConfigError(str(e)) from e
-    say(f"model {run.model_dir}; prompts per task: {json.dumps(run.data_counts)}")
+    say(f"model {run.model_dir}; prompts: " + ", ".join(
+        f"{t} {c.get('kept')} to train, {c.get('eval_prompts', 0)} held out" for t, c in run.data_counts.items()))
     run.too_long = sum(c.get("too_long", 0) for c in run.data_counts.values())
     run.ckpts = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep_last)
     done_before = completed_run(cfg, run.ckpts, run_dir)
@@ -71,7 +74,8 @@ def _prepare_checked(run) -> "RunResult | None":
             say(f"note: this config differs from the one the run used ({run_dir / 'config.yaml'}); "
                 f"it was not applied: {'; '.join(changes)}")
         return done_before
-    run.reward_models = resolve_reward_models(cfg)
+    with run.phase("reward_model"):   # trains the demo reward model on first use (it says so)
+        run.reward_models = resolve_reward_models(cfg)
     for task, folder in run.reward_models.items():
         say(f"task {task}: reward model {folder}{rm_accuracy(folder)}")
     changes = config_changes(cfg, run_dir / "config.yaml")
@@ -156,7 +160,7 @@ def start(run, generators: list | None) -> None:
     run.pool = GeneratorPool(run.generators, transport=run.transport, generator_cfg=cfg.generators,
                               timeout_s=timeout, probe=run.probe,
                               log=lambda m: print(m, file=sys.stderr, flush=True))
-    run.evals = eval_service(cfg, run.pool, run.eval_by_task, fns)
+    run.evals = eval_service(cfg, run.pool, run.eval_by_task, fns, log=run.say)
     bound = cfg.run.num_steps if cfg.run.mode == "rollout_only" else cfg.async_.staleness_bound
     run.producer = RolloutProducer(   # rollout_only: never waits for weights (no training)
         pool=run.pool, sampler=run.sampler, reward_fns=fns,
@@ -379,14 +383,15 @@ def probe_tokens(sampler, max_model_len: int) -> list[int]:
     return list(first.token_ids[: max_model_len - 1])
 
 
-def eval_service(cfg: Config, pool, eval_by_task: dict, reward_fns: dict):
-    """The ``EvalService`` of the run's held-out prompts (None with ``eval.enabled: false``)."""
+def eval_service(cfg: Config, pool, eval_by_task: dict, reward_fns: dict, log=None):
+    """The ``EvalService`` of the run's held-out prompts (None with ``eval.enabled: false``);
+    ``log``: where its progress lines go (None: nowhere)."""
     if not cfg.eval.enabled:
         return None
     from megatron_rlhf.trainer.evaluate import EvalService, Evaluator
 
     return EvalService(Evaluator(pool, eval_by_task, {t.name: t.kind for t in cfg.tasks}, reward_fns,
-                                 cfg.eval, cfg.generators.temperature))
+                                 cfg.eval, cfg.generators.temperature, log=log))
 
 
 def completed_run(cfg: Config, ckpts: CheckpointManager, run_dir: Path) -> RunResult | None:
