@@ -109,3 +109,28 @@ def test_math_and_chat_mix_with_a_reward_model_actor(generator, tiny_llama_dir, 
     state = json.loads((Path(res["run_dir"]) / "checkpoints" / "step_2" / "trainer_state.json").read_text())
     assert set(state["sampler_state"]["tasks"]) == {"math", "chat"}
     assert set(state["producer_state"]["normalizer"]["moments"]) == {"math", "chat"}
+
+
+@pytest.mark.timeout(600)
+def test_overlong_mask_trains_grpo_without_truncated_completions(generator, tiny_llama_dir, tmp_path):
+    """algorithm.overlong=mask in the real loop: the random model's completions mostly hit
+    max_new_tokens; those rows reach the learner with an all-zero loss mask (no trained tokens),
+    only groups with an untruncated completion train, and the counts are per task."""
+    from megatron_rlhf.trainer.loop import train
+
+    from megatron_rlhf.trainer.batch_io import list_batches, load_batch
+
+    res = train(_cfg(tiny_llama_dir, tmp_path, "overlong_mask", "algorithm.loss=grpo", "algorithm.overlong=mask",
+                     "algorithm.samples_per_prompt=8", "eval.enabled=false", "run.save_rollouts=true"),
+                quiet=True, generators=[generator])
+    rows = _rows(res["run_dir"])
+    batches = [load_batch(p) for p in list_batches(Path(res["run_dir"]) / "rollouts")]
+    assert [r["step"] for r in rows] == [1, 2, 3] and len(batches) == 3
+    for r, b in zip(rows, batches):
+        assert r["pairs/count"] == 2 and r["train/num_sequences"] == 16   # 2 groups of 8 rows
+        assert 0 < r["task/math/overlong_frac"] <= 1 and r["task/math/overlong_masked"] >= 1
+        # the learner trained exactly the untruncated completions' tokens
+        comps = [x.completion for g in b.groups for x in g.rollouts]
+        assert any(c.finish_reason == "stop" for c in comps)
+        assert r["train/tokens"] == sum(len(c.token_ids) for c in comps if c.finish_reason == "stop")
+        assert math.isfinite(r["loss/total"]) and math.isfinite(r["grad/norm"])
