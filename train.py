@@ -91,12 +91,11 @@ def _time_lines(t: dict) -> list[str]:
     s = lambda k: f"{t[k]:.0f}"  # noqa: E731
     setup = [f"{name} {s(k)}" for name, k in (("model", "time/model_s"), ("reward model", "time/reward_model_s"),
                                               ("start", "time/start_s")) if k in t]
-    inside = [f"{name} {s(k)}" for name, k in (("eval before step 1" if t.get("time/eval_last_s") is not None
-                                                 else "eval", "time/eval_first_s"),
-                                                ("final eval", "time/eval_last_s"), ("generation", "time/gen_total_s"),
+    inside = [f"{name} {s(k)}" for name, k in (("first eval", "time/eval_first_s"), ("generation", "time/gen_total_s"),
                                                 ("training", "time/train_total_s"), ("sync", "time/sync_total_s"))
               if k in t]
-    tail = [f"{name} {s(k)}" for name, k in (("hf export", "time/export_s"), ("other", "time/other_s")) if k in t]
+    tail = [f"{name} {s(k)}" for name, k in (("final eval", "time/eval_last_s"), ("hf export", "time/export_s"),
+                                             ("other", "time/other_s")) if k in t]
     return [f"time (s): total {s('time/total_s')} = set-up ({', '.join(setup)}) + steps {s('time/loop_s')} "
             f"(overlapped inside: {', '.join(inside)}) + {', '.join(tail)}"]
 

@@ -49,12 +49,12 @@ def test_time_breakdown_and_its_summary_line_by_hand():
             {"step": 2, "time/eval_s": 0.0, "time/gen_s": 40.0, "time/train_s": 25.0, "time/sync_s": 2.0},
             {"step": 3, "eval/step": 3, "time/eval_s": 80.0, "time/gen_s": 35.0, "time/train_s": 22.0, "time/sync_s": None}]
     t = time_breakdown(rows, {"model": 60.0, "reward_model": 90.0, "start": 50.0, "export": 5.0},
-                       loop_s=400.0, total_s=610.0)
+                       loop_s=400.0, total_s=690.0)
     assert t == {"time/model_s": 60.0, "time/reward_model_s": 90.0, "time/start_s": 50.0, "time/export_s": 5.0,
                  "time/eval_first_s": 100.0, "time/eval_last_s": 80.0, "time/eval_total_s": 180.0,
                  "time/gen_total_s": 105.0, "time/train_total_s": 67.0, "time/sync_total_s": 3.0,
-                 "time/loop_s": 400.0, "time/other_s": 5.0, "time/total_s": 610.0}
+                 "time/loop_s": 400.0, "time/other_s": 5.0, "time/total_s": 690.0}
     assert train._time_lines(t) == [
-        "time (s): total 610 = set-up (model 60, reward model 90, start 50) + steps 400 (overlapped inside: "
-        "eval before step 1 100, final eval 80, generation 105, training 67, sync 3) + hf export 5, other 5"]
+        "time (s): total 690 = set-up (model 60, reward model 90, start 50) + steps 400 (overlapped inside: "
+        "first eval 100, generation 105, training 67, sync 3) + final eval 80, hf export 5, other 5"]
     assert train._time_lines({}) == []

@@ -326,11 +326,12 @@ def time_breakdown(rows: list[dict], phases: dict[str, float], *, loop_s: float,
     Returns:
         ``time/<phase>_s`` for each phase; ``time/loop_s``; inside the loop (overlapped, so they add
         up to more than ``loop_s``): ``time/eval_first_s`` (the first eval's seconds, before step
-        1 on a fresh run), ``time/eval_last_s`` (the last eval's, when there are two or more),
-        ``time/eval_total_s``, and the sums over rows of ``time/gen_s``, ``time/train_s``,
+        1 on a fresh run) and the sums over rows of ``time/gen_s``, ``time/train_s``,
         ``time/sync_s`` as ``time/gen_total_s``, ``time/train_total_s``, ``time/sync_total_s``;
-        ``time/other_s`` = total minus the phases and the loop (data, checkpoints of the end,
-        summary); ``time/total_s``.
+        after the loop: ``time/eval_last_s`` (the final eval, when the run has two or more; the
+        loop ends when the last step is trained, its eval runs after); ``time/eval_total_s``;
+        ``time/other_s`` = total minus the phases, the loop and the final eval (data, the last
+        checkpoint, summary); ``time/total_s``.
     """
     out = {f"time/{k}_s": float(v) for k, v in phases.items()}
     evals = [r.get("time/eval_s") or 0.0 for r in rows if r.get("eval/step") is not None]
@@ -342,6 +343,6 @@ def time_breakdown(rows: list[dict], phases: dict[str, float], *, loop_s: float,
     for key in ("gen", "train", "sync"):
         out[f"time/{key}_total_s"] = sum(r.get(f"time/{key}_s") or 0.0 for r in rows)
     out["time/loop_s"] = float(loop_s)
-    out["time/other_s"] = max(0.0, total_s - loop_s - sum(phases.values()))
+    out["time/other_s"] = max(0.0, total_s - loop_s - sum(phases.values()) - out.get("time/eval_last_s", 0.0))
     out["time/total_s"] = float(total_s)
     return out
