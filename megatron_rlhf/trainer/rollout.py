@@ -48,6 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from megatron_rlhf.generator.weight_sync import PublishedWeights
 from megatron_rlhf.rewards.reward_model import length_normalized_rewards
+from megatron_rlhf.rollout.carry import Carry, PartialGroup
 from megatron_rlhf.testing.faults import kill_point
 from megatron_rlhf.trainer.staleness import trained_rollouts
 from megatron_rlhf.types import Rollout, RolloutGroup
@@ -240,11 +241,14 @@ class RolloutProducer:
             self.rng.setstate(_to_rng_state(rng_state))
         self.normalizer = RunningRewardNormalizer()
         self.rates = {t: 0.5 for t in sampler.tasks}   # trainable groups per drawn prompt (EMA)
+        self.carry = Carry()   # surplus groups and parked partial requests for the next batch
         if producer_state:
             self.normalizer.load_state_dict(producer_state["normalizer"])
             self.rates.update(producer_state.get("rates", {}))
             if "pool" in producer_state:
                 pool.load_state_dict(producer_state["pool"])
+            self.carry = Carry.from_state_dict(producer_state.get("carry"))
+        self.partial = bool(getattr(generator_cfg, "partial_rollouts", False))
         self.stop_event = threading.Event()
         self.phase = "not started"   # what run() is doing (the hang watchdog's report)
 
@@ -354,41 +358,66 @@ class RolloutProducer:
 
     # ------------------------------------------------------------------------------ one batch
     def _make_batch(self, k: int, sync: dict, idle_s: float) -> RolloutBatch:
-        """Batch ``k``: stream requests through the pool until every task holds its quota.
+        """Batch ``k``: carried groups first, then stream requests through the pool until every
+        task holds its quota.
 
-        Each finished request is scored at once and its trainable groups counted; right after,
-        its engine gets ``generators.prompts_per_request`` new prompts (split over the tasks
-        still short of their quota by ``allocate_draws``) if a quota is still short.
-        When the quotas are met, requests still running are waited for (at most one per
-        engine); their groups count as surplus.
+        What earlier batches carried (:class:`~megatron_rlhf.rollout.carry.Carry`) comes first:
+        what batch ``k`` may not train (older than the staleness bound) is dropped and counted,
+        each task's surplus groups fill its quota (oldest first), and parked partial requests
+        are the first prompts sent. Each finished request is scored at once and its trainable
+        groups counted; right after, its engine gets new prompts (:meth:`_draw`) while a quota
+        is still short. When the quotas are met, requests still running are aborted and parked
+        (``generators.partial_rollouts``) or waited for; trainable groups beyond a quota are
+        carried to the next batch (``algorithm.carry_surplus``) or dropped.
         """
         quotas = self.sampler.quotas(self.algo.prompts_per_step)
         b = _BatchState(quotas)
         t0 = time.perf_counter()
+        stale = self.carry.drop_stale(k, self.bound)
+        for t in quotas:
+            b.got[t] = self.carry.take_surplus(t, quotas[t])
+            b.per_task[t]["carried_in"] = len(b.got[t])
+            b.per_task[t]["dropped_stale"] = stale.get(t, 0)
+            b.versions.update(g.weight_version for g in b.got[t])
+        parked = self.carry.take_parked()
+        b.resume = [p for p in parked if len(b.got[p.prompt.task]) < quotas[p.prompt.task]]
+        self.carry.parked = [p for p in parked if len(b.got[p.prompt.task]) >= quotas[p.prompt.task]]
         refresh = self.channel.latest if self.gen_cfg.inflight_updates else None
         n = self.algo.samples_per_prompt
-        for prompts, groups in self.pool.stream(n, lambda: self._draw(k, b), refresh):
+        extra = {"park": lambda pg: self._park(b, pg), "full": b.full} if self.partial else {}
+        for prompts, groups in self.pool.stream(n, lambda: self._draw(k, b), refresh, **extra):
             kill_point("generation", k + 1)
             t1 = time.perf_counter()
             self.phase = f"batch {k}: scoring {len(prompts)} prompts x {n} completions"
             self._absorb(b, prompts, groups)
             self.phase = f"batch {k}: generating and scoring"
             b.reward_s += time.perf_counter() - t1
+        self.carry.parked.extend(b.resume)   # parked requests this batch did not need
         gen_s = time.perf_counter() - t0 - b.reward_s
         chosen = [g for t in quotas for g in b.got[t]]
-        stats = self._stats(chosen, b.rollouts, b.per_task, quotas, b.drawn, b.truncated, gen_s, b.reward_s,
-                            idle_s, b.versions)
+        stats = self._stats(chosen, b, gen_s, idle_s)
         stats.update(self.pool.take_stats())
         stats.update(sync)
         stats["reward/invalid_completions"], stats["reward/invalid_prompts"] = b.invalid
         producer_state = {"normalizer": self.normalizer.state_dict(), "rates": dict(self.rates),
-                          "pool": self.pool.state_dict()}
-        return RolloutBatch(index=k, weight_version=min(b.versions), groups=tuple(chosen),
+                          "pool": self.pool.state_dict(), "carry": self.carry.state_dict()}
+        return RolloutBatch(index=k, weight_version=min(g.weight_version for g in chosen), groups=tuple(chosen),
                             sampler_state=self.sampler.state_dict(), rng_state=self.rng.getstate(),
                             producer_state=producer_state, stats=stats)
 
     def _draw(self, k: int, b: "_BatchState") -> list:
-        """Prompts for one request of a free engine; ``[]`` once every task holds its quota.
+        """What one request of a free engine gets; ``[]`` when the batch needs nothing more now.
+
+        Parked partial requests go first (their tasks still short). Then new prompts, sized by
+        measured yield unless ``generators.prompts_per_request`` fixes the size: task t still
+        needs ``r_t`` trainable prompts, and ``f_t`` of its prompts are running (each expected to
+        train with probability ``y_t = task/<t>/yield_ema``), so it needs
+        ``p_t = ceil((r_t - f_t * y_t) / y_t)`` more prompts; this engine gets
+        ``ceil(sum_t p_t / free engines)`` of them (the free engines share the need), at most
+        ``max_num_seqs // samples_per_prompt`` (one wave of the engine), split over the tasks in
+        proportion to ``p_t`` (``allocate_draws``). When what runs is expected to fill the batch
+        this returns ``[]`` and the engine waits for results instead of generating surplus.
+        With ``algorithm.adaptive_task_draw: false`` every ``y_t`` is taken as 1 in the split.
 
         Raises:
             RuntimeError: ``algorithm.max_prompts_per_step`` prompts drawn and a quota still short.
@@ -398,6 +427,16 @@ class RolloutProducer:
         remaining = {t: q - len(b.got[t]) for t, q in b.quotas.items()}
         if not any(r > 0 for r in remaining.values()):
             return []
+        n = self.algo.samples_per_prompt
+        cap = max(1, self.gen_cfg.max_num_seqs // n)
+        if b.resume:
+            out = [p for p in b.resume if remaining[p.prompt.task] > 0][:cap]
+            b.resume = [p for p in b.resume if all(p is not q for q in out)]
+            if out:
+                for p in out:
+                    b.inflight[p.prompt.task] += 1
+                    b.resumed.add(id(p.prompt))
+                return out
         if b.drawn >= self.algo.max_prompts_per_step:
             short = {t: f"{len(b.got[t])}/{q}" for t, q in b.quotas.items() if len(b.got[t]) < q}
             raise RuntimeError(
@@ -407,12 +446,31 @@ class RolloutProducer:
                 "data (tasks[].data.filter), more samples_per_prompt or a smaller prompts_per_step")
         remaining = {t: max(0, r) for t, r in remaining.items()}
         rates = self.rates if self.algo.adaptive_task_draw else {t: 1.0 for t in remaining}
-        draws = allocate_draws(remaining, rates, self.gen_cfg.prompts_per_request)
+        if self.gen_cfg.prompts_per_request is not None:   # the hand-set fixed burst
+            draws = allocate_draws(remaining, rates, self.gen_cfg.prompts_per_request)
+        else:
+            need = {t: max(0, math.ceil((r - b.inflight[t] * self.rates[t]) / self.rates[t] - 1e-9))
+                    if r > 0 else 0 for t, r in remaining.items()}
+            total = sum(need.values())
+            if total == 0:
+                return []   # what runs is expected to fill the batch: wait for it
+            share = min(cap, math.ceil(total / max(1, getattr(self.pool, "free_workers", 1))),
+                        self.algo.max_prompts_per_step - b.drawn)
+            weights = need if self.algo.adaptive_task_draw else {t: r if need[t] else 0 for t, r in remaining.items()}
+            draws = allocate_draws({t: int(v) for t, v in weights.items()}, {t: 1.0 for t in weights},
+                                   max(1, share))
         prompts = [p for t, m in draws.items() if m > 0 for p in self.sampler.next(t, m)]
         b.drawn += len(prompts)
         for t, m in draws.items():
             b.per_task[t]["drawn"] += m
+            b.inflight[t] += m
         return prompts
+
+    def _park(self, b: "_BatchState", group: PartialGroup) -> None:
+        """A request aborted at a full batch: keep its samples for the next batch."""
+        b.inflight[group.prompt.task] -= 1
+        b.parked += 1
+        self.carry.parked.append(group)
 
     def _absorb(self, b: "_BatchState", prompts: list, groups: list) -> None:
         """Score one finished request and keep its trainable groups (beyond a quota: surplus)."""
@@ -421,7 +479,13 @@ class RolloutProducer:
         trainable = {t: 0 for t in b.quotas}
         for prompt, comps, rw in zip(prompts, groups, rewards):
             task = prompt.task
-            drawn[task] += 1
+            b.inflight[task] -= 1
+            fresh = id(prompt) not in b.resumed
+            if not fresh:   # a parked request, finished in this batch (not in the yield estimate)
+                b.resumed.discard(id(prompt))
+                b.partial_resumed += 1
+            else:
+                drawn[task] += 1
             if any(r is None for r in rw):   # algorithm.invalid_rewards=skip: never trains
                 b.per_task[task]["skipped"] += 1
                 b.invalid[0] += sum(r is None for r in rw)
@@ -440,24 +504,40 @@ class RolloutProducer:
             if unit is None:
                 st["skipped"] += 1
                 continue
-            trainable[task] += 1
+            trainable[task] += fresh
             if len(b.got[task]) < b.quotas[task]:
                 b.got[task].append(unit)
+            elif self.algo.carry_surplus:   # beyond the task's quota: trained in the next batch
+                st["carried_out"] += 1
+                self.carry.add_surplus(unit)
             else:
-                st["surplus"] += 1   # beyond the task's quota: shapes stay fixed, so it is dropped
+                st["surplus"] += 1   # shapes stay fixed, so it is dropped
         for t, m in drawn.items():   # adaptive draw: yield estimate per task
             if m > 0:
                 self.rates[t] = max(0.02, 0.7 * self.rates[t] + 0.3 * trainable[t] / m)
 
-    def _stats(self, chosen, rollouts, per_task, quotas, drawn, truncated, gen_s, reward_s, idle_s,
-               versions) -> dict:
-        """The batch's metrics: overall and per task (``task/<name>/...``)."""
+    def _stats(self, chosen, b: "_BatchState", gen_s: float, idle_s: float) -> dict:
+        """The batch's metrics: overall and per task (``task/<name>/...``).
+
+        Besides generation and rewards: ``rollout/surplus_carried`` (trainable groups beyond a
+        quota, carried to the next batch), ``rollout/surplus_used`` (carried groups this batch
+        trains), ``rollout/dropped_stale`` (carried groups and parked requests dropped: older
+        than the staleness bound), ``rollout/partial_parked`` (requests aborted and parked when
+        the quotas filled), ``rollout/partial_resumed`` (parked requests finished in this batch),
+        ``rollout/carry_groups`` / ``rollout/carry_parked`` (what waits for the next batch),
+        ``pairs/surplus_dropped`` (trainable groups thrown away: beyond a quota with
+        ``carry_surplus: false``, plus ``dropped_stale``) and ``rollout/generated_tokens``."""
+        rollouts, per_task, quotas, drawn = b.rollouts, b.per_task, b.quotas, b.drawn
+        truncated, reward_s, versions = b.truncated, b.reward_s, b.versions
+
         def mean(xs):
             return sum(xs) / len(xs) if xs else float("nan")
 
         lens = [len(r.completion.token_ids) for r in rollouts]
         skipped = sum(st["skipped"] for st in per_task.values())
-        surplus = sum(st["surplus"] for st in per_task.values())
+        stale = sum(st["dropped_stale"] for st in per_task.values())
+        surplus = sum(st["surplus"] for st in per_task.values()) + stale
+        carried = sum(st["carried_out"] for st in per_task.values())
         trained = [r for g in chosen for r in trained_rollouts(g, self.algo.unit)]
         stats = {
             "reward/mean": mean([r.reward for r in rollouts]),
@@ -467,10 +547,19 @@ class RolloutProducer:
             "batch/sequences": len(trained),
             "pairs/skipped_prompts": skipped,
             "pairs/surplus_dropped": surplus,
-            "pairs/rate": (len(chosen) + surplus) / drawn,
+            "pairs/rate": (len(chosen) - sum(st["carried_in"] for st in per_task.values()) + carried
+                           + sum(st["surplus"] for st in per_task.values())) / drawn if drawn else float("nan"),
             "prompts/drawn": drawn,
+            "rollout/surplus_carried": carried,
+            "rollout/surplus_used": sum(st["carried_in"] for st in per_task.values()),
+            "rollout/dropped_stale": stale,
+            "rollout/partial_parked": b.parked,
+            "rollout/partial_resumed": b.partial_resumed,
+            "rollout/carry_groups": self.carry.num_surplus,
+            "rollout/carry_parked": len(self.carry.parked),
+            "rollout/generated_tokens": sum(lens),
             "response/len_mean_tokens": mean(lens),
-            "response/truncated_frac": truncated / len(rollouts),
+            "response/truncated_frac": truncated / len(rollouts) if rollouts else float("nan"),
             "time/gen_s": gen_s,
             "time/reward_s": reward_s,
             "time/generator_idle_s": idle_s,
@@ -493,7 +582,8 @@ class RolloutProducer:
             n_t, m_t, s_t = self.normalizer.stats(t)
             stats.update({
                 pre + "units": len(mine), pre + "quota": quotas[t], pre + "drawn": st["drawn"],
-                pre + "skipped": st["skipped"], pre + "surplus": st["surplus"],
+                pre + "skipped": st["skipped"], pre + "surplus": st["surplus"] + st["dropped_stale"],
+                pre + "surplus_carried": st["carried_out"], pre + "dropped_stale": st["dropped_stale"],
                 pre + "reward_mean": mean(st["rewards"]),
                 pre + "reward_norm_mean": mean(self.normalizer.normalize(t, st["rewards"]) if n_t else []),
                 pre + "reward_per_token": mean(length_normalized_rewards(st["rewards"], st["lens"])),
@@ -520,11 +610,25 @@ class _BatchState:
     reward_s: float = 0.0
     invalid: list = field(default_factory=lambda: [0, 0])
     """Completions with an invalid reward, prompts skipped for them."""
+    inflight: dict = field(default_factory=dict)
+    """task -> prompts sent to an engine and not yet back (finished or parked)."""
+    resume: list = field(default_factory=list)
+    """Parked partial groups still to send in this batch."""
+    resumed: set = field(default_factory=set)
+    """``id`` of the prompts of parked groups sent in this batch (not yet back)."""
+    parked: int = 0
+    partial_resumed: int = 0
 
     def __post_init__(self):
         self.got = {t: [] for t in self.quotas}
-        self.per_task = {t: {"drawn": 0, "skipped": 0, "surplus": 0, "rewards": [], "lens": [], "tokens": 0}
+        self.inflight = {t: 0 for t in self.quotas}
+        self.per_task = {t: {"drawn": 0, "skipped": 0, "surplus": 0, "carried_out": 0, "carried_in": 0,
+                             "dropped_stale": 0, "rewards": [], "lens": [], "tokens": 0}
                          for t in self.quotas}
+
+    def full(self) -> bool:
+        """Every task holds its quota."""
+        return all(len(self.got[t]) >= q for t, q in self.quotas.items())
 
 
 def _to_rng_state(state: Any) -> tuple:
