@@ -240,16 +240,21 @@ class GeneratorPool:
         pending: dict = {}
         self._pending = (pending, n)
         yielded_at: float | None = None   # set while checking what finished during the caller's turn
-        aborted = False
+        aborts: list | None = None
         while True:
             self._refresh(refresh)
             self._fill(free, pending, n, draw)
             if not pending:
+                if aborts:   # every abort has landed before the next batch's requests go out
+                    try:
+                        ray.get(aborts, timeout=self.timeout_s)
+                    except ray.exceptions.RayActorError:
+                        pass   # a worker that died meanwhile runs nothing to abort
                 return
-            if park is not None and not aborted and full is not None and full():
-                aborted = True   # the batch is full: stop the running requests, park what they have
-                for w in {id(v[0]): v[0] for v in pending.values()}.values():
-                    w.handle.abort_generation.remote()
+            if park is not None and aborts is None and full is not None and full():
+                # the batch is full: stop the running requests, park what they have
+                aborts = [w.handle.abort_generation.remote()
+                          for w in {id(v[0]): v[0] for v in pending.values()}.values()]
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=0 if yielded_at is not None else 0.2)
             if not ready:
                 if yielded_at is None:
