@@ -73,7 +73,10 @@ def format_summary(res: dict) -> str:
           f"{v['drawn']} prompts, {v['skipped']} skipped" for t, v in (res.get("tasks") or {}).items()],
         f"trained {res['pairs_formed']} pairs/groups from {res['prompts_drawn']} prompts; "
         f"{res['prompts_skipped']} prompts skipped (nothing to learn from: no pair, or all rewards equal)"
-        + (f", {res['pairs_surplus']} surplus dropped (prompts_per_step is fixed)" if res.get("pairs_surplus") else ""),
+        + f"; surplus dropped: {res.get('pairs_surplus', 0)} prompts "
+          f"({100 * res.get('pairs_surplus', 0) / max(res['prompts_drawn'], 1):.1f}% of drawn), "
+          f"{res.get('surplus_carried', 0)} carried to the next batch"
+        + (f", {res['partial_resumed']} partial rollouts resumed" if res.get("partial_resumed") else ""),
         *_eval_lines(res.get("eval") or {}, f),
         f"mean seconds per step: gen {f(res['gen_s_mean'], 1)}, train {f(res['train_s_mean'], 1)}, "
         f"sync {f(res['sync_s_mean'], 2)}",

@@ -247,8 +247,12 @@ class GeneratorConfig:
     """Completion length cap (tokens); a completion cut here is scored as written."""
     max_model_len: int = 512
     """Engine context (prompt + completion tokens); longer prompts are filtered and counted."""
-    prompts_per_request: int = 8
-    """Prompts sent to the engine per generate call (each sampled K times)."""
+    prompts_per_request: int | None = None
+    """Prompts per generate call (each sampled K times). ``None`` (default): sized by measured
+    yield: a free engine gets what the batch still needs beyond what is already running, divided by
+    each task's measured trainable prompts per drawn prompt (``task/<t>/yield_ema``), at most
+    ``max_num_seqs // samples_per_prompt`` prompts (one wave of the engine). An integer: that many
+    prompts per request, always (a fixed burst: the hand-set knob of earlier versions)."""
     kv_cache_gib: float = 0.25
     """CPU only: KV-cache size per engine worker (GiB; vLLM ``kv_cache_memory_bytes``, which CPU
     engines need given explicitly). GPU engines size their KV cache from
@@ -274,6 +278,14 @@ class GeneratorConfig:
     running requests continue under the new weights (``sync/midrequest_pushes``). A batch, and a
     completion, may then span several versions: every completion records the versions of its
     first and last token, and staleness counts from the oldest."""
+    partial_rollouts: bool | None = None
+    """When a batch's quotas are full, abort the requests still running and park them with their
+    tokens and per-token sampling logprobs; the next batch continues them first (prompt + tokens so
+    far, under its newer weights), so no sampled token is thrown away (verl/slime partial rollouts,
+    AReaL interruptible generation). Each completion keeps its first and last weight version;
+    staleness counts from the first. ``None`` (default): on exactly when ``inflight_updates`` is;
+    false: requests still running when the quotas fill are waited for and their groups carried
+    as surplus (``algorithm.carry_surplus``)."""
     check_weight_sync: bool = False
     """After every weight push, compare each worker's teacher-forced logprobs of a fixed probe
     sequence with the learner's (same version) and raise ``WeightSyncError`` beyond
@@ -298,8 +310,11 @@ class GeneratorConfig:
         _check(self.max_num_seqs >= 1, "generators.max_num_seqs", self.max_num_seqs, ">= 1")
         _check(self.max_num_batched_tokens >= 1, "generators.max_num_batched_tokens",
                self.max_num_batched_tokens, ">= 1")
-        _check(self.prompts_per_request >= 1, "generators.prompts_per_request",
-               self.prompts_per_request, "an integer >= 1")
+        _check(self.prompts_per_request is None or self.prompts_per_request >= 1,
+               "generators.prompts_per_request", self.prompts_per_request,
+               "null (sized by measured yield) or an integer >= 1")
+        if self.partial_rollouts is None:
+            self.partial_rollouts = self.inflight_updates
         _check(self.kv_cache_gib > 0, "generators.kv_cache_gib", self.kv_cache_gib, "a number of GiB > 0")
         _check(self.distributed_executor_backend in ("mp", "ray"), "generators.distributed_executor_backend",
                self.distributed_executor_backend, "mp or ray")
@@ -436,7 +451,17 @@ class AlgorithmConfig:
     pairs_per_step: int | None = None
     """Older name of ``prompts_per_step`` (accepted; both set must agree)."""
     max_prompts_per_step: int = 512
-    """Give up a batch (error) if this many prompts yield fewer than ``prompts_per_step`` trainable ones."""
+    """Give up a batch (error) if this many prompts yield fewer than ``prompts_per_step`` trainable
+    ones. Must be >= ``prompts_per_step / min_pair_yield`` (checked when the config loads)."""
+    min_pair_yield: float = 0.05
+    """The lowest trainable prompts per drawn prompt (pairs per prompt for online_dpo) the run must
+    survive: the config refuses a ``max_prompts_per_step`` below ``prompts_per_step / min_pair_yield``
+    (a policy that saturates on its data gives few pairs; 5% = GSM8K near saturation)."""
+    carry_surplus: bool = True
+    """Trainable groups finished beyond a batch's quota (requests that were running when the quota
+    filled) go to the next batch with their weight version, per task (they count toward its quota
+    and its staleness; dropped only beyond ``async.max_staleness``: ``rollout/dropped_stale``);
+    false: they are dropped (``pairs/surplus_dropped``), as earlier versions did."""
     updates_per_batch: int = 1
     """T: optimizer steps on each batch (Noukhovitch et al. 2024, for generation-bound runs); the
     weight version still counts batches, pi_old stays the recompute before the first update."""
@@ -527,6 +552,14 @@ class AlgorithmConfig:
         _check(self.max_prompts_per_step >= self.prompts_per_step, "algorithm.max_prompts_per_step",
                self.max_prompts_per_step, f">= algorithm.prompts_per_step ({self.prompts_per_step}): "
                "it bounds the prompts drawn to fill one step")
+        _check(0 < self.min_pair_yield <= 1, "algorithm.min_pair_yield", self.min_pair_yield,
+               "a fraction in (0, 1] (trainable prompts per drawn prompt)")
+        need = math.ceil(self.prompts_per_step / self.min_pair_yield - 1e-9)
+        _check(self.max_prompts_per_step >= need, "algorithm.max_prompts_per_step", self.max_prompts_per_step,
+               f">= algorithm.prompts_per_step / algorithm.min_pair_yield = {self.prompts_per_step} / "
+               f"{self.min_pair_yield:g} = {need}: at that yield a batch needs {need} prompts and the run "
+               f"would stop; raise max_prompts_per_step to {need} or more (or state a higher "
+               "algorithm.min_pair_yield the data is known to give)")
         _check(self.invalid_rewards in ("error", "skip"), "algorithm.invalid_rewards",
                self.invalid_rewards, "error or skip")
         _check(self.updates_per_batch >= 1, "algorithm.updates_per_batch", self.updates_per_batch, "an integer >= 1")
@@ -705,6 +738,15 @@ class Config:
             _check(self.algorithm.overlong_buffer <= self.generators.max_new_tokens, "algorithm.overlong_buffer",
                    self.algorithm.overlong_buffer, f"<= generators.max_new_tokens ({self.generators.max_new_tokens}): "
                    "the penalty ramps over the last overlong_buffer tokens of a completion")
+        g, a = self.generators, self.algorithm
+        if g.prompts_per_request is not None:
+            wave = g.num_workers * g.prompts_per_request
+            _check(wave < a.max_prompts_per_step, "generators.prompts_per_request", g.prompts_per_request,
+                   f"such that the first wave (generators.num_workers x prompts_per_request = "
+                   f"{g.num_workers} x {g.prompts_per_request} = {wave} prompts) leaves room in "
+                   f"algorithm.max_prompts_per_step ({a.max_prompts_per_step}): else one wave with a pair "
+                   "yield below prompts_per_step / wave stops the run; set prompts_per_request to null "
+                   "(sized by measured yield) or raise max_prompts_per_step")
         if self.eval.enabled and self.eval.interval:
             _check(self.eval.interval % self.async_.sync_interval == 0, "eval.interval", self.eval.interval,
                    f"a multiple of async.sync_interval ({self.async_.sync_interval}): the generators "

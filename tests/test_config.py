@@ -139,3 +139,28 @@ def test_tensor_parallel_suggestions_divide_every_split_dimension():
         check_divisible(model, tensor_parallel=2, pipeline_parallel=1)
     with pytest.raises(ValueError, match=r"learner\.pipeline_parallel=3.*one of \[1, 2, 4\]$"):
         check_divisible(model, tensor_parallel=1, pipeline_parallel=3)
+
+
+def test_a_budget_that_cannot_fill_a_batch_at_the_minimum_yield_is_refused_with_the_numbers():
+    """The cluster recipes' former budget: 64 prompts per step, 512 at most; at a pair yield of 5%
+    a batch needs 1280 prompts (issue 23); and a fixed burst whose first wave spends the budget."""
+    with pytest.raises(ConfigError, match=r"'algorithm\.max_prompts_per_step' = 512 .*64 / 0\.05 = 1280"):
+        load_config(REPO / "configs" / "cpu_demo.yaml", ["algorithm.prompts_per_step=64",
+                                                         "algorithm.max_prompts_per_step=512"])
+    cfg = load_config(REPO / "configs" / "cpu_demo.yaml", ["algorithm.prompts_per_step=64",
+                                                           "algorithm.max_prompts_per_step=512",
+                                                           "algorithm.min_pair_yield=0.125"])
+    assert cfg.algorithm.max_prompts_per_step == 512   # a stated higher yield is trusted
+    with pytest.raises(ConfigError, match=r"'generators\.prompts_per_request' = 64 .*8 x 64 = 512 prompts"):
+        load_config(REPO / "configs" / "cpu_demo.yaml", ["generators.num_workers=8", "generators.prompts_per_request=64",
+                                                         "algorithm.max_prompts_per_step=512"])
+    assert load_config(REPO / "configs" / "cpu_demo.yaml").generators.prompts_per_request is None
+
+
+def test_partial_rollouts_default_to_the_inflight_setting():
+    on = load_config(REPO / "configs" / "cpu_demo.yaml", ["generators.inflight_updates=true"])
+    off = load_config(REPO / "configs" / "cpu_demo.yaml")
+    assert on.generators.partial_rollouts is True and off.generators.partial_rollouts is False
+    forced = load_config(REPO / "configs" / "cpu_demo.yaml", ["generators.inflight_updates=true",
+                                                              "generators.partial_rollouts=false"])
+    assert forced.generators.partial_rollouts is False

@@ -8,6 +8,9 @@
 * Scheduling without a round barrier: a slow stand-in engine (held until the test releases it)
   and a fast one; the fast one gets its next requests while the slow one still runs. Once with a
   fake fast engine (exact counts), once with the real engine (the flow through vLLM).
+* Partial rollouts with the real engine: a running request is aborted, parked (tokens and
+  sampling logprobs kept), survives the JSON round trip a checkpoint makes, and is continued
+  under version 1 from prompt + its tokens.
 """
 
 from __future__ import annotations
@@ -211,7 +214,7 @@ def test_real_engine_keeps_generating_while_another_engine_is_busy(engine):
 def test_producer_fills_a_batch_from_the_free_engine_while_the_other_is_held(ray_cluster):
     """The rollout producer over the streaming pool: batch 0 (2 pairs) is filled from the fast
     engine's requests, scored as each finishes, while the slow engine's request is held; the
-    held request is waited for and its pair counted as surplus."""
+    held request is waited for and its pair carried to the next batch."""
     import queue
 
     import ray
@@ -247,5 +250,78 @@ def test_producer_fills_a_batch_from_the_free_engine_while_the_other_is_held(ray
     # a free engine is refilled after its result is scored); the held request was waited for and
     # its pair is surplus
     assert scored == ["fast", "fast", "slow"]
-    assert len(batch.groups) == 2 and batch.stats["pairs/surplus_dropped"] == 1
+    assert len(batch.groups) == 2 and batch.stats["pairs/surplus_dropped"] == 0
+    assert batch.stats["rollout/surplus_carried"] == 1   # the held request's pair: for the next batch
     assert batch.stats["generator/0/prompts"] == 2 and batch.stats["generator/1/prompts"] == 1
+
+
+# ----------------------------------------------------------------------------------- partial rollouts
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_aborted_requests_are_parked_and_continue_under_new_weights_with_tokens_and_logprobs_intact(engine):
+    """Partial rollouts through the real engine: the pool aborts a running request once the batch
+    is "full" (a few engine steps in); its samples come back with their tokens and one sampling
+    logprob per token and are parked; after a checkpoint round trip of the parked groups (the
+    producer state's JSON) and a push of version 1, the engine continues them from prompt +
+    tokens: the old tokens and logprobs are kept, the new tokens' logprobs are those of the new
+    weights (transformers), and each continued sample spans versions 0 -> 1."""
+    import json
+
+    import ray
+    import torch
+
+    from megatron_rlhf.generator.weight_sync import PublishedWeights
+    from megatron_rlhf.rollout.carry import ABORTED, Carry
+
+    handle, cfg, hf = engine
+    base = {k: v.clone() for k, v in hf.state_dict().items()}
+    g = torch.Generator().manual_seed(11)
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in base.items()}
+    probe = list(_prompts(1)[0].token_ids) + [20, 21, 22, 23]
+    hf.load_state_dict(new)
+    v1 = PublishedWeights(version=1, payload=ray.put([new]), probe_ref=ray.put([_hf_logprobs(hf, probe)]))
+    hf.load_state_dict(base)
+    pool = _pool([handle], cfg, probe)
+    steps0 = ray.get(handle.stats.remote())["generator/steps"]
+    parked: list = []
+    requests = [_prompts(2)]
+    finished = list(pool.stream(2, lambda: requests.pop() if requests else [], park=parked.append,
+                                full=lambda: ray.get(handle.stats.remote())["generator/steps"] >= steps0 + 4))
+    assert parked and not finished   # both prompts still had a sample running
+    prefixes = [c for pg in parked for c in pg.completions]
+    assert any(c.finish_reason == ABORTED for c in prefixes)
+    for c in prefixes:
+        assert len(c.logprobs) == len(c.token_ids) and c.weight_version == 0
+        if c.finish_reason == ABORTED:
+            assert 0 < len(c.token_ids) < MAX_NEW
+
+    state = json.loads(json.dumps(Carry(parked=parked).state_dict()))   # what a checkpoint keeps
+    restored = Carry.from_state_dict(state).parked
+    assert restored == parked
+
+    pool.push(v1)
+    todo = [restored]
+    done = list(pool.stream(2, lambda: todo.pop() if todo else []))
+    (prompts, groups), = done
+    continued = 0
+    for pg, p, grp in zip(restored, prompts, groups):
+        assert p == pg.prompt
+        for pre, c in zip(pg.completions, grp):
+            assert len(c.logprobs) == len(c.token_ids)
+            assert c.token_ids[:len(pre.token_ids)] == pre.token_ids
+            assert c.logprobs[:len(pre.logprobs)] == pre.logprobs
+            if pre.finish_reason != ABORTED:
+                assert c == pre
+                continue
+            assert c.finish_reason in ("stop", "length") and len(c.token_ids) > len(pre.token_ids)
+            assert (c.weight_version, c.weight_version_last) == (0, 1)
+            seq = list(p.token_ids) + list(c.token_ids)
+            lp_old = _hf_logprobs(hf, seq)[len(p.token_ids):]
+            hf.load_state_dict(new)
+            lp_new = _hf_logprobs(hf, seq)[len(p.token_ids):]
+            hf.load_state_dict(base)
+            k = len(pre.token_ids)
+            assert max(abs(a - b) for a, b in zip(c.logprobs[:k], lp_old[:k])) < TOL
+            assert max(abs(a - b) for a, b in zip(c.logprobs[k:], lp_new[k:])) < TOL
+            continued += 1
+    assert continued >= 1

@@ -224,7 +224,8 @@ def test_resume_continues_with_the_same_prompts_and_pairs(scorers):
 
 
 def test_unreachable_quota_fails_with_a_clear_error(scorers):
-    prod, out = _producer(scorers, num_batches=1, max_prompts_per_step=8, weights=(1.0, 0.0001))
+    prod, out = _producer(scorers, num_batches=1, max_prompts_per_step=8, min_pair_yield=1.0,
+                          weights=(1.0, 0.0001))
     t = threading.Thread(target=prod.run, daemon=True)
     t.start()
     item = out.get(timeout=120)
@@ -245,3 +246,243 @@ def test_adaptive_draw_gives_the_low_yield_task_more_prompts(scorers):
     assert later.count("math") >= later.count("chat")
     for b in batches:
         assert [g.prompt.task for g in b.groups].count("math") == 4
+
+
+# ------------------------------------------------------------------- carry, partial, yield-sized draws
+class VersionedPool:
+    """A fake pool of ``num_workers`` engines for the carry tests: a prompt trains (one correct
+    and K-1 wrong samples) when ``index % every == 0``, else all K are wrong; completions are
+    stamped with the pool's current weight version (``push`` sets it). Every request's size is
+    recorded with the producer's yield estimate at the time (``draws``). With ``park``, the last
+    request of a batch is aborted once ``full()`` is true: its samples come back with 2 tokens
+    (``finish_reason="abort"``) and are parked; a later request continues them with 3 more tokens
+    sampled at the then current version. Batch k samples with version k at least (``reseed``)."""
+
+    def __init__(self, every=1, num_workers=1, per_wave=1):
+        self.every, self.num_workers, self.per_wave = every, num_workers, per_wave
+        self.version, self.batch_index, self.free_workers = 0, 0, 1
+        self.draws, self.continued, self.drawn_indices = [], [], []
+        self.producer = None
+
+    def versions(self):
+        return [self.version]
+
+    def push(self, weights, only_stale=True):
+        self.version = weights.version
+        return {}
+
+    def take_stats(self):
+        return {}
+
+    def reseed(self, seed, batch_index):   # batch k generates with version k (a caught-up learner)
+        self.version = max(self.version, batch_index)
+
+    def state_dict(self):
+        return {"expected_len": 1.0, "seen_completions": 0}
+
+    def load_state_dict(self, state):
+        pass
+
+    def _sample(self, p, j):
+        ok = p.index % self.every == 0 and j == 0
+        return Completion(token_ids=(1, 2, 3), logprobs=(-0.1, -0.2, -0.3), finish_reason="stop",
+                          text="yes" if ok else "no", weight_version=self.version)
+
+    def _run(self, items, n):
+        from megatron_rlhf.rollout.carry import PartialGroup, continue_completion
+
+        prompts, groups = [], []
+        for x in items:
+            if isinstance(x, PartialGroup):
+                self.continued.append(x)
+                rest = [Completion(token_ids=(7, 8, 9), logprobs=(-0.7, -0.8, -0.9), finish_reason="stop",
+                                   text=self._sample(x.prompt, j).text, weight_version=self.version)
+                        for j in range(n)]
+                groups.append([continue_completion(c, r) if c.finish_reason == "abort" else c
+                               for c, r in zip(x.completions, rest)])
+                prompts.append(x.prompt)
+            else:
+                groups.append([self._sample(x, j) for j in range(n)])
+                prompts.append(x)
+        return prompts, groups
+
+    def stream(self, n, draw, refresh=None, park=None, full=None):
+        """Waves of ``per_wave`` requests (one per free engine): each drawn before any of the
+        wave is handed back; then handed back in order (or, with ``park``, the last ones of a
+        full batch aborted and parked)."""
+        from megatron_rlhf.rollout.carry import PartialGroup
+
+        while True:
+            wave = []
+            for i in range(self.per_wave):
+                self.free_workers = self.per_wave - i
+                rates = dict(self.producer.rates) if self.producer else {}
+                items = draw()
+                if not items:
+                    break
+                self.draws.append((len(items), rates))
+                self.drawn_indices.append((self.batch_index, [getattr(x, "index", -1) for x in items]))
+                wave.append(items)
+            if not wave:
+                return
+            for items in wave:
+                if park is not None and full():
+                    for x in items:
+                        prompt = x.prompt if isinstance(x, PartialGroup) else x
+                        park(PartialGroup(prompt=prompt, completions=tuple(
+                            Completion(token_ids=(1, 2), logprobs=(-0.1, -0.2), finish_reason="abort",
+                                       text="", weight_version=self.version) for _ in range(n))))
+                    continue
+                yield self._run(items, n)
+
+
+def _carry_producer(pool, *, first=0, num_batches=3, bound=100, state=None, ppr=None, max_num_seqs=256,
+                    partial=False, prompts_per_step=2, **algo):
+    sampler = MultiTaskSampler({"math": _prompts("math", 200)}, {"math": 1.0}, seed=0)
+    if state is not None:
+        sampler.load_state_dict(state["sampler"])
+    out: queue.Queue = queue.Queue(maxsize=1)
+    channel = WeightChannel(PublishedWeights(version=first))   # a resumed run publishes its version
+    prod = RolloutProducer(
+        pool=pool, sampler=sampler, reward_fns={"math": lambda ps, texts: [float("yes" in t) for t in texts]},
+        pair_fn=select_pair, channel=channel, out_queue=out,
+        algorithm_cfg=AlgorithmConfig(samples_per_prompt=4, prompts_per_step=prompts_per_step, **algo),
+        generator_cfg=GeneratorConfig(prompts_per_request=ppr, max_num_seqs=max_num_seqs,
+                                      partial_rollouts=partial),
+        staleness_bound=bound, first_batch=first, num_batches=num_batches, min_version=first,
+        rng_state=state["rng"] if state else None, producer_state=state["producer"] if state else None,
+        seed=0, timeout_s=60)
+    pool.producer = prod
+    return prod, out, channel
+
+
+def _step_batches(prod, out, channel, n):
+    """Run the producer for ``n`` batches, publishing version k+1 after taking batch k (as the
+    learner would) and pushing it (the fake pool's version) before the next batch."""
+    t = threading.Thread(target=prod.run, daemon=True)
+    t.start()
+    got = []
+    for _ in range(n):
+        item = out.get(timeout=60)
+        if isinstance(item, BaseException):
+            raise item
+        got.append(item)
+        channel.publish(PublishedWeights(version=item.index + 1))
+    t.join(timeout=30)
+    return got
+
+
+def _checkpointed(batch) -> dict:
+    """What a checkpoint keeps after ``batch`` (``Run.save``: trainer_state.json), read back."""
+    return json.loads(json.dumps({"sampler": batch.sampler_state, "rng": batch.rng_state,
+                                  "producer": batch.producer_state}))
+
+
+def _key(b):
+    return [(g.prompt.index, g.weight_version, g.pair) for g in b.groups]
+
+
+def test_surplus_groups_train_in_the_next_batch_with_their_version_and_survive_a_checkpoint():
+    """A hand-set request of 8 prompts (all trainable) for a quota of 2: 6 groups are surplus;
+    batch 1 trains 2 of them (version 0, drawn in batch 0) and draws nothing; a producer resumed
+    from batch 0's checkpoint state produces the same batch 1; with bound 1, what is still
+    carried at batch 2 (version 0, staleness 2) is dropped and counted."""
+    pool = VersionedPool()
+    prod, out, ch = _carry_producer(pool, ppr=8, bound=1)
+    b0, b1, b2 = _step_batches(prod, out, ch, 3)
+    assert b0.stats["rollout/surplus_carried"] == 6 and b0.stats["pairs/surplus_dropped"] == 0
+    carried = [g.prompt.index for g in b0.groups]
+    assert b1.stats["rollout/surplus_used"] == 2 and b1.stats["prompts/drawn"] == 0
+    assert [g.weight_version for g in b1.groups] == [0, 0] and b1.weight_version == 0
+    assert not set(g.prompt.index for g in b1.groups) & set(carried)   # other groups than batch 0's
+    # batch 2 (learner at version 2, bound 1): the 4 groups of version 0 left are too old
+    assert b2.stats["rollout/dropped_stale"] == 4 and b2.stats["pairs/surplus_dropped"] == 4
+    assert all(g.weight_version == 2 for g in b2.groups)
+
+    resumed, out2, ch2 = _carry_producer(VersionedPool(), first=1, num_batches=2, bound=1, ppr=8,
+                                         state=_checkpointed(b0))
+    (again,) = _step_batches(resumed, out2, ch2, 1)
+    assert _key(again) == _key(b1)
+
+
+def test_carry_surplus_off_drops_the_surplus_as_before():
+    pool = VersionedPool()
+    prod, out, ch = _carry_producer(pool, ppr=8, num_batches=1, carry_surplus=False)
+    (b0,) = _step_batches(prod, out, ch, 1)
+    assert b0.stats["pairs/surplus_dropped"] == 6 and b0.stats["rollout/surplus_carried"] == 0
+    assert b0.producer_state["carry"] == {"surplus": {}, "parked": []}
+
+
+def test_parked_partial_requests_continue_first_in_the_next_batch_and_survive_a_checkpoint():
+    """Two engines, waves of two requests: once the first request fills the quota, the second is
+    aborted and parked (2 tokens each, version 0); batch 1 continues it first under version 1:
+    its completions keep the 2 old tokens and logprobs, add 3 new ones, and span versions 0 -> 1.
+    A producer resumed from batch 0's checkpoint state continues the same parked prompts."""
+    pool = VersionedPool(num_workers=2, per_wave=2)
+    prod, out, ch = _carry_producer(pool, partial=True, num_batches=2, bound=1, max_num_seqs=8)
+    b0, b1 = _step_batches(prod, out, ch, 2)
+    parked = b0.producer_state["carry"]["parked"]
+    assert b0.stats["rollout/partial_parked"] == len(parked) > 0
+    assert pool.continued and pool.continued[0].prompt.index == parked[0]["prompt"]["index"]
+    assert b1.stats["rollout/partial_resumed"] >= 1
+    resumed = [g for g in b1.groups if g.prompt.index in {p["prompt"]["index"] for p in parked}]
+    assert resumed
+    for g in resumed:
+        for r in g.rollouts:
+            c = r.completion
+            assert len(c.logprobs) == len(c.token_ids) == 5
+            assert c.token_ids[:2] == (1, 2) and c.logprobs[:2] == (-0.1, -0.2)
+            assert (c.weight_version, c.weight_version_last) == (0, 1)
+        assert g.weight_version == 0   # staleness counts from the oldest token
+
+    pool2 = VersionedPool(num_workers=2, per_wave=2)
+    again, out2, ch2 = _carry_producer(pool2, partial=True, first=1, num_batches=2, bound=1, max_num_seqs=8,
+                                       state=_checkpointed(b0))
+    (b1_again,) = _step_batches(again, out2, ch2, 1)
+    assert [x.prompt.index for x in pool2.continued[:len(parked)]] == [p["prompt"]["index"] for p in parked]
+    assert all(tuple(c.token_ids) == (1, 2) for x in pool2.continued for c in x.completions)
+
+
+def test_draws_follow_the_measured_yield_within_one_engine_wave():
+    """One engine whose prompts train at a set yield of 1/4 (index % 4 == 0): nothing runs when a
+    request is drawn, so each is sized ceil(still needed / yield_ema) prompts, at most
+    max_num_seqs // K = 12, with what earlier batches carried counted first; replayed here from
+    the recorded draws and estimates. The estimate moves from its prior 0.5 toward 1/4."""
+    import math
+
+    pool = VersionedPool(every=4)
+    prod, out, ch = _carry_producer(pool, num_batches=6, prompts_per_step=4, max_num_seqs=4 * 12)
+    batches = _step_batches(prod, out, ch, 6)
+    assert all(len(b.groups) == 4 for b in batches)
+    carry, k_prev = 0, None
+    for (size, rates), (k, indices) in zip(pool.draws, pool.drawn_indices):
+        if k != k_prev:   # a new batch: carried groups count first
+            used = min(4, carry)
+            carry, got, k_prev = carry - used, used, k
+            assert batches[k].stats["rollout/surplus_used"] == used
+        assert size == min(12, math.ceil((4 - got) / rates["math"] - 1e-9)), (k, size, got, rates)
+        trained = sum(i % 4 == 0 for i in indices)
+        carry += max(0, got + trained - 4)
+        got = min(4, got + trained)
+    assert pool.draws[0][0] == 8                                     # 4 needed / prior 0.5
+    assert 0.1 < prod.rates["math"] < 0.45 and len(pool.draws) >= 6
+
+
+def test_draws_split_the_need_over_the_free_engines():
+    """Two free engines share what the batch needs: the first gets half the prompts, the second
+    the rest (the first's running prompts count at their expected yield)."""
+    import math
+
+    pool = VersionedPool(every=1, num_workers=2, per_wave=2)
+    prod, out, ch = _carry_producer(pool, num_batches=1, prompts_per_step=8)
+    _step_batches(prod, out, ch, 1)
+    (a, _), (b, _) = pool.draws[:2]
+    assert a == math.ceil(math.ceil(8 / 0.5) / 2) == 8              # 16 needed, 2 engines
+    assert b == math.ceil((8 - a * 0.5) / 0.5) == 8                  # 8 running * 0.5 = 4 expected
+
+
+def test_hand_set_prompts_per_request_keeps_the_fixed_burst():
+    pool = VersionedPool(every=4)
+    prod, out, ch = _carry_producer(pool, num_batches=2, ppr=3, prompts_per_step=4)
+    _step_batches(prod, out, ch, 2)
+    assert {size for size, _ in pool.draws} == {3}

@@ -8,6 +8,9 @@ Used by the rollout producer (one controller thread; the pool is not thread-safe
   use ``ray.wait`` (bounded by ``timeout_s`` per request). With a ``refresh`` callable (inflight
   updates) a newer published version is pushed to every worker as soon as it appears, also to
   workers whose requests are running (``VLLMGenerator`` loads it between engine steps).
+* Partial rollouts (``stream(park=, full=)``): once the batch is full, the running requests are
+  aborted (``VLLMGenerator.abort_generation``) and their unfinished prompts handed back to be
+  parked; a later ``draw()`` returns them as ``PartialGroup`` s, continued from their tokens.
 * :meth:`GeneratorPool.generate` is one balanced round through :meth:`stream` (one request per
   worker, split by expected tokens: :func:`balance`, cost of a prompt = its tokens + K x the
   running mean completion length; longest-processing-time-first greedy); results in prompt order.
@@ -86,6 +89,21 @@ def batch_seed(seed: int, batch_index: int, worker: int) -> int:
     return random.Random(f"{seed}/{batch_index}/{worker}").getrandbits(31)
 
 
+def _fresh_versions(items: list, groups: list) -> list[int]:
+    """Versions the worker itself must have sampled with: the first token of every sample of a
+    fresh prompt and the last token of every continued (parked) sample that got new tokens."""
+    from megatron_rlhf.rollout.carry import ABORTED, PartialGroup
+
+    out = []
+    for x, g in zip(items, groups):
+        if isinstance(x, PartialGroup):
+            out += [c.weight_version_last for pre, c in zip(x.completions, g)
+                    if pre.finish_reason == ABORTED and len(c.token_ids) > len(pre.token_ids)]
+        else:
+            out += [c.weight_version for c in g]
+    return out
+
+
 @dataclass
 class _Worker:
     index: int
@@ -133,6 +151,7 @@ class GeneratorPool:
         self._inflight_check: float | None = None
         self._pending: tuple[dict, int] = ({}, 0)   # generate requests in flight (the watchdog's view)
         self._temperature: float | None = None      # generate()'s per-call temperature (the eval's)
+        self.free_workers = 1   # while draw() runs: free workers left to fill, this one included
 
     @property
     def num_workers(self) -> int:
@@ -174,8 +193,9 @@ class GeneratorPool:
         self._seen_completions = int(state["seen_completions"])
 
     # ------------------------------------------------------------------------------ generate
-    def stream(self, n: int, draw: Callable[[], list[Prompt]],
+    def stream(self, n: int, draw: Callable[[], list],
                refresh: Callable[[], PublishedWeights] | None = None,
+               park: Callable[[Any], None] | None = None, full: Callable[[], bool] | None = None,
                ) -> Iterator[tuple[list[Prompt], list[list[Completion]]]]:
         """Keep every worker busy while ``draw`` gives prompts; yield each request as it finishes.
 
@@ -194,6 +214,13 @@ class GeneratorPool:
                 the pool waits, and a newer version is pushed to every worker holding an older
                 one at once, also to workers with requests running (they load it between two
                 engine steps and continue: ``sync/midrequest_pushes``).
+                ``draw()`` may return :class:`~megatron_rlhf.rollout.carry.PartialGroup` s
+                besides prompts: parked samples the worker continues (``generate(prefixes=)``).
+            park: partial rollouts: once ``full()`` is true while requests run, every worker with
+                a request gets ``abort_generation`` (the requests return at once with what they
+                have); of each returned request the prompts whose K samples all finished are
+                yielded as usual and the others are handed to ``park(PartialGroup)``.
+            full: the batch needs nothing more (with ``park``; checked whenever the pool waits).
         Yields:
             ``(prompts, groups)`` of one finished request: ``groups[i]`` = the ``n`` completions
             of ``prompts[i]``.
@@ -213,11 +240,21 @@ class GeneratorPool:
         pending: dict = {}
         self._pending = (pending, n)
         yielded_at: float | None = None   # set while checking what finished during the caller's turn
+        aborts: list | None = None
         while True:
             self._refresh(refresh)
             self._fill(free, pending, n, draw)
             if not pending:
+                if aborts:   # every abort has landed before the next batch's requests go out
+                    try:
+                        ray.get(aborts, timeout=self.timeout_s)
+                    except ray.exceptions.RayActorError:
+                        pass   # a worker that died meanwhile runs nothing to abort
                 return
+            if park is not None and aborts is None and full is not None and full():
+                # the batch is full: stop the running requests, park what they have
+                aborts = [w.handle.abort_generation.remote()
+                          for w in {id(v[0]): v[0] for v in pending.values()}.values()]
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=0 if yielded_at is not None else 0.2)
             if not ready:
                 if yielded_at is None:
@@ -229,9 +266,35 @@ class GeneratorPool:
             if groups is None:
                 continue
             free[w.index] = yielded_at if yielded_at is not None else time.perf_counter()
+            prompts, groups = self._split_parked(prompts, groups, park)
+            if not prompts:
+                continue
             t_yield = time.perf_counter()
             yield prompts, groups
             yielded_at = t_yield
+
+    @staticmethod
+    def _split_parked(items: list, groups: list, park: Callable[[Any], None] | None
+                      ) -> tuple[list[Prompt], list[list[Completion]]]:
+        """The finished prompts of a request (``draw()``'s own list when nothing was parked or
+        continued); prompts with an aborted sample go to ``park`` as a ``PartialGroup``."""
+        from megatron_rlhf.rollout.carry import ABORTED, PartialGroup
+
+        plain = not any(isinstance(x, PartialGroup) for x in items)
+        if plain and not any(c.finish_reason == ABORTED for g in groups for c in g):
+            return items, groups
+        prompts, done = [], []
+        for x, g in zip(items, groups):
+            prompt = x.prompt if isinstance(x, PartialGroup) else x
+            if any(c.finish_reason == ABORTED for c in g):
+                if park is None:
+                    raise RuntimeError(f"prompt {prompt.index} (task {prompt.task}) came back aborted, "
+                                       "but this stream parks nothing")
+                park(PartialGroup(prompt=prompt, completions=tuple(g)))
+            else:
+                prompts.append(prompt)
+                done.append(g)
+        return prompts, done
 
     def generate(self, prompts: list[Prompt], n: int,
                  refresh: Callable[[], PublishedWeights] | None = None,
@@ -269,6 +332,7 @@ class GeneratorPool:
         for w in self.workers:
             if w.index not in free:
                 continue
+            self.free_workers = sum(1 for x in self.workers if x.index in free and x.index >= w.index)
             prompts = draw()   # yielded back as this very list
             now = time.perf_counter()
             if not prompts:   # nothing needed now: this wait is not idle time
@@ -301,7 +365,7 @@ class GeneratorPool:
             self._recover(w, e, len(prompts))
             pending[self._submit(w, prompts, list(range(len(prompts))), n)] = (w, prompts, time.perf_counter(), w.version)
             return None
-        first = [c.weight_version for g in groups for c in g]
+        first = _fresh_versions(prompts, groups)
         if first and min(first) < v_sub:
             # Ray restarted the process between requests and ran this one on the fresh engine
             # (base weights): same treatment as a death in flight
@@ -326,10 +390,17 @@ class GeneratorPool:
                               len(prompts))
                 pending[self._submit(w, prompts, list(range(len(prompts))), n)] = (w, prompts, time.perf_counter(), w.version)
 
-    def _submit(self, w: _Worker, prompts: list[Prompt], idx: list[int], n: int):
+    def _submit(self, w: _Worker, prompts: list, idx: list[int], n: int):
+        from megatron_rlhf.rollout.carry import PartialGroup
+
+        items = [prompts[i] for i in idx]
+        if any(isinstance(x, PartialGroup) for x in items):   # continue parked samples
+            return w.handle.generate.remote(
+                [x.prompt if isinstance(x, PartialGroup) else x for x in items], n, self._temperature,
+                [list(x.completions) if isinstance(x, PartialGroup) else None for x in items])
         if self._temperature is None:
-            return w.handle.generate.remote([prompts[i] for i in idx], n)
-        return w.handle.generate.remote([prompts[i] for i in idx], n, self._temperature)
+            return w.handle.generate.remote(items, n)
+        return w.handle.generate.remote(items, n, self._temperature)
 
     def _record(self, w: _Worker, prompts: list[Prompt], groups: list[list[Completion]]) -> None:
         toks = [len(c.token_ids) for g in groups for c in g]

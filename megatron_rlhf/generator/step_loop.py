@@ -8,7 +8,9 @@ of the generator actor (a threaded Ray actor) share the engine:
   and returns when all of them have finished, recording every sampled token with its sampling
   logprob and the weight version current at the step that sampled it;
 * :meth:`EngineStepLoop.call` runs a function on the engine *between two steps* (at once when no
-  request runs): a weight load, a prefix-cache reset, adding requests.
+  request runs): a weight load, a prefix-cache reset, adding requests;
+* :meth:`EngineStepLoop.abort` aborts the running requests between two steps (partial rollouts):
+  each keeps its tokens and logprobs so far, is marked ``"abort"`` and its :meth:`run` returns.
 
 Whoever waits drives: a thread that needs the engine and finds nobody stepping it runs the loop
 (queued calls, then one ``step()``) until its own work is done, then hands over to the next
@@ -186,6 +188,29 @@ class EngineStepLoop:
         self.call(add)
         self._drive(lambda: all(r.finished for r in recs))
         return recs
+
+    def abort(self, tag: str) -> int:
+        """Abort every running request whose id starts with ``tag``, between two steps (vLLM
+        ``LLMEngine.abort_request``: the engine frees them, no further output comes).
+
+        Each record keeps the tokens, sampling logprobs and versions it has, gets
+        ``finish_reason = "abort"`` and counts as finished, so the :meth:`run` that added it
+        returns (with the other requests of that call, finished or aborted alike).
+        Returns:
+            the number of requests aborted (0 when none ran).
+        """
+        def on_engine() -> int:
+            ids = [rid for rid, (r, _) in self._live.items() if rid.startswith(tag) and not r.finished]
+            if ids:
+                self.engine.abort_request(ids)
+            for rid in ids:
+                rec, _ = self._live.pop(rid)
+                rec.finish_reason, rec.finished = "abort", True
+            with self._cv:
+                self._cv.notify_all()
+            return len(ids)
+
+        return self.call(on_engine)
 
     # ------------------------------------------------------------------------------ driving
     def _drive(self, done: Callable[[], bool]) -> None:

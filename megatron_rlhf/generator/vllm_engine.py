@@ -11,6 +11,8 @@
   actor is threaded, :data:`RAY_ACTOR_OPTIONS`): it is then loaded between two engine steps and
   the running requests continue with the new weights (in-flight updates,
   :mod:`megatron_rlhf.generator.step_loop` says how and why not ``AsyncLLM.pause_generation``).
+* :meth:`abort_generation` -- end the running ``generate`` requests at once (partial rollouts);
+  ``generate(..., prefixes=...)`` continues such aborted samples from prompt + their tokens.
 * :meth:`prompt_logprobs` -- teacher-forced logprobs of given token sequences (weight-sync check).
 * :meth:`join_weight_broadcast` / :meth:`update_weights_broadcast` -- the broadcast transport
   (:mod:`megatron_rlhf.generator.broadcast_sync`; gloo on CPU, NCCL on GPU).
@@ -50,6 +52,7 @@ Sources: vLLM docs, "Offline Inference" (``LLM.generate``, ``SamplingParams``, `
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import time
@@ -162,12 +165,15 @@ class VLLMGenerator:
         }
 
     # ------------------------------------------------------------------------------ verbs
-    def generate(self, prompts: list[Prompt], n: int, temperature: float | None = None) -> list[list[Completion]]:
-        """Sample ``n`` completions for each prompt.
+    def generate(self, prompts: list[Prompt], n: int, temperature: float | None = None,
+                 prefixes: list | None = None) -> list[list[Completion]]:
+        """Sample ``n`` completions for each prompt (or continue aborted ones).
 
         The requests run in this engine's step loop (:class:`EngineStepLoop`): a weight push that
         arrives meanwhile (:meth:`update_weights` from another thread of the actor) is loaded
-        between two steps, and the running requests continue with the new weights.
+        between two steps, and the running requests continue with the new weights. An
+        :meth:`abort_generation` from another thread ends them early: this call then returns
+        what each sample has so far, unfinished ones with ``finish_reason == "abort"``.
 
         Args:
             prompts: prompts with ``token_ids`` (chat template applied); each must be shorter
@@ -176,44 +182,81 @@ class VLLMGenerator:
             n: completions per prompt (K), >= 1.
             temperature: sampling temperature of this call (``None``: ``generators.temperature``;
                 ``0``: greedy, the evaluation's pass@1).
+            prefixes: partial rollouts: ``None``, or per prompt ``None`` or its ``n`` samples of an
+                aborted request (``rollout.carry.PartialGroup.completions``): a finished sample
+                is returned as it is; an aborted one (``"abort"``) is continued from prompt + its
+                tokens with ``max_new_tokens - len(tokens)`` tokens left and joined with them
+                (``rollout.carry.continue_completion``: tokens and logprobs kept, first version
+                kept, last version of the new tokens).
         Returns:
             ``out[i][j]`` = completion j of prompt i (``len(out) == len(prompts)``,
             ``len(out[i]) == n``), each with ``token_ids [L]``, sampling ``logprobs [L]`` (nats,
-            one per token, across weight loads too), ``finish_reason`` (``"stop"`` or
-            ``"length"``), ``text``, ``weight_version`` (the version of its first token) and
-            ``weight_version_last`` (of its last token).
+            one per token, across weight loads and continuations too), ``finish_reason``
+            (``"stop"``, ``"length"``, or ``"abort"`` after :meth:`abort_generation`), ``text``,
+            ``weight_version`` (the version of its first token) and ``weight_version_last`` (of
+            its last token).
         Raises:
-            ValueError: ``n < 1``, ``temperature < 0``, or a prompt is empty or has
-                ``>= max_model_len`` tokens.
+            ValueError: ``n < 1``, ``temperature < 0``, a prompt is empty or has
+                ``>= max_model_len`` tokens (with its prefix), or a prefix list is not ``n`` long.
         """
         from vllm import SamplingParams
+
+        from megatron_rlhf.rollout.carry import ABORTED, continue_completion
 
         self._check_usable()
         if n < 1:
             raise ValueError(f"generate(n={n}): n (samples per prompt) must be >= 1")
         if not prompts:
             return []
-        inputs = [self._tokens_prompt(p.token_ids, f"prompts[{i}] (index {p.index}, task {p.task!r})")
-                  for i, p in enumerate(prompts)]
+        prefixes = list(prefixes) if prefixes is not None else [None] * len(prompts)
+        if len(prefixes) != len(prompts):
+            raise ValueError(f"generate: {len(prefixes)} prefixes for {len(prompts)} prompts")
         temp = self.cfg.temperature if temperature is None else float(temperature)
         if temp < 0:
             raise ValueError(f"generate(temperature={temperature}): must be >= 0 (0 = greedy)")
-        params = [SamplingParams(n=1, temperature=temp, top_p=self.cfg.top_p if temp > 0 else 1.0,
-                                 max_tokens=self.cfg.max_new_tokens, logprobs=0)
-                  for _ in range(len(inputs) * n)]
+        slots: list[tuple[int, int, Completion | None]] = []   # (prompt, sample, prefix) per request
+        inputs, params = [], []
+        result: list[list[Completion | None]] = [[None] * n for _ in prompts]
+        for i, p in enumerate(prompts):
+            pre = prefixes[i]
+            if pre is not None and len(pre) != n:
+                raise ValueError(f"generate: prefixes[{i}] holds {len(pre)} samples, expected n={n}")
+            for j in range(n):
+                c = pre[j] if pre is not None else None
+                if c is not None and c.finish_reason != ABORTED:
+                    result[i][j] = c   # finished before the abort: kept as it is
+                    continue
+                done = len(c.token_ids) if c is not None else 0
+                left = self.cfg.max_new_tokens - done
+                if left <= 0:   # aborted at the cap: it ends here
+                    result[i][j] = dataclasses.replace(c, finish_reason="length")
+                    continue
+                what = f"prompts[{i}] (index {p.index}, task {p.task!r})"
+                inputs.append(self._tokens_prompt(tuple(p.token_ids) + (c.token_ids if c else ()), what))
+                params.append(SamplingParams(n=1, temperature=temp, top_p=self.cfg.top_p if temp > 0 else 1.0,
+                                             max_tokens=left, logprobs=0))
+                slots.append((i, j, c))
         t0 = time.perf_counter()
-        recs = self._steps.run([x for x in inputs for _ in range(n)], params, tag="gen")
+        recs = self._steps.run(inputs, params, tag="gen") if inputs else []
         dt = time.perf_counter() - t0
-        result = [[self._completion(r) for r in recs[i * n:(i + 1) * n]] for i in range(len(prompts))]
+        for (i, j, c), r in zip(slots, recs):
+            new = self._completion(r)
+            result[i][j] = continue_completion(c, new) if c is not None else new
         s = self._stats
         s["generator/calls"] += 1
         s["generator/prompts"] += len(prompts)
         s["generator/completions"] += len(prompts) * n
-        s["generator/tokens"] += sum(len(c.token_ids) for g in result for c in g)
+        s["generator/tokens"] += sum(len(r.token_ids) for r in recs)
         s["generator/prompt_tokens"] += sum(len(p.token_ids) for p in prompts)
         s["generator/truncated"] += sum(c.finish_reason == "length" for g in result for c in g)
         s["generator/busy_s"] += dt
-        return result
+        return result  # type: ignore[return-value]
+
+    def abort_generation(self) -> int:
+        """Abort every running :meth:`generate` request between two engine steps (partial
+        rollouts: the batch is full). The ``generate`` calls return at once with what each sample
+        has (unfinished: ``finish_reason == "abort"``). Returns the number of samples aborted."""
+        return self._steps.abort("gen")
 
     def _completion(self, rec: SequenceRecord) -> Completion:
         """A finished step-loop sequence as a :class:`Completion` (versions of first/last token)."""

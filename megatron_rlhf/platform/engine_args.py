@@ -76,6 +76,7 @@ NOT_ENGINE_KEYS: dict[str, str] = {
     "transport": "weight sync (generator.weight_sync)",
     "weight_sync_bucket_mb": "broadcast transport bucket size (generator.broadcast_sync)",
     "inflight_updates": "generator pool",
+    "partial_rollouts": "generator pool / rollout producer (abort and park at a full batch)",
     "check_weight_sync": "generator pool",
     "check_weight_sync_tol": "generator pool",
     "max_restarts": "Ray actor options / generator pool",

@@ -258,7 +258,6 @@ class RewardModel:
 
     def _load_pooled_head(self, d: Path, dtype, device: str) -> None:
         """Load format 2: the ``AutoModel`` trunk, :class:`FeatureSpec` and the linear head tensors."""
-        import torch
         from safetensors.torch import load_file
         from transformers import AutoModel
 

@@ -7,6 +7,10 @@ ids, sampling logprobs and weight versions, rewards, pairs), never pickled objec
 outlives code changes that add fields with defaults and can be read by any tool. Non-finite floats
 are written as JSON's ``NaN``/``Infinity`` extensions (Python's ``json`` reads them back).
 
+The same encoding of groups (:func:`group_to_dict` / :func:`group_from_dict`) holds what the
+producer carries between batches (surplus groups, parked partial requests: ``rollout.carry``)
+inside ``producer_state``, so a checkpoint keeps them too.
+
 Writes are atomic (temporary file + rename): a crash never leaves a half-written batch.
 """
 
@@ -20,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["FORMAT_VERSION", "batch_to_dict", "batch_from_dict", "save_batch", "load_batch",
-           "batch_path", "list_batches"]
+           "batch_path", "list_batches", "group_to_dict", "group_from_dict", "prompt_from_dict",
+           "completion_from_dict"]
 
 FORMAT_VERSION = 1
 
@@ -62,35 +67,52 @@ def batch_from_dict(doc: dict):
         ValueError: not a batch document, or a format version this code cannot read.
     """
     from megatron_rlhf.trainer.rollout import RolloutBatch
-    from megatron_rlhf.types import Completion, Prompt, Rollout, RolloutGroup
 
     if not isinstance(doc, dict) or "batch" not in doc:
         raise ValueError("not a rollout-batch document (no 'batch' field)")
     if doc.get("format") != FORMAT_VERSION:
         raise ValueError(f"rollout-batch format {doc.get('format')!r}; this code reads format {FORMAT_VERSION}")
     b = dict(doc["batch"])
-
-    def prompt(d):
-        return _build(Prompt, {**d, "token_ids": tuple(d["token_ids"])})
-
-    def completion(d):
-        d = dict(d)
-        for k in ("token_ids", "logprobs"):
-            d[k] = tuple(d[k])
-        return _build(Completion, d)
-
-    groups = []
-    for g in b["groups"]:
-        rollouts = tuple(_build(Rollout, {**r, "prompt": prompt(r["prompt"]),
-                                          "completion": completion(r["completion"])})
-                         for r in g["rollouts"])
-        groups.append(_build(RolloutGroup, {
-            **g, "prompt": prompt(g["prompt"]), "rollouts": rollouts,
-            "pair": tuple(g["pair"]) if g.get("pair") is not None else None,
-            "loss_rewards": tuple(g["loss_rewards"]) if g.get("loss_rewards") is not None else None}))
-    b["groups"] = tuple(groups)
+    b["groups"] = tuple(group_from_dict(g) for g in b["groups"])
     b["rng_state"] = _tuples(b.get("rng_state"))
     return _build(RolloutBatch, b)
+
+
+def prompt_from_dict(d: dict):
+    """A :class:`~megatron_rlhf.types.Prompt` from its JSON-plain dict (``_plain`` of one)."""
+    from megatron_rlhf.types import Prompt
+
+    return _build(Prompt, {**d, "token_ids": tuple(d["token_ids"])})
+
+
+def completion_from_dict(d: dict):
+    """A :class:`~megatron_rlhf.types.Completion` from its JSON-plain dict (token ids, sampling
+    logprobs, finish reason, text, first and last weight version)."""
+    from megatron_rlhf.types import Completion
+
+    d = dict(d)
+    for k in ("token_ids", "logprobs"):
+        d[k] = tuple(d[k])
+    return _build(Completion, d)
+
+
+def group_to_dict(group) -> dict:
+    """A :class:`~megatron_rlhf.types.RolloutGroup` (or any dataclass of prompts and completions,
+    e.g. a parked partial group) as the JSON-plain dict this format stores."""
+    return _plain(group)
+
+
+def group_from_dict(g: dict):
+    """Inverse of :func:`group_to_dict` for a :class:`~megatron_rlhf.types.RolloutGroup`."""
+    from megatron_rlhf.types import Rollout, RolloutGroup
+
+    rollouts = tuple(_build(Rollout, {**r, "prompt": prompt_from_dict(r["prompt"]),
+                                      "completion": completion_from_dict(r["completion"])})
+                     for r in g["rollouts"])
+    return _build(RolloutGroup, {
+        **g, "prompt": prompt_from_dict(g["prompt"]), "rollouts": rollouts,
+        "pair": tuple(g["pair"]) if g.get("pair") is not None else None,
+        "loss_rewards": tuple(g["loss_rewards"]) if g.get("loss_rewards") is not None else None})
 
 
 def batch_path(folder: str | os.PathLike, index: int) -> Path:

@@ -268,6 +268,8 @@ def summarize(rows: list[dict], wall_s: float, edge: int = 3) -> dict:
         "prompts_drawn": sum(r.get("prompts/drawn", 0) for r in rows),
         "prompts_skipped": sum(r["pairs/skipped_prompts"] for r in rows),
         "pairs_surplus": sum(r.get("pairs/surplus_dropped", 0) for r in rows),
+        "surplus_carried": sum(r.get("rollout/surplus_carried", 0) for r in rows),
+        "partial_resumed": sum(r.get("rollout/partial_resumed", 0) for r in rows),
         "gen_s_mean": mean("time/gen_s", rows),
         "train_s_mean": mean("time/train_s", rows),
         "sync_s_mean": mean("time/sync_s", rows),
