@@ -86,9 +86,12 @@ def test_each_loss_trains_3_steps_in_the_async_loop(generator, tiny_llama_dir, t
         assert set(REQUIRED_KEYS) <= set(r)
         assert r["pairs/count"] == 2 and r["train/num_units"] == 2
         for key in ["loss/total", "kl/ref_k3", "kl/ref_k1", "rollout/entropy_mc", "grad/norm",
-                    "logprobs/vllm_gap_abs_mean", *LOSS_KEYS[loss]]:
+                    "logprobs/vllm_gap_abs_mean", "perf/learner_tokens_per_s", "perf/learner_tflops",
+                    *LOSS_KEYS[loss]]:
             assert r.get(key) is not None and math.isfinite(r[key]), (loss, key, r.get(key))
         assert r["train/updates"] == (2 if "algorithm.updates_per_batch=2" in EXTRA[loss] else 1)
+        assert r["perf/learner_tokens_per_s"] > 0 and r["perf/learner_tflops"] > 0
+        assert "perf/mfu" not in r                      # CPU: no known peak, no MFU
         if "is/masked_frac" in LOSS_KEYS[loss]:
             assert 0.0 <= r["is/masked_frac"] <= 1.0 and 0.0 <= r["is/ess"] <= 1.0 + 1e-6
     if loss in ("grpo", "proximal_rloo"):   # T=2: the second update moves away from pi_old
