@@ -255,8 +255,9 @@ def offpolicy_weights(numerator: torch.Tensor, generator_logprobs: torch.Tensor,
         (completion tokens whose weight the correction set to 0), ``is/weight_mean`` and
         ``is/weight_max`` (over the completion tokens it kept), ``is/ess``
         (:func:`effective_sample_size` of the weights the loss uses: over sequences for
-        ``sequence_tis``, over completion tokens otherwise), ``is/nonfinite_tokens``; ``token_tis`` adds today's
-        ``tis/weight_mean``, ``tis/capped_frac``, ``tis/nonfinite_tokens``. ``none``: no metrics.
+        ``sequence_tis``, over completion tokens otherwise), ``is/nonfinite_tokens``;
+        ``token_tis`` adds today's ``tis/weight_mean``, ``tis/capped_frac``,
+        ``tis/nonfinite_tokens``. ``none``: no metrics.
     Raises:
         ValueError: unknown ``correction``, or the cap / bounds it needs missing or invalid.
     """
@@ -264,8 +265,8 @@ def offpolicy_weights(numerator: torch.Tensor, generator_logprobs: torch.Tensor,
         return torch.ones_like(mask) * mask, {}
     if correction == "token_tis":
         w, keep, tis = truncated_is_weights(numerator, generator_logprobs, mask, _need_cap(correction, cap))
-        return w, {**_is_metrics(w, mask, keep > 0, w, mask), "is/nonfinite_tokens": tis["tis/nonfinite_tokens"],
-                   **tis}
+        return w, {**_is_metrics(w, mask, keep > 0, w, mask),
+                   "is/nonfinite_tokens": tis["tis/nonfinite_tokens"], **tis}
     log_w, finite = _finite_log_ratio(numerator, generator_logprobs, mask)
     nonfinite = ((mask > 0) & ~finite).sum().to(mask.dtype)
     rho = torch.exp(log_w.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))

@@ -71,8 +71,8 @@ def ppo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: tor
              generator_logprobs: torch.Tensor | None = None, tis_cap: float | None = None,
              is_correction: str = "token_tis", is_bounds: tuple[float, float] | None = None,
              kl_beta: float = 0.0, kl_estimator: str = "k3", loss_agg: str = "token_mean",
-             entropy: torch.Tensor | None = None, entropy_coef: float = 0.0, global_num_sequences: float | None = None,
-             global_num_tokens: float | None = None
+             entropy: torch.Tensor | None = None, entropy_coef: float = 0.0,
+             global_num_sequences: float | None = None, global_num_tokens: float | None = None
              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO-clip for RLHF: ``L = L_clip + value_coef * L_V - entropy_coef * H``.
 
