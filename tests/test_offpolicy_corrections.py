@@ -217,3 +217,45 @@ def test_config_names_match_the_losses():
     from megatron_rlhf.losses import _common
 
     assert config.IS_CORRECTIONS == _common.IS_CORRECTIONS and config.KL_ESTIMATORS == _common.KL_ESTIMATORS
+
+
+# ----------------------------------------------------------------------------- through the learner
+LEARNER_CASES = [   # (loss, knobs): every correction and KL choice once, on MegatronLearner.train_step
+    ("grpo", dict(is_correction="token_mask", kl_estimator="k2")),
+    ("grpo", dict(is_correction="none", kl_in_reward=True, kl_estimator="k1")),
+    ("ppo", dict(is_correction="sequence_mask", is_bounds=[0.01, 100.0], kl_in_reward=False)),
+    ("rloo", dict(is_correction="sequence_tis", kl_estimator="k3")),
+    ("proximal_rloo", dict(is_correction="sequence_mask", is_bounds=[0.01, 100.0], kl_in_reward=False,
+                           updates_per_batch=2)),
+]
+
+
+@pytest.mark.timeout(300)
+def test_each_correction_and_kl_choice_trains_through_the_learner(tiny_llama_dir):
+    """One process, no Ray: two train steps per case on hand-built batches whose generator logprobs
+    are random (so the masks do drop tokens), with the metrics each choice must log."""
+    from megatron_rlhf.config import AlgorithmConfig, LearnerConfig, OptimizerConfig
+    from megatron_rlhf.learner.actor import MegatronLearner
+    from tests.test_learner_losses import _batch, _vocab
+
+    vocab = _vocab(tiny_llama_dir)
+    for loss, knobs in LEARNER_CASES:
+        algo = AlgorithmConfig(loss=loss, samples_per_prompt=3, kl_beta=0.05, **knobs)
+        learner = MegatronLearner(model_dir=str(tiny_llama_dir), total_steps=4,
+                                  learner_cfg=LearnerConfig(micro_batch_size=2, optimizer=OptimizerConfig(lr=1e-3)),
+                                  algorithm_cfg=algo)
+        try:
+            rows = [learner.train_step(_batch(loss, vocab, seed=s)) for s in range(2)]
+        finally:
+            learner.close()
+        for m in rows:
+            assert math.isfinite(m["loss/total"]) and m["perf/learner_tokens_per_s"] > 0, (loss, knobs)
+            assert m["perf/learner_tflops"] > 0 and "perf/mfu" not in m
+            assert ("loss/kl_ref" in m) == (not algo.kl_in_reward_used), (loss, knobs)
+            assert ("reward/kl_penalty_mean" in m) == algo.kl_in_reward_used, (loss, knobs)
+            if knobs["is_correction"] == "none":
+                assert "is/masked_frac" not in m
+            else:
+                assert 0.0 <= m["is/ess"] <= 1.0 + 1e-6 and math.isfinite(m["is/weight_max"])
+        if knobs["is_correction"] in ("token_mask", "sequence_mask"):
+            assert any(m["is/masked_frac"] > 0 for m in rows), (loss, knobs)   # random gen logprobs
