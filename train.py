@@ -83,6 +83,7 @@ def format_summary(res: dict) -> str:
         f"async speed-up: {f(res['async_speedup'], 2)}x (gen+train+sync {f(res['serial_s'], 0)} s "
         f"serial vs {f(res['wall_s'], 0)} s wall)",
         *_time_lines(res.get("time") or {}),
+        *_throughput_lines(res, f),
     ]
     return "\n".join(lines)
 
@@ -101,6 +102,17 @@ def _time_lines(t: dict) -> list[str]:
                                              ("other", "time/other_s")) if k in t]
     return [f"time (s): total {s('time/total_s')} = set-up ({', '.join(setup)}) + steps {s('time/loop_s')} "
             f"(overlapped inside: {', '.join(inside)}) + {', '.join(tail)}"]
+
+
+def _throughput_lines(res: dict, f) -> list[str]:
+    """The learner's mean tokens/s, model TFLOP/s and MFU (``n/a (peak unknown: CPU)`` without one)."""
+    if res.get("learner_tokens_per_s_mean") is None:
+        return []
+    mfu = res.get("mfu_mean")
+    mfu_text = "n/a (device peak unknown, e.g. CPU; set learner.peak_tflops)" if mfu is None or mfu != mfu \
+        else f"{100 * mfu:.1f}%"
+    return [f"learner throughput: {f(res['learner_tokens_per_s_mean'], 0)} tokens/s, "
+            f"{f(res['learner_tflops_mean'], 3)} model TFLOP/s, MFU {mfu_text}"]
 
 
 def _eval_lines(evals: dict, f) -> list[str]:

@@ -28,8 +28,10 @@ output projection, SwiGLU gate/up/down, LM head; the embedding lookup is free), 
 heads of size Q, hidden h, FFN f, vocab V; 4*L*H*Q*T is QK^T plus AV (full, not halved for the
 causal mask). A DPO step counts, for every real token of every row, 3*F(T) for the policy
 (forward + backward = 2x forward) plus F(T) for the reference forward, with T the row's real
-length. MFU = model FLOPs per second / (peak FLOPs per device * devices). Peak: ``--peak-tflops``,
-else H100/H200 bf16 dense 989 TFLOPs, A100 312, or on CPU cores * GHz * 32 (fp32 AVX2: two
+length (``megatron_rlhf.learner.flops.model_flops_per_token``, which the learner's ``perf/*``
+metrics use too). MFU = model FLOPs per second / (peak FLOPs per device * devices). Peak:
+``--peak-tflops``, else the table of ``megatron_rlhf/platform/peaks.py`` (H100/H200 bf16 dense
+989 TFLOPs, A100 312, ...), or on CPU cores * GHz * 32 (fp32 AVX2: two
 8-wide FMA units, 2 FLOPs per FMA; the frequency from /proc/cpuinfo).
 """
 
@@ -98,27 +100,27 @@ def write_random_llama(out: Path, preset: str, dtype: str) -> Path:
 
 
 def model_flops_per_token(hf, seq_len: int) -> float:
-    """Forward FLOPs of one token in a sequence of ``seq_len`` tokens (see module doc)."""
-    h, L, f, V = hf.hidden_size, hf.num_hidden_layers, hf.intermediate_size, hf.vocab_size
-    H = hf.num_attention_heads
-    G = getattr(hf, "num_key_value_heads", None) or H
-    Q = getattr(hf, "head_dim", None) or h // H
-    n = L * (h * Q * (H + 2 * G) + H * Q * h + 3 * h * f) + h * V
-    return 2.0 * n + 4.0 * L * H * Q * seq_len
+    """Forward FLOPs of one token in a sequence of ``seq_len`` tokens:
+    :func:`megatron_rlhf.learner.flops.model_flops_per_token` (see the module doc)."""
+    from megatron_rlhf.learner.flops import model_flops_per_token as flops
+
+    return flops(hf, seq_len)
 
 
-def peak_flops(device: str, override_tflops: float | None) -> tuple[float | None, str]:
+def peak_flops(device: str, override_tflops: float | None, dtype: str = "bfloat16") -> tuple[float | None, str]:
     """Peak FLOPs/s of one device and how it was obtained."""
     if override_tflops:
         return override_tflops * 1e12, "--peak-tflops"
     if device == "cuda":
         import torch
 
+        from megatron_rlhf.platform.peaks import peak_tflops
+
         name = torch.cuda.get_device_name()
-        for key, tf in (("H200", 989.0), ("H100", 989.0), ("A100", 312.0)):
-            if key in name:
-                return tf * 1e12, f"{name} bf16 dense {tf:.0f} TFLOPs"
-        return None, f"{name}: unknown peak (pass --peak-tflops)"
+        tf = peak_tflops(name, dtype)
+        if tf is not None:
+            return tf * 1e12, f"{name} {dtype} dense {tf:.0f} TFLOPs (platform/peaks.py)"
+        return None, f"{name} {dtype}: unknown peak (pass --peak-tflops)"
     try:
         mhz = max(float(line.split(":")[1]) for line in open("/proc/cpuinfo") if line.startswith("cpu MHz"))
     except (OSError, ValueError):
@@ -232,7 +234,7 @@ def main(argv=None) -> dict:
             rows_plan, budget_plan = planned_padding(lengths, a, learner)
             pad_rows.append(rows_plan)
             pad_budget.append(budget_plan)
-    peak, peak_src = peak_flops(device, a.peak_tflops)
+    peak, peak_src = peak_flops(device, a.peak_tflops, dtype)
     secs = sum(times)
     res = {"model": a.preset or str(model_dir), "device": device, "dtype": dtype,
            "tp": a.tp, "pp": a.pp, "dp": a.dp, "pairs": a.pairs, "seq": a.seq, "mbs": a.mbs,

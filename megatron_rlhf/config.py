@@ -399,6 +399,10 @@ class LearnerConfig:
     the gradient equals the one-micro-batch gradient (tests/test_token_budget.py). Padded
     micro-batches (no THD packing: that needs Transformer Engine's attention, GPU only, not done)."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    peak_tflops: float | None = None
+    """Peak dense TFLOP/s of ONE learner device for ``perf/mfu`` (null: the table of
+    ``platform/peaks.py`` by device name and dtype, e.g. H100/H200 bf16 989; on CPU, or a GPU
+    not in the table, no ``perf/mfu``)."""
     ref_sync_interval: int = 0
     """Copy policy -> reference every r learner batches (0 = never; Lanchantin et al. 2025)."""
     max_skipped_steps: int = 3
@@ -421,12 +425,21 @@ class LearnerConfig:
         _check(self.max_tokens_per_microbatch >= 0, "learner.max_tokens_per_microbatch",
                self.max_tokens_per_microbatch, "0 (off) or a token budget >= 1")
         _check(self.ref_sync_interval >= 0, "learner.ref_sync_interval", self.ref_sync_interval, ">= 0")
+        _check(self.peak_tflops is None or self.peak_tflops > 0, "learner.peak_tflops", self.peak_tflops,
+               "a number > 0 (TFLOP/s of one device) or null")
 
 
 LOSS_NAMES = ("online_dpo", "group_dpo", "grpo", "ppo", "rloo", "proximal_rloo", "best_of_k_sft")
 """Valid ``algorithm.loss`` values (the keys of ``megatron_rlhf.losses.LOSSES``; a test keeps them equal)."""
 
 POLICY_GRADIENT_LOSSES = ("grpo", "ppo", "rloo", "proximal_rloo")
+
+IS_CORRECTIONS = ("none", "token_tis", "token_mask", "sequence_tis", "sequence_mask")
+"""Valid ``algorithm.is_correction`` values (``megatron_rlhf.losses._common.IS_CORRECTIONS``; a
+test keeps them equal, as config.py imports no torch)."""
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+"""Valid ``algorithm.kl_estimator`` values (``megatron_rlhf.losses._common.KL_ESTIMATORS``)."""
 """Losses whose learner logprobs are those of the sampling distribution (logits / temperature)."""
 
 
@@ -477,12 +490,33 @@ class AlgorithmConfig:
     clip_eps_high: float | None = None
     """Upper clip epsilon (None: ``clip_eps``; DAPO's clip-higher)."""
     kl_beta: float = 0.0
-    """KL to the reference: grpo adds ``kl_beta * k3`` to the loss; ppo/rloo/proximal_rloo put
-    ``-kl_beta * (log pi_old - log pi_ref)`` into the reward (Ouyang et al. 2022 eq. 2)."""
+    """KL to the reference: by default grpo adds ``kl_beta * k3`` to the loss; ppo/rloo/proximal_rloo
+    put ``-kl_beta * (log pi_old - log pi_ref)`` into the reward (Ouyang et al. 2022 eq. 2); see
+    ``kl_estimator`` and ``kl_in_reward``."""
     tis_cap: float | None = 2.0
     """Truncated importance sampling cap of ``pi_old / pi_generator`` per token (grpo, ppo,
     proximal_rloo; plain rloo, which has no pi_old, weights by ``pi_theta / pi_generator``); it
-    corrects stale (asynchronous) samples and vLLM's numerics. None disables."""
+    corrects stale (asynchronous) samples and vLLM's numerics. The cap of ``is_correction``
+    ``token_tis`` and ``sequence_tis``; None turns ``token_tis`` off."""
+    is_correction: str = "token_tis"
+    """Off-policy correction of the policy-gradient losses against the generator's sampling
+    logprobs (``losses._common.offpolicy_weights``): ``none``; ``token_tis`` (per-token ratio
+    truncated at ``tis_cap``; TIS); ``token_mask`` (per-token ratio, tokens outside ``is_bounds``
+    get weight 0: icepop / MIS); ``sequence_tis`` (one weight per completion, the product of its
+    token ratios truncated at ``tis_cap``); ``sequence_mask`` (completions whose geometric-mean
+    ratio is outside ``is_bounds`` get weight 0, the others keep their token ratios:
+    seq-mask-tis). Metrics ``is/masked_frac``, ``is/weight_mean``, ``is/weight_max``, ``is/ess``."""
+    is_bounds: list[float] = field(default_factory=lambda: [0.5, 2.0])
+    """``[lo, hi]`` of ``is_correction`` ``token_mask`` / ``sequence_mask`` (ratios kept when
+    ``lo <= ratio <= hi``; NeMo-RL's ``truncated_importance_sampling_ratio_min`` / ``_ratio``)."""
+    kl_estimator: str | None = None
+    """Estimator of KL(pi || pi_ref) per token (Schulman 2020): ``k1`` (log-ratio), ``k2``
+    (half squared log-ratio) or ``k3`` (``exp(-r) - 1 + r``); null: ``k3`` for a KL in the loss,
+    ``k1`` for a KL in the reward (the behaviour before the key existed)."""
+    kl_in_reward: bool | None = None
+    """Where ``kl_beta``'s KL goes for the policy-gradient losses: ``true`` into the reward with
+    pi_old (before the advantages), ``false`` into the loss with pi_theta; null: the loss's
+    default (grpo: loss; ppo, rloo, proximal_rloo: reward)."""
     loss_agg: str | None = None
     """``sequence_sum`` (no length normalisation), ``sequence_token_mean`` or ``token_mean``;
     None: the loss's default (grpo/rloo: sequence_sum, ppo/best_of_k_sft: token_mean)."""
@@ -578,6 +612,42 @@ class AlgorithmConfig:
                self.value_clip_eps, "a number > 0 or null")
         _check(self.critic_lr is None or self.critic_lr > 0, "algorithm.critic_lr", self.critic_lr, "> 0 or null")
         _check(0 < self.gamma <= 1, "algorithm.gamma", self.gamma, "in (0, 1]")
+        self._check_corrections()
+
+    def _check_corrections(self) -> None:
+        """``is_correction`` / ``is_bounds`` / ``kl_estimator`` / ``kl_in_reward``."""
+        _check(self.is_correction in IS_CORRECTIONS, "algorithm.is_correction", self.is_correction,
+               "one of " + ", ".join(IS_CORRECTIONS))
+        b = self.is_bounds
+        _check(len(b) == 2 and 0 <= b[0] < b[1], "algorithm.is_bounds", b,
+               "[lo, hi] with 0 <= lo < hi (e.g. [0.5, 2.0])")
+        _check(self.is_correction != "sequence_tis" or self.tis_cap is not None, "algorithm.tis_cap",
+               self.tis_cap, "a number >= 1 with algorithm.is_correction=sequence_tis (its truncation)")
+        _check(not (self.is_correction == "token_mask" and self.loss == "proximal_rloo"
+                    and self.proximal_rloo_level == "sequence"), "algorithm.is_correction",
+               self.is_correction, "none, token_tis, sequence_tis or sequence_mask with the sequence-level "
+               "proximal_rloo (token_mask has no sequence-level form; or set "
+               "algorithm.proximal_rloo_level=token)")
+        _check(self.kl_estimator is None or self.kl_estimator in KL_ESTIMATORS, "algorithm.kl_estimator",
+               self.kl_estimator, "k1, k2, k3 or null (the loss's default)")
+        _check(self.kl_in_reward is None or self.is_policy_gradient, "algorithm.kl_in_reward",
+               self.kl_in_reward, f"null unless algorithm.loss is one of {list(POLICY_GRADIENT_LOSSES)} "
+               f"(got loss {self.loss})")
+
+    @property
+    def kl_in_reward_used(self) -> bool:
+        """Whether ``kl_beta``'s KL goes into the reward: ``kl_in_reward``, else true for ppo, rloo
+        and proximal_rloo, false for grpo (and every non-policy-gradient loss)."""
+        if self.kl_in_reward is not None:
+            return self.kl_in_reward
+        return self.loss in ("ppo", "rloo", "proximal_rloo")
+
+    @property
+    def kl_estimator_used(self) -> str:
+        """``kl_estimator``, else ``k1`` for a KL in the reward and ``k3`` for one in the loss."""
+        if self.kl_estimator is not None:
+            return self.kl_estimator
+        return "k1" if self.kl_in_reward_used else "k3"
         _check(0 <= self.gae_lambda <= 1, "algorithm.gae_lambda", self.gae_lambda, "in [0, 1]")
 
     @property
@@ -700,6 +770,12 @@ class EvalConfig:
     """k of ``mean@k`` on math tasks (mean correctness of k sampled completions); 0 = greedy only."""
     temperature: float | None = None
     """Sampling temperature of the ``mean@k`` samples (``null``: ``generators.temperature``)."""
+    pass_at_k: list[int] = field(default_factory=list)
+    """Math tasks: unbiased ``pass@k`` for each k listed (e.g. ``[1, 4, 8]``), from the same
+    ``samples`` (n) sampled completions per prompt (Chen et al. 2021, eq. 1:
+    ``1 - C(n - c, k) / C(n, k)`` with c correct), as ``eval/<task>/pass@<k>_unbiased`` with its
+    standard error over prompts. Every k must be <= ``samples``; empty (default): none, and no
+    extra generation either way."""
 
     def __post_init__(self):
         _check(self.interval >= 0, "eval.interval", self.interval, "an integer >= 0")
@@ -708,6 +784,11 @@ class EvalConfig:
         _check(self.samples >= 0, "eval.samples", self.samples, "an integer >= 0")
         _check(self.temperature is None or self.temperature > 0, "eval.temperature", self.temperature,
                "a number > 0 or null")
+        _check(all(k >= 1 for k in self.pass_at_k) and len(set(self.pass_at_k)) == len(self.pass_at_k),
+               "eval.pass_at_k", self.pass_at_k, "distinct integers >= 1 (e.g. [1, 4, 8])")
+        _check(not self.pass_at_k or max(self.pass_at_k) <= self.samples, "eval.pass_at_k", self.pass_at_k,
+               f"every k <= eval.samples ({self.samples}), the completions sampled per prompt: raise "
+               "eval.samples (pass@k needs n >= k samples)")
 
 
 @dataclass(kw_only=True)

@@ -321,3 +321,46 @@ def test_the_trained_steps_are_checkpointed_before_a_failed_end_of_run_eval_is_r
     with pytest.raises(TimeoutError):
         _flush_and_save(run, Rows(TimeoutError("no eval result")), 16, 16, "b16", lambda: ("b17",))
     assert run.saves[-1] == (16, 16, "b16", ())   # saved without pending batches, then the error
+
+
+# ------------------------------------------------------------------------------ unbiased pass@k
+def test_unbiased_pass_at_k_by_hand():
+    from megatron_rlhf.trainer.evaluate import pass_at_k
+
+    assert pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)            # 1 - C(3,2)/C(5,2)
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)                  # k = 1: c / n
+    assert pass_at_k(10, 0, 3) == 0.0 and pass_at_k(3, 3, 2) == 1.0 and pass_at_k(4, 3, 2) == 1.0
+    # stable where the binomials are astronomically large
+    assert pass_at_k(200, 10, 100) == pytest.approx(1 - math.comb(190, 100) / math.comb(200, 100), rel=1e-12)
+    with pytest.raises(ValueError, match="eval.pass_at_k"):
+        pass_at_k(4, 1, 5)
+
+
+def test_pass_at_k_in_the_eval_rows_with_standard_errors():
+    # prompt 0: 1 of 4 correct, prompt 1: 2 of 4 -> pass@2 = 1 - C(3,2)/C(4,2) = 0.5 and
+    # 1 - C(2,2)/C(4,2) = 5/6: mean 2/3, se = (1/3 / sqrt(2)) / sqrt(2) = 1/6
+    out = eval_metrics("m", "math_verify", [1.0, 0.0], [3, 3], [[1, 0, 0, 0], [1, 1, 0, 0]], [1, 2, 4])
+    assert out["eval/m/pass@1_unbiased"] == pytest.approx(0.375)
+    assert out["eval/m/pass@2_unbiased"] == pytest.approx(2 / 3)
+    assert out["eval/m/pass@2_unbiased/se"] == pytest.approx(1 / 6)
+    assert out["eval/m/pass@4_unbiased"] == 1.0 and out["eval/m/pass@4_unbiased/se"] == 0.0
+    assert "eval/m/pass@2_unbiased" not in eval_metrics("m", "math_verify", [1.0], [3], None, [2])
+    # through the Evaluator: FakePool's sampled completion j of prompt i is correct iff (i+j) % 4 == 0
+    held = {"math": [Prompt(index=i, task="math", token_ids=(1,), answer="7", text=f"m{i}") for i in range(4)]}
+    ev = Evaluator(FakePool(), held, {"math": "math_verify"}, _fns(), EvalConfig(samples=4, pass_at_k=[1, 2]), 1.0)
+    out = ev.evaluate(1)
+    assert out["eval/math/pass@1_unbiased"] == pytest.approx(0.25)     # = mean@k
+    assert out["eval/math/pass@2_unbiased"] == pytest.approx(0.5) and out["eval/math/pass@2_unbiased/se"] == 0
+    from megatron_rlhf.trainer.metrics import summarize_evals
+
+    rows = [{"step": 1, "eval/step": 0, **out}, {"step": 2}, {"step": 3, "eval/step": 3, **out}]
+    assert summarize_evals(rows)["math"]["pass@2_unbiased"]["last"] == pytest.approx(0.5)
+
+
+def test_pass_at_k_needs_enough_samples_and_is_off_by_default():
+    from megatron_rlhf.config import ConfigError
+
+    assert EvalConfig().pass_at_k == [] and EvalConfig(samples=8, pass_at_k=[1, 4, 8]).pass_at_k == [1, 4, 8]
+    for bad in (dict(samples=4, pass_at_k=[8]), dict(samples=4, pass_at_k=[0]), dict(samples=4, pass_at_k=[2, 2])):
+        with pytest.raises(ConfigError, match="eval.pass_at_k"):
+            EvalConfig(**bad)

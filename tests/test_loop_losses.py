@@ -28,15 +28,30 @@ LOSS_KEYS = {
     "proximal_rloo": ["pg/clip_frac", "adv/mean"],
     "best_of_k_sft": ["loss/total"],
 }
+# The off-policy corrections and KL choices ride on these runs (one run per loss is the cost; one
+# extra grpo run covers the rest): token_tis (default) in ppo and group_dpo's GRPO part, token_mask
+# in grpo, sequence_tis in rloo, sequence_mask in proximal_rloo, none in grpo_kl_in_reward; KL
+# k3 in the loss (grpo default), k2 in the loss (grpo), k1 in the reward (ppo default), k3 in the
+# reward (rloo), k3 in the loss for proximal_rloo (kl_in_reward: false), k1 in grpo's reward.
 EXTRA = {
     "online_dpo": ["algorithm.nll_coef=0.1"],
     "group_dpo": ["algorithm.group_dpo_alpha=0.5"],
-    "grpo": ["algorithm.kl_beta=0.01", "algorithm.updates_per_batch=2"],
+    "grpo": ["algorithm.kl_beta=0.01", "algorithm.updates_per_batch=2", "algorithm.kl_estimator=k2",
+             "algorithm.is_correction=token_mask", "algorithm.is_bounds=[0.99, 1.01]"],
     "ppo": ["algorithm.kl_beta=0.01"],
-    "rloo": [],
-    "proximal_rloo": ["algorithm.updates_per_batch=2"],
+    "rloo": ["algorithm.kl_beta=0.01", "algorithm.kl_estimator=k3", "algorithm.is_correction=sequence_tis"],
+    "proximal_rloo": ["algorithm.updates_per_batch=2", "algorithm.kl_beta=0.01", "algorithm.kl_in_reward=false",
+                      "algorithm.is_correction=sequence_mask", "algorithm.is_bounds=[0.9, 1.1]"],
     "best_of_k_sft": [],
+    "grpo_kl_in_reward": ["algorithm.loss=grpo", "algorithm.kl_beta=0.01", "algorithm.kl_in_reward=true",
+                          "algorithm.kl_estimator=k1", "algorithm.is_correction=none"],
 }
+LOSS_KEYS["grpo_kl_in_reward"] = ["pg/clip_frac", "adv/mean", "reward/kl_penalty_mean"]
+for _run in ("grpo", "ppo", "rloo", "proximal_rloo"):
+    LOSS_KEYS[_run] = LOSS_KEYS[_run] + ["is/masked_frac", "is/weight_mean", "is/weight_max", "is/ess"]
+LOSS_KEYS["grpo"] += ["loss/kl_ref", "kl/ref_k2"]
+LOSS_KEYS["proximal_rloo"] += ["loss/kl_ref"]
+LOSS_KEYS["rloo"] += ["reward/kl_penalty_mean"]
 
 
 def _cfg(model_dir, out_dir, name, *extra):
@@ -58,8 +73,10 @@ def test_each_loss_trains_3_steps_in_the_async_loop(generator, tiny_llama_dir, t
     from megatron_rlhf.trainer.loop import train
     from megatron_rlhf.trainer.metrics import REQUIRED_KEYS
 
-    res = train(_cfg(tiny_llama_dir, tmp_path, loss, f"algorithm.loss={loss}", *EXTRA[loss]),
-                quiet=True, generators=[generator])
+    name = loss if loss in ("online_dpo", "group_dpo", "grpo", "ppo", "rloo", "proximal_rloo",
+                            "best_of_k_sft") else None
+    res = train(_cfg(tiny_llama_dir, tmp_path, loss, *([f"algorithm.loss={name}"] if name else []),
+                     *EXTRA[loss]), quiet=True, generators=[generator])
     rows = _rows(res["run_dir"])
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert [r["staleness/max"] for r in rows] == [0, 1, 1]
@@ -69,11 +86,18 @@ def test_each_loss_trains_3_steps_in_the_async_loop(generator, tiny_llama_dir, t
         assert set(REQUIRED_KEYS) <= set(r)
         assert r["pairs/count"] == 2 and r["train/num_units"] == 2
         for key in ["loss/total", "kl/ref_k3", "kl/ref_k1", "rollout/entropy_mc", "grad/norm",
-                    "logprobs/vllm_gap_abs_mean", *LOSS_KEYS[loss]]:
+                    "logprobs/vllm_gap_abs_mean", "perf/learner_tokens_per_s", "perf/learner_tflops",
+                    *LOSS_KEYS[loss]]:
             assert r.get(key) is not None and math.isfinite(r[key]), (loss, key, r.get(key))
         assert r["train/updates"] == (2 if "algorithm.updates_per_batch=2" in EXTRA[loss] else 1)
+        assert r["perf/learner_tokens_per_s"] > 0 and r["perf/learner_tflops"] > 0
+        assert "perf/mfu" not in r                      # CPU: no known peak, no MFU
+        if "is/masked_frac" in LOSS_KEYS[loss]:
+            assert 0.0 <= r["is/masked_frac"] <= 1.0 and 0.0 <= r["is/ess"] <= 1.0 + 1e-6
     if loss in ("grpo", "proximal_rloo"):   # T=2: the second update moves away from pi_old
         assert any(r["pg/ratio_max"] != 1.0 for r in rows)
+    if loss == "grpo_kl_in_reward":         # no correction: no is/* metrics; the KL is in the reward
+        assert all("is/masked_frac" not in r and "loss/kl_ref" not in r for r in rows)
 
 
 @pytest.mark.timeout(600)

@@ -3,6 +3,9 @@
     .venv/bin/python tools/evaluate.py runs/cpu_demo/hf_final --config configs/cpu_demo.yaml
     .venv/bin/python tools/evaluate.py ~/.cache/megatron_rlhf/SmolLM2-135M-Instruct-hf \\
         --config configs/cpu_demo.yaml eval.num_prompts=128 --out base_eval.json
+    # unbiased pass@1/4/8 (Chen et al. 2021) from 8 samples per prompt, with standard errors
+    .venv/bin/python tools/evaluate.py runs/cpu_demo/hf_final --config configs/cpu_demo.yaml \
+        eval.samples=8 "eval.pass_at_k=[1,4,8]"
 
 The config gives the tasks (their held-out prompts: ``tasks[].eval_data`` or the fixed held-out
 slice of ``tasks[].data``), the rewards (math-verify, reward model, plug-in), the sampling
@@ -10,7 +13,8 @@ settings (``generators.*``) and the eval settings (``eval.*``); ``model.source``
 folder given is scored). One vLLM engine (``generators.*``, engine seed ``run.seed``) on a local
 Ray cluster runs the same ``trainer.evaluate.Evaluator`` the training loop runs on its generator
 pool, so the numbers agree with the run's ``eval/*`` values of the same weights (greedy values
-exactly up to kernel numerics; ``mean@k`` within its standard error). Prints the values as JSON
+exactly up to kernel numerics; ``mean@k`` and ``pass@<k>_unbiased`` within their standard
+errors). Prints the values as JSON
 (and writes them to ``--out``).
 """
 

@@ -397,7 +397,11 @@ class MegatronLearner:
             (padded slots / all slots the micro-batches ran), ``batch/padding_fraction_unsorted``
             (the same for the ``[B, S]`` batch as given), ``ref/synced`` (1.0 when the reference
             was reset to the policy after this batch), ``time/train_s``, ``time/ref_s`` (reference
-            pass), ``time/old_s`` (pi_old recompute, when it runs). Last-stage ranks add, over the
+            pass), ``time/old_s`` (pi_old recompute, when it runs), ``perf/learner_tokens_per_s``
+            (real tokens of the batch per second of ``time/train_s``, all ranks; ``..._per_rank``),
+            ``perf/learner_tflops`` (model TFLOP/s, ``learner/flops.py``; ``..._per_rank``) and
+            ``perf/mfu`` where the device's peak is known (``learner.peak_tflops`` or
+            ``platform/peaks.py``; not on CPU). Last-stage ranks add, over the
             whole batch (independent of micro-batching and DP): the loss function's own metrics
             (``loss/*``, ``dpo/*``, ``pg/*``, ``adv/*``, ``tis/*``, ``entropy/mean``, ...; for T > 1
             those of the LAST update's forward, plus ``loss/total_first_update``), the batch
@@ -467,7 +471,19 @@ class MegatronLearner:
                 if "loss/total" in metrics:
                     metrics["loss/total"] += metrics["loss/value"]
         metrics["time/train_s"] = time.perf_counter() - t0
+        metrics.update(self._throughput(lengths, len(oks), times, metrics["time/train_s"]))
         return metrics
+
+    def _throughput(self, lengths: list[int], updates: int, times: dict, seconds: float) -> dict[str, float]:
+        """``perf/*`` of this step (:func:`~megatron_rlhf.learner.flops.throughput_metrics`): model
+        FLOPs of the policy's and reference's passes (3 per update, 1 per forward-only pass; the
+        PPO critic's are not counted) over the rows' real lengths, in this rank's step time."""
+        from megatron_rlhf.learner.flops import throughput_metrics
+        from megatron_rlhf.platform.peaks import device_peak_tflops
+
+        passes = 3 * updates + 1 + ("time/old_s" in times) + ("time/mismatch_s" in times)
+        peak = device_peak_tflops(self.platform.device, self.dtype, self.cfg.peak_tflops)
+        return throughput_metrics(self.hf_config, lengths, passes, seconds, self.groups.world_size, peak)
 
     def _before_updates(self, x: BatchTensors, mbs, times: dict):
         """Forward-only passes and the batch transform (module doc, steps 3-6): reference (and

@@ -50,8 +50,9 @@ class LossSpec:
         keeps_units: rows of a unit (pair or prompt group) must share a micro-batch (online_dpo,
             group_dpo); False: rows are independent once the advantages are computed.
         uses_old: the loss takes pi_old token logprobs (ratio or TIS).
-        kl_in_reward: the KL to the reference is folded into the reward with pi_old (ppo, rloo,
-            proximal_rloo with ``kl_beta > 0``), so pi_old is needed before the first update.
+        kl_in_reward: the KL to the reference is folded into the reward with pi_old
+            (``algorithm.kl_in_reward``, by default ppo, rloo and proximal_rloo, with
+            ``kl_beta > 0``), so pi_old is needed before the first update.
         recompute_old: pi_old comes from an extra forward-only pass of the policy before the first
             update (``uses_old`` and T > 1, or ``kl_in_reward``); otherwise, when ``uses_old``,
             pi_old is the detached logprobs of the first (only) update's own forward: the same
@@ -72,7 +73,7 @@ class LossSpec:
         name = algo.loss
         grpo_part = name == "group_dpo" and algo.group_dpo_alpha > 0
         uses_old = name in ("grpo", "ppo", "proximal_rloo") or grpo_part
-        kl_in_reward = name in ("ppo", "rloo", "proximal_rloo") and algo.kl_beta > 0
+        kl_in_reward = algo.is_policy_gradient and algo.kl_in_reward_used and algo.kl_beta > 0
         return LossSpec(
             keeps_units=algo.unit == "pair" or name == "group_dpo", uses_old=uses_old,
             kl_in_reward=kl_in_reward,
@@ -157,11 +158,14 @@ def prepare_batch(algo: AlgorithmConfig, *, mask: torch.Tensor, rewards: torch.T
                   old_values: torch.Tensor | None = None) -> Prepared:
     """The batch-level transform of ``algorithm.loss``, once per batch on the whole batch.
 
+    The KL in the reward (:attr:`LossSpec.kl_in_reward`: ``algorithm.kl_in_reward``, by default
+    ppo / rloo / proximal_rloo with ``kl_beta > 0``) is ``kl_beta * sum_t k_t(pi_old || pi_ref)``
+    with ``k`` = ``algorithm.kl_estimator`` (default k1: ``log pi_old - log pi_ref``; Ahmadian et
+    al. 2024, sec. 2.1), subtracted from each reward before the advantages.
     grpo: :func:`~megatron_rlhf.losses.advantages.group_relative_advantages`
-    (``algorithm.grpo_normalize_std``); rloo / proximal_rloo: rewards minus
-    ``kl_beta * sum_t (log pi_old - log pi_ref)`` when ``kl_beta > 0`` (Ahmadian et al. 2024, sec.
-    2.1), then leave-one-out advantages; ppo: :func:`~megatron_rlhf.losses.advantages.ppo_advantages`
-    with the critic's old values (KL-shaped token rewards, GAE(gamma, gae_lambda), whitening);
+    (``algorithm.grpo_normalize_std``); rloo / proximal_rloo: leave-one-out advantages;
+    ppo: :func:`~megatron_rlhf.losses.advantages.ppo_advantages` with the critic's old values
+    (KL-shaped token rewards, GAE(gamma, gae_lambda), whitening; the penalty per token);
     group_dpo: the number of (correct, incorrect) pairs of the batch (+ GRPO advantages when
     ``group_dpo_alpha > 0``); online_dpo: ``B/2`` pairs; best_of_k_sft: nothing.
 
@@ -194,11 +198,12 @@ def prepare_batch(algo: AlgorithmConfig, *, mask: torch.Tensor, rewards: torch.T
                          "(build the batch with LearnerBatch.from_groups)")
     rewards = rewards.float()
     metrics = {"reward/loss_mean": float(rewards.mean()), "reward/loss_std": float(rewards.std(unbiased=False))}
+    in_reward = LossSpec.of(algo).kl_in_reward
     if name in ("grpo", "group_dpo"):
         adv = None
         if name == "grpo" or algo.group_dpo_alpha > 0:
-            adv = adv_fns.group_relative_advantages(rewards, group_ids,
-                                                    normalize_std=algo.grpo_normalize_std)
+            r = _kl_penalized(algo, name, rewards, mask, ref_logprobs, old_logprobs, metrics) if in_reward else rewards
+            adv = adv_fns.group_relative_advantages(r, group_ids, normalize_std=algo.grpo_normalize_std)
         pairs = 0.0
         if name == "group_dpo":
             chosen, _ = adv_fns.group_dpo_pairs(rewards, group_ids,
@@ -207,25 +212,34 @@ def prepare_batch(algo: AlgorithmConfig, *, mask: torch.Tensor, rewards: torch.T
         return Prepared(totals=BatchTotals(totals.num_sequences, totals.num_tokens, pairs),
                         advantages=adv, metrics=metrics)
     if name in ("rloo", "proximal_rloo"):
-        r = rewards
-        if algo.kl_beta > 0:
-            _need(name, ref_logprobs=ref_logprobs, old_logprobs=old_logprobs)
-            r = adv_fns.kl_penalized_rewards(rewards, mask, old_logprobs, ref_logprobs, algo.kl_beta)
-            metrics["reward/kl_penalty_mean"] = float((rewards - r).mean())
+        r = _kl_penalized(algo, name, rewards, mask, ref_logprobs, old_logprobs, metrics) if in_reward else rewards
         return Prepared(totals=totals, advantages=adv_fns.leave_one_out_advantages(r, group_ids),
                         metrics=metrics)
     if name == "ppo":
         _need(name, ref_logprobs=ref_logprobs, old_values=old_values)
         if old_logprobs is None:
-            if algo.kl_beta > 0:
+            if in_reward:
                 _need(name, old_logprobs=old_logprobs)
-            old_logprobs = ref_logprobs  # kl_beta = 0: the penalty 0 * (old - ref) is 0 anyway
+            old_logprobs = ref_logprobs  # no KL in the reward: the penalty 0 * k(old, ref) is 0 anyway
         adv, ret, m = adv_fns.ppo_advantages(rewards, mask, old_logprobs, ref_logprobs, old_values,
-                                             kl_beta=algo.kl_beta, gamma=algo.gamma,
-                                             lam=algo.gae_lambda, whiten=algo.whiten_advantages)
+                                             kl_beta=algo.kl_beta if in_reward else 0.0,
+                                             gamma=algo.gamma, lam=algo.gae_lambda,
+                                             whiten=algo.whiten_advantages,
+                                             kl_estimator=algo.kl_estimator_used)
         metrics.update({k: float(v) for k, v in m.items()})
         return Prepared(totals=totals, advantages=adv, returns=ret, metrics=metrics)
     raise ValueError(f"algorithm.loss={name!r} is not handled by the learner")
+
+
+def _kl_penalized(algo: AlgorithmConfig, name: str, rewards, mask, ref_logprobs, old_logprobs,
+                  metrics: dict) -> torch.Tensor:
+    """``[B]`` rewards minus ``kl_beta * sum_t k_t(pi_old || pi_ref)`` (``algorithm.kl_estimator``);
+    logs ``reward/kl_penalty_mean``."""
+    _need(name, ref_logprobs=ref_logprobs, old_logprobs=old_logprobs)
+    r = adv_fns.kl_penalized_rewards(rewards, mask, old_logprobs, ref_logprobs, algo.kl_beta,
+                                     algo.kl_estimator_used)
+    metrics["reward/kl_penalty_mean"] = float((rewards - r).mean())
+    return r
 
 
 def _need(name: str, **tensors) -> None:
@@ -240,8 +254,9 @@ def loss_on_slice(algo: AlgorithmConfig, x: SliceInputs, totals: BatchTotals
     denominators ``totals``.
 
     The knobs come from ``algo`` (beta, nll_coef, group_dpo_alpha, clip_eps, clip_eps_high,
-    kl_beta, tis_cap (only when ``x.generator_logprobs`` is given), loss_agg (None: the loss's
-    default), proximal_rloo_level, entropy_coef). ppo's policy part only: the critic trains
+    kl_beta (in the loss unless :attr:`LossSpec.kl_in_reward`), kl_estimator, is_correction,
+    is_bounds and tis_cap (only when ``x.generator_logprobs`` is given), loss_agg (None: the
+    loss's default), proximal_rloo_level, entropy_coef). ppo's policy part only: the critic trains
     separately (``values=None``). online_dpo takes rows 2i / 2i+1 of ``x`` as pair i's chosen /
     rejected, sequence logprobs summed in float64 (:func:`sequence_sums`), chosen lengths for the
     NLL term clamped to >= 1 token.
@@ -257,9 +272,12 @@ def loss_on_slice(algo: AlgorithmConfig, x: SliceInputs, totals: BatchTotals
     agg = {} if algo.loss_agg is None else {"loss_agg": algo.loss_agg}
     glob = dict(global_num_sequences=totals.num_sequences, global_num_tokens=totals.num_tokens)
     ent = dict(entropy=x.entropy, entropy_coef=algo.entropy_coef if x.entropy is not None else 0.0)
+    gen = x.generator_logprobs is not None
     pg = dict(clip_eps=algo.clip_eps, clip_eps_high=algo.clip_eps_high,
-              generator_logprobs=x.generator_logprobs,
-              tis_cap=algo.tis_cap if x.generator_logprobs is not None else None, **ent, **agg, **glob)
+              generator_logprobs=x.generator_logprobs, tis_cap=algo.tis_cap if gen else None,
+              is_correction=algo.is_correction if gen else "none", is_bounds=tuple(algo.is_bounds),
+              kl_estimator=algo.kl_estimator_used, **ent, **agg, **glob)
+    kl_beta = 0.0 if LossSpec.of(algo).kl_in_reward else algo.kl_beta   # the KL term of the loss
     if name == "online_dpo":
         seq, ref_seq = sequence_sums(lp, mask), sequence_sums(ref, mask)
         lengths = mask.sum(-1).clamp_min(1.0).to(seq.dtype)
@@ -277,16 +295,17 @@ def loss_on_slice(algo: AlgorithmConfig, x: SliceInputs, totals: BatchTotals
                               global_num_pairs=totals.num_pairs, alpha=algo.group_dpo_alpha,
                               old_logprobs=x.old_logprobs, advantages=x.advantages, **grpo_opts)
     if name == "grpo":
-        return grpo_loss(lp, x.old_logprobs, x.advantages, mask, ref_logprobs=ref,
-                         kl_beta=algo.kl_beta, **pg)
+        return grpo_loss(lp, x.old_logprobs, x.advantages, mask, ref_logprobs=ref, kl_beta=kl_beta, **pg)
     if name == "ppo":
-        return ppo_loss(lp, x.old_logprobs, x.advantages, mask, ref_logprobs=ref, **pg)
+        return ppo_loss(lp, x.old_logprobs, x.advantages, mask, ref_logprobs=ref, kl_beta=kl_beta, **pg)
     if name == "rloo":
         return rloo_loss(lp, x.advantages, mask, ref_logprobs=ref, generator_logprobs=x.generator_logprobs,
-                         tis_cap=pg["tis_cap"], **ent, **agg, **glob)
+                         tis_cap=pg["tis_cap"], is_correction=pg["is_correction"],
+                         is_bounds=pg["is_bounds"], kl_beta=kl_beta, kl_estimator=pg["kl_estimator"],
+                         **ent, **agg, **glob)
     if name == "proximal_rloo":
         return proximal_rloo_loss(lp, x.old_logprobs, x.advantages, mask,
-                                  level=algo.proximal_rloo_level, ref_logprobs=ref, **pg)
+                                  level=algo.proximal_rloo_level, ref_logprobs=ref, kl_beta=kl_beta, **pg)
     if name == "best_of_k_sft":
         return best_of_k_sft_loss(lp, mask, ref_logprobs=ref, **agg, **glob)
     raise ValueError(f"algorithm.loss={name!r} is not handled by the learner")
@@ -417,7 +436,7 @@ def whole_batch_metrics(algo: AlgorithmConfig, x: BatchTensors, prep: Prepared, 
             SFT losses at T != 1), else None (``first_logprobs`` already are).
     Returns:
         the loss function's metrics on the last update's logprobs (+ ``loss/total_first_update``
-        when T > 1), ``prep.metrics``, ``kl/ref_k3`` and ``kl/ref_k1`` from ``first_logprobs``,
+        when T > 1), ``prep.metrics``, ``kl/ref_k1``, ``kl/ref_k2``, ``kl/ref_k3`` from ``first_logprobs``,
         the train/inference mismatch at the sampling temperature (same weights, same
         distribution, so only numerics or a failed weight sync make it non-zero):
         ``logprobs/vllm_gap_abs_mean``, ``logprobs/vllm_gap_abs_max`` and
@@ -426,7 +445,7 @@ def whole_batch_metrics(algo: AlgorithmConfig, x: BatchTensors, prep: Prepared, 
         < 1.05); and ``rollout/entropy_mc`` (these over completion tokens with a finite generator
         logprob; NaN without them).
     """
-    from megatron_rlhf.losses._common import k3_kl, masked_mean
+    from megatron_rlhf.losses._common import kl_metrics
 
     spec = LossSpec.of(algo)
     if old_logprobs is None and spec.uses_old:
@@ -441,8 +460,7 @@ def whole_batch_metrics(algo: AlgorithmConfig, x: BatchTensors, prep: Prepared, 
             sl.logprobs = first_logprobs
             out["loss/total_first_update"] = float(loss_on_slice(algo, sl, prep.totals)[1]["loss/total"])
     out.update(prep.metrics)
-    out["kl/ref_k3"] = float(masked_mean(k3_kl(first_logprobs, ref_logprobs, x.mask), x.mask))
-    out["kl/ref_k1"] = float(masked_mean(first_logprobs - ref_logprobs, x.mask))
+    out.update({k: float(v) for k, v in kl_metrics(first_logprobs, ref_logprobs, x.mask).items()})
     on = x.mask > 0
     if x.slp is not None:
         on = on & torch.isfinite(x.slp)  # as TIS does: skip non-finite generator logprobs

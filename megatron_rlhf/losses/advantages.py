@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_rlhf.losses._common import check_tokens
+from megatron_rlhf.losses._common import check_tokens, kl_estimate
 
 __all__ = ["best_of_k_mask", "gae", "group_dpo_pairs", "group_relative_advantages",
            "kl_penalized_rewards", "leave_one_out_advantages", "masked_whiten",
@@ -98,11 +98,14 @@ def leave_one_out_advantages(rewards: torch.Tensor, group_ids: torch.Tensor | No
 
 
 def kl_penalized_rewards(rewards: torch.Tensor, mask: torch.Tensor, old_logprobs: torch.Tensor,
-                         ref_logprobs: torch.Tensor, kl_beta: float) -> torch.Tensor:
-    """Sequence reward with the KL penalty folded in: ``r_i - beta * sum_t m (logp_old - logp_ref)``.
+                         ref_logprobs: torch.Tensor, kl_beta: float, estimator: str = "k1") -> torch.Tensor:
+    """Sequence reward with the KL penalty folded in: ``r_i - beta * sum_t m k_t`` with ``k_t`` the
+    ``estimator`` of KL(pi_old || pi_ref) on token t (k1: ``logp_old - logp_ref``, the default;
+    k2, k3: :func:`~megatron_rlhf.losses._common.kl_estimate`).
 
     Ahmadian et al. 2024, sec. 2.1 (``R(x, y) = r(x, y) - beta log(pi/pi_ref)`` over the whole
-    completion); Noukhovitch et al. 2024, sec. 2 (RLOO and PPO optimise the KL-penalised reward).
+    completion); Noukhovitch et al. 2024, sec. 2 (RLOO and PPO optimise the KL-penalised reward);
+    the estimator choice as verl's ``algorithm.kl_penalty`` for ``use_kl_in_reward``.
 
     Args:
         rewards: ``[B]`` task rewards.
@@ -110,10 +113,11 @@ def kl_penalized_rewards(rewards: torch.Tensor, mask: torch.Tensor, old_logprobs
         old_logprobs: ``[B, T]`` pi_old token logprobs (the sampling policy's, as the learner recomputes).
         ref_logprobs: ``[B, T]`` reference token logprobs.
         kl_beta: penalty coefficient (>= 0; algorithm.kl_beta).
+        estimator: ``k1`` | ``k2`` | ``k3`` (algorithm.kl_estimator).
     Returns:
         ``[B]`` penalised rewards, no grad.
     Raises:
-        ValueError: shapes or ``kl_beta < 0``.
+        ValueError: shapes, ``kl_beta < 0`` or an unknown estimator.
     """
     check_tokens("kl_penalized_rewards", mask, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs)
     if rewards.shape != (mask.shape[0],):
@@ -121,14 +125,15 @@ def kl_penalized_rewards(rewards: torch.Tensor, mask: torch.Tensor, old_logprobs
                          f"{tuple(rewards.shape)}")
     if kl_beta < 0:
         raise ValueError(f"kl_penalized_rewards: kl_beta (algorithm.kl_beta) must be >= 0; got {kl_beta}")
-    d = torch.where(mask > 0, old_logprobs.detach() - ref_logprobs.detach(), torch.zeros_like(mask))
+    d = kl_estimate(old_logprobs.detach(), ref_logprobs, mask, estimator)
     return rewards.detach().float() - kl_beta * (d * mask).sum(-1)
 
 
 def ppo_token_rewards(rewards: torch.Tensor, mask: torch.Tensor, old_logprobs: torch.Tensor,
-                      ref_logprobs: torch.Tensor, kl_beta: float) -> torch.Tensor:
-    """Per-token PPO rewards: ``-beta (logp_old_t - logp_ref_t)`` on every completion token, plus the
-    sequence reward on the LAST completion token.
+                      ref_logprobs: torch.Tensor, kl_beta: float, estimator: str = "k1") -> torch.Tensor:
+    """Per-token PPO rewards: ``-beta k_t`` on every completion token (``k_t`` the ``estimator`` of
+    KL(pi_old || pi_ref); k1 = ``logp_old_t - logp_ref_t``, the default), plus the sequence reward
+    on the LAST completion token.
 
     Ziegler et al. 2019, eq. 2 and Ouyang et al. 2022, eq. 2 (KL penalty in the reward, per token as
     in their implementations; Huang et al. 2024, "The N+ implementation details of RLHF with PPO").
@@ -138,6 +143,7 @@ def ppo_token_rewards(rewards: torch.Tensor, mask: torch.Tensor, old_logprobs: t
         mask: ``[B, T]`` float mask (each row needs >= 1 completion token).
         old_logprobs, ref_logprobs: ``[B, T]`` token logprobs.
         kl_beta: >= 0.
+        estimator: ``k1`` | ``k2`` | ``k3`` (algorithm.kl_estimator).
     Returns:
         ``[B, T]`` token rewards, 0 outside the mask, no grad.
     Raises:
@@ -153,7 +159,7 @@ def ppo_token_rewards(rewards: torch.Tensor, mask: torch.Tensor, old_logprobs: t
     if not bool(has.all()):
         raise ValueError("ppo_token_rewards: rows without completion tokens: "
                          f"{torch.nonzero(~has).flatten().tolist()}")
-    d = torch.where(mask > 0, old_logprobs.detach() - ref_logprobs.detach(), torch.zeros_like(mask))
+    d = kl_estimate(old_logprobs.detach(), ref_logprobs, mask, estimator)
     out = -kl_beta * d * mask
     pos = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
     last = torch.where(mask > 0, pos, torch.full_like(pos, -1)).argmax(-1)
@@ -227,7 +233,8 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = Tru
 
 def ppo_advantages(rewards: torch.Tensor, mask: torch.Tensor, old_logprobs: torch.Tensor,
                    ref_logprobs: torch.Tensor, old_values: torch.Tensor, *, kl_beta: float,
-                   gamma: float = 1.0, lam: float = 0.95, whiten: bool = True
+                   gamma: float = 1.0, lam: float = 0.95, whiten: bool = True,
+                   kl_estimator: str = "k1"
                    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """PPO's batch transform: KL-shaped token rewards -> GAE -> (optionally whitened) advantages.
 
@@ -238,18 +245,19 @@ def ppo_advantages(rewards: torch.Tensor, mask: torch.Tensor, old_logprobs: torc
         rewards: ``[B]``; mask, old_logprobs, ref_logprobs, old_values: ``[B, T]``.
         kl_beta: per-token KL penalty (algorithm.kl_beta); gamma, lam: GAE parameters.
         whiten: whiten the advantages over the batch (algorithm.ppo_whiten_advantages).
+        kl_estimator: the per-token KL estimator of the reward penalty (algorithm.kl_estimator).
     Returns:
         ``(advantages [B, T], returns [B, T], metrics)`` with metrics ``ppo/token_kl_penalty``
         (mean per-token penalty), ``ppo/return_mean``.
     Raises:
         ValueError: as in the composed functions.
     """
-    tok = ppo_token_rewards(rewards, mask, old_logprobs, ref_logprobs, kl_beta)
+    tok = ppo_token_rewards(rewards, mask, old_logprobs, ref_logprobs, kl_beta, kl_estimator)
     adv, returns = gae(tok, old_values, mask, gamma=gamma, lam=lam)
     if whiten:
         adv = masked_whiten(adv, mask)
     n = mask.sum().clamp_min(1.0)
-    d = torch.where(mask > 0, old_logprobs.detach() - ref_logprobs.detach(), torch.zeros_like(mask))
+    d = kl_estimate(old_logprobs.detach(), ref_logprobs, mask, kl_estimator)
     metrics = {"ppo/token_kl_penalty": -kl_beta * (d * mask).sum() / n,
                "ppo/return_mean": (returns * mask).sum() / n}
     return adv, returns, metrics

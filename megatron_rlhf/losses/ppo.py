@@ -69,17 +69,20 @@ def ppo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: tor
              returns: torch.Tensor | None = None, value_clip_eps: float | None = 0.2,
              value_coef: float = 0.5, ref_logprobs: torch.Tensor | None = None,
              generator_logprobs: torch.Tensor | None = None, tis_cap: float | None = None,
-             loss_agg: str = "token_mean", entropy: torch.Tensor | None = None,
-             entropy_coef: float = 0.0, global_num_sequences: float | None = None,
-             global_num_tokens: float | None = None
+             is_correction: str = "token_tis", is_bounds: tuple[float, float] | None = None,
+             kl_beta: float = 0.0, kl_estimator: str = "k3", loss_agg: str = "token_mean",
+             entropy: torch.Tensor | None = None, entropy_coef: float = 0.0,
+             global_num_sequences: float | None = None, global_num_tokens: float | None = None
              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO-clip for RLHF: ``L = L_clip + value_coef * L_V - entropy_coef * H``.
 
     Schulman et al. 2017, eq. 7 (clipped surrogate, per token, with GAE advantages ``A_t`` from
     Schulman et al. 2016 eq. 16) and eq. 9 (combined objective); Ouyang et al. 2022, eq. 2 (the KL
-    to the reference is a per-token penalty in the REWARD, so it is not added here: ``ref_logprobs``
-    only feeds the ``kl/ref_*`` metrics). The ratio is pi_theta/pi_old; ``tis_cap`` adds the
-    truncated pi_old/pi_gen weight (see ``grpo_loss``). The value term needs ``values``,
+    to the reference is by default a per-token penalty in the REWARD, ``kl_beta=0`` here and
+    ``ref_logprobs`` only feeds the ``kl/ref_*`` metrics; ``algorithm.kl_in_reward: false`` moves
+    it into the loss: ``+ kl_beta * agg(k(pi_theta || pi_ref))`` with ``kl_estimator``). The ratio
+    is pi_theta/pi_old; ``is_correction`` / ``tis_cap`` / ``is_bounds`` weight it against the
+    generator (see ``grpo_loss``). The value term needs ``values``,
     ``old_values`` and ``returns`` together (the critic has its own parameters; its gradient comes
     only from the value term). Default aggregation ``token_mean`` (TRL PPO's masked mean).
 
@@ -90,8 +93,8 @@ def ppo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: tor
         values, old_values, returns: ``[B, T]`` or all None (policy-only loss).
         value_clip_eps: value clip range (algorithm.value_clip_eps); value_coef: weight of the value
             loss (algorithm.value_coef).
-        ref_logprobs, generator_logprobs, tis_cap, loss_agg, entropy, entropy_coef,
-        global_num_sequences, global_num_tokens: see ``grpo_loss``.
+        ref_logprobs, generator_logprobs, tis_cap, is_correction, is_bounds, kl_beta, kl_estimator,
+        loss_agg, entropy, entropy_coef, global_num_sequences, global_num_tokens: see ``grpo_loss``.
     Returns:
         ``(loss, metrics)``: the ``grpo_loss`` metric set plus ``value/*`` and ``loss/value``.
     Raises:
@@ -110,7 +113,8 @@ def ppo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: tor
     loss, metrics = clipped_policy_loss(
         logprobs, old_logprobs, advantages, mask, clip_eps=clip_eps, clip_eps_high=clip_eps_high,
         loss_agg=loss_agg, num_sequences=n_seq, num_tokens=n_tok, ref_logprobs=ref_logprobs,
-        kl_beta=0.0, generator_logprobs=generator_logprobs, tis_cap=tis_cap, entropy=entropy,
+        kl_beta=kl_beta, generator_logprobs=generator_logprobs, tis_cap=tis_cap,
+        is_correction=is_correction, is_bounds=is_bounds, kl_estimator=kl_estimator, entropy=entropy,
         entropy_coef=entropy_coef)
     metrics["adv/mean"] = masked_mean(advantages, mask)
     metrics["adv/std"] = torch.sqrt(masked_mean((advantages.detach() - metrics["adv/mean"]) ** 2, mask))

@@ -7,6 +7,10 @@ What is scored, per task (``Evaluator.evaluate``; one weight version per eval):
 * math tasks (``math_verify``): ``eval/<task>/pass@1`` = share of prompts whose greedy completion
   is correct, and ``eval/<task>/mean@k`` = mean over prompts of the share of ``eval.samples`` (k)
   sampled completions (``eval.temperature``, default ``generators.temperature``) that are correct;
+* math tasks with ``eval.pass_at_k`` (e.g. ``[1, 4, 8]``): ``eval/<task>/pass@<k>_unbiased`` =
+  mean over prompts of Chen et al.'s unbiased estimate of pass@k from the same n = ``eval.samples``
+  sampled completions (:func:`pass_at_k`; a completion is correct when its reward is > 0.5:
+  math-verify scores 1 or 0); nothing extra is generated;
 * reward-model and plug-in tasks: ``eval/<task>/reward_mean`` = mean reward of the greedy
   completions;
 * each value with ``.../se``: the standard error over prompts (sample standard deviation of the
@@ -43,8 +47,8 @@ from typing import Callable
 
 from megatron_rlhf.types import Prompt
 
-__all__ = ["mean_se", "heldout_order", "split_eval_prompts", "Evaluator", "EvalService", "PendingRows",
-           "eval_due", "eval_keys_of", "eval_metrics", "format_eval_line"]
+__all__ = ["mean_se", "pass_at_k", "heldout_order", "split_eval_prompts", "Evaluator", "EvalService",
+           "PendingRows", "eval_due", "eval_keys_of", "eval_metrics", "format_eval_line"]
 
 
 def mean_se(values: list[float]) -> tuple[float, float]:
@@ -63,6 +67,28 @@ def mean_se(values: list[float]) -> tuple[float, float]:
         return m, 0.0
     var = sum((v - m) * (v - m) for v in values) / (n - 1)   # huge values give inf, never OverflowError
     return m, math.sqrt(var / n)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased estimate of pass@k from ``n`` samples of which ``c`` are correct:
+    ``1 - C(n - c, k) / C(n, k)``.
+
+    Chen et al. 2021 ("Evaluating Large Language Models Trained on Code"), eq. 1, computed in their
+    numerically stable form ``1 - prod_{i = n - c + 1}^{n} (1 - k / i)`` (no large binomials);
+    1.0 when ``n - c < k`` (every draw of k holds a correct one). ``k = 1`` gives ``c / n``.
+
+    Raises:
+        ValueError: not ``0 <= c <= n`` and ``1 <= k <= n``.
+    """
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"pass_at_k: need 0 <= c <= n and 1 <= k <= n; got n={n}, c={c}, k={k} "
+                         "(eval.pass_at_k needs k <= eval.samples)")
+    if n - c < k:
+        return 1.0
+    prod = 1.0
+    for i in range(n - c + 1, n + 1):
+        prod *= 1.0 - k / i
+    return 1.0 - prod
 
 
 def _text_key(p: Prompt) -> str:
@@ -122,7 +148,7 @@ def split_eval_prompts(tasks: list, train_by_task: dict[str, list[Prompt]], eval
 
 
 def eval_metrics(task: str, kind: str, greedy_rewards: list[float], greedy_lens: list[int],
-                 sampled_rewards: list[list[float]] | None) -> dict:
+                 sampled_rewards: list[list[float]] | None, pass_ks: list[int] | tuple = ()) -> dict:
     """The ``eval/<task>/...`` values of one task from per-prompt results.
 
     Args:
@@ -131,8 +157,11 @@ def eval_metrics(task: str, kind: str, greedy_rewards: list[float], greedy_lens:
         greedy_rewards: ``[P]`` reward of each prompt's greedy completion (0/1 for math).
         greedy_lens: ``[P]`` its length in tokens.
         sampled_rewards: ``[P][k]`` rewards of k sampled completions (math only; None: not sampled).
+        pass_ks: the k of ``eval.pass_at_k`` (each <= the samples per prompt).
     Returns:
-        math: ``pass@1``, ``mean@k`` (when sampled), their ``/se``; others ``reward_mean`` and
+        math: ``pass@1``, ``mean@k`` (when sampled), ``pass@<k>_unbiased`` for each of
+        ``pass_ks`` (when sampled; :func:`pass_at_k` per prompt, correct = reward > 0.5), their
+        ``/se``; others ``reward_mean`` and
         ``/se``; every task ``len_mean_tokens`` and ``/se``, ``num_prompts``; keys prefixed
         ``eval/<task>/``.
     """
@@ -146,6 +175,9 @@ def eval_metrics(task: str, kind: str, greedy_rewards: list[float], greedy_lens:
         put("pass@1", greedy_rewards)
         if sampled_rewards is not None:
             put("mean@k", [sum(r) / len(r) for r in sampled_rewards])
+            for k in pass_ks:
+                put(f"pass@{k}_unbiased", [pass_at_k(len(r), sum(1 for v in r if v > 0.5), k)
+                                           for r in sampled_rewards])
     else:
         put("reward_mean", greedy_rewards)
     put("len_mean_tokens", greedy_lens)
@@ -165,7 +197,7 @@ class Evaluator:
         eval_by_task: task name -> held-out prompts (:func:`split_eval_prompts`).
         kinds: task name -> ``TaskConfig.kind``.
         reward_fns: task name -> ``(prompts, completions) -> rewards`` (the trainer's scorers).
-        eval_cfg: ``EvalConfig`` (``samples``, ``temperature``).
+        eval_cfg: ``EvalConfig`` (``samples``, ``temperature``, ``pass_at_k``).
         sample_temperature: ``generators.temperature`` (used when ``eval.temperature`` is null).
         log: console lines (None: silent): one as the eval starts, one every
             ``progress_every_s`` seconds while it generates, and its result
@@ -177,6 +209,7 @@ class Evaluator:
                  log: Callable[[str], None] | None = None, progress_every_s: float = 30.0):
         self.pool, self.eval_by_task, self.kinds, self.reward_fns = pool, eval_by_task, kinds, reward_fns
         self.samples = eval_cfg.samples
+        self.pass_ks = list(getattr(eval_cfg, "pass_at_k", ()) or ())
         self.temperature = eval_cfg.temperature if eval_cfg.temperature is not None else sample_temperature
         self.log, self.progress_every_s = log, progress_every_s
 
@@ -223,7 +256,7 @@ class Evaluator:
             idx = [i for i, p in enumerate(prompts) if p.task == t]
             samp = [by_math[id(prompts[i])] for i in idx] if sampled_r and self.kinds[t] == "math_verify" else None
             out.update(eval_metrics(t, self.kinds[t], [greedy_r[i][0] for i in idx],
-                                    [len(greedy[i][0].token_ids) for i in idx], samp))
+                                    [len(greedy[i][0].token_ids) for i in idx], samp, self.pass_ks))
         out["time/eval_s"] = time.perf_counter() - t0
         if self.log is not None:
             self.log(format_eval_line(label, out))

@@ -42,7 +42,15 @@ TENSORBOARD_DIR = "tensorboard"
 """The TensorBoard folder inside the run folder (``tensorboard --logdir <run>/tensorboard``)."""
 
 EVAL_METRICS = ("pass@1", "mean@k", "reward_mean", "len_mean_tokens")
-"""Per-task eval values (``eval/<task>/<name>`` with ``.../se``; ``trainer.evaluate``)."""
+"""Per-task eval values (``eval/<task>/<name>`` with ``.../se``; ``trainer.evaluate``), besides
+``pass@<k>_unbiased`` (``eval.pass_at_k``; :func:`is_eval_metric`)."""
+
+
+def is_eval_metric(name: str) -> bool:
+    """Whether ``name`` (the last part of ``eval/<task>/<name>``) is an eval value: one of
+    :data:`EVAL_METRICS` or ``pass@<k>_unbiased``."""
+    return name in EVAL_METRICS or (name.startswith("pass@") and name.endswith("_unbiased")
+                                    and name[5:-9].isdigit())
 
 REQUIRED_KEYS = ("step", "weight_version", "staleness/max", "reward/mean", "pairs/count",
                  "pairs/skipped_prompts", "loss/total", "time/gen_s", "time/train_s", "time/sync_s",
@@ -246,7 +254,10 @@ def summarize(rows: list[dict], wall_s: float, edge: int = 3) -> dict:
     and last ``edge`` steps), ``pairs_formed``, ``prompts_skipped``, ``gen_s_mean``,
     ``train_s_mean``, ``sync_s_mean`` (seconds per step), ``wall_s`` and ``async_speedup`` =
     sum(gen + train + sync seconds) / wall seconds (what a synchronous run would have spent over
-    what this run spent; > 1 means the overlap paid off), and ``tasks``: per task
+    what this run spent; > 1 means the overlap paid off), ``learner_tokens_per_s_mean``,
+    ``learner_tflops_mean`` and ``mfu_mean`` (means of ``perf/learner_tokens_per_s``,
+    ``perf/learner_tflops``, ``perf/mfu`` over the steps that have them; NaN when none, e.g.
+    ``perf/mfu`` on CPU), and ``tasks``: per task
     ``reward_first``/``reward_last`` (mean ``task/<name>/reward_mean``), ``pairs`` (trained
     pairs or groups), ``drawn`` and ``skipped`` prompts.
     """
@@ -276,6 +287,7 @@ def summarize(rows: list[dict], wall_s: float, edge: int = 3) -> dict:
         "wall_s": wall_s,
         "serial_s": serial,
         "async_speedup": serial / wall_s if wall_s > 0 else float("nan"),
+        **_learner_throughput(rows, mean),
         "eval": summarize_evals(rows),
         "tasks": {t: {"reward_first": mean(f"task/{t}/reward_mean", rows[:edge]),
                       "reward_last": mean(f"task/{t}/reward_mean", rows[-edge:]),
@@ -284,6 +296,13 @@ def summarize(rows: list[dict], wall_s: float, edge: int = 3) -> dict:
                       "skipped": sum(r.get(f"task/{t}/skipped") or 0 for r in rows)}
                   for t in task_names(rows)},
     }
+
+
+def _learner_throughput(rows: list[dict], mean) -> dict:
+    """The learner's throughput means of the summary (see :func:`summarize`)."""
+    return {"learner_tokens_per_s_mean": mean("perf/learner_tokens_per_s", rows),
+            "learner_tflops_mean": mean("perf/learner_tflops", rows),
+            "mfu_mean": mean("perf/mfu", rows)}
 
 
 def task_names(rows: list[dict]) -> list[str]:
@@ -298,8 +317,8 @@ def task_names(rows: list[dict]) -> list[str]:
 
 def summarize_evals(rows: list[dict]) -> dict:
     """First and last eval of the run per task: ``{task: {metric: {"first", "first_se",
-    "first_step", "last", "last_se", "last_step"}}}`` for the metrics of :data:`EVAL_METRICS`
-    present (rows with an ``eval/step`` key; ``first_step`` is 0 for the eval before step 1)."""
+    "first_step", "last", "last_se", "last_step"}}}`` for the eval values present
+    (:func:`is_eval_metric`) (rows with an ``eval/step`` key; ``first_step`` is 0 for the eval before step 1)."""
     evals = [r for r in rows if r.get("eval/step") is not None]
     out: dict = {}
     if not evals:
@@ -307,7 +326,7 @@ def summarize_evals(rows: list[dict]) -> dict:
     first, last = evals[0], evals[-1]
     for key in first:
         parts = key.split("/")
-        if len(parts) != 3 or parts[0] != "eval" or parts[2] not in EVAL_METRICS:
+        if len(parts) != 3 or parts[0] != "eval" or not is_eval_metric(parts[2]):
             continue
         out.setdefault(parts[1], {})[parts[2]] = {
             "first": first[key], "first_se": first.get(key + "/se"), "first_step": first["eval/step"],

@@ -5,14 +5,16 @@ from ``metrics.jsonl`` (the last row per step wins after a resume), ``summary.js
 ``config.yaml``. Sections, each a PNG embedded as a data URI (``<img id="plot-NAME">``):
 
 * ``reward``: ``task/<name>/reward_mean`` per step (the step's own rollouts);
-* ``eval``: held-out ``eval/<task>/pass@1``, ``mean@k``, ``reward_mean`` per eval, with
-  standard-error bars (``trainer.evaluate``);
+* ``eval``: held-out ``eval/<task>/pass@1``, ``mean@k``, ``pass@<k>_unbiased``
+  (``eval.pass_at_k``), ``reward_mean`` per eval, with standard-error bars (``trainer.evaluate``);
 * ``kl``: ``kl/ref_k1`` / ``kl/ref_k3`` to the reference;
 * ``lengths``: completion lengths (rollouts per task, greedy eval completions);
 * ``staleness``: histogram of the staleness of every trained sample (``staleness/hist_<d>``
   summed over steps; ``over`` = beyond ``async.max_staleness``, dropped);
 * ``time``: seconds per step on the learner side (train, sync export, idle, other) and on the
-  generator side (generation, scoring, sync, eval, idle), stacked;
+  generator side (generation, scoring, sync, eval, idle), stacked; and the learner's throughput
+  per step (``perf/learner_tokens_per_s``; model TFLOP/s ``perf/learner_tflops`` and ``perf/mfu``,
+  where the device's peak is known, on the right axis);
 
 then the eval before/after table, the run summary and the resolved config; the page names the
 TensorBoard folder when the run has one (``logging.tensorboard``).
@@ -101,8 +103,10 @@ def _eval_plot(rows):
     import matplotlib.pyplot as plt
 
     evals = [r for r in rows if r.get("eval/step") is not None]
+    from megatron_rlhf.trainer.metrics import is_eval_metric
+
     keys = [k for k in _keys(evals, "eval/", "") if k.count("/") == 2
-            and k.rsplit("/", 1)[1] in ("pass@1", "mean@k", "reward_mean")]
+            and is_eval_metric(k.rsplit("/", 1)[1]) and not k.endswith("/len_mean_tokens")]
     fig, ax = plt.subplots(figsize=(7, 3.6))
     for k in keys:
         pts = [(r["eval/step"], r[k], r.get(k + "/se") or 0.0) for r in evals if r.get(k) is not None]
@@ -136,7 +140,8 @@ GENERATOR_PARTS = (("time/gen_s", "generation"), ("time/reward_s", "scoring"), (
 def _time_plot(rows):
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.6))
+    axes[1].sharey(axes[0])
     steps = [r["step"] for r in rows]
     for ax, parts, title in ((axes[0], LEARNER_PARTS, "learner side"), (axes[1], GENERATOR_PARTS, "generator side")):
         bottom = [0.0] * len(rows)
@@ -150,7 +155,29 @@ def _time_plot(rows):
         ax.set_title(f"seconds per step, {title}")
         ax.set_xlabel("step")
         ax.legend(fontsize=7)
+    _throughput_axes(axes[2], rows)
     return _png(fig)
+
+
+def _throughput_axes(ax, rows) -> None:
+    """Learner tokens/s per step (left axis) and model TFLOP/s, with MFU in the label when the
+    device's peak is known (right axis)."""
+    xs, ys = _series(rows, "perf/learner_tokens_per_s")
+    ax.set_title("learner throughput per step")
+    ax.set_xlabel("step")
+    if not xs:
+        ax.text(0.5, 0.5, "no perf/* in metrics.jsonl", ha="center", transform=ax.transAxes)
+        return
+    ax.plot(xs, ys, marker=".", color="tab:blue", label="real tokens / s")
+    ax.set_ylabel("tokens / s")
+    tx, ty = _series(rows, "perf/learner_tflops")
+    mx, my = _series(rows, "perf/mfu")
+    twin = ax.twinx()
+    label = "model TFLOP/s" + (f" (MFU mean {100 * sum(my) / len(my):.1f}%)" if my else " (MFU: peak unknown)")
+    twin.plot(tx, ty, marker=".", color="tab:red", label=label)
+    twin.set_ylabel("TFLOP/s")
+    lines = ax.get_lines() + twin.get_lines()
+    ax.legend(lines, [ln.get_label() for ln in lines], fontsize=7)
 
 
 def _eval_table(summary_eval: dict) -> str:
