@@ -383,6 +383,12 @@ class LearnerConfig:
     micro-batch and long ones do not run out of memory. The loss keeps whole-batch denominators:
     the gradient equals the one-micro-batch gradient (tests/test_token_budget.py). Padded
     micro-batches (no THD packing: that needs Transformer Engine's attention, GPU only, not done)."""
+    seq_length_multiple: int = 0
+    """Every micro-batch's padded length is rounded up to a multiple of this (0 = the platform
+    default: 64 on GPU, so attention kernels, cuDNN graphs and ``torch.compile`` specialisations
+    are reused instead of rebuilt per length; ``tensor_parallel`` on CPU). Under sequence
+    parallelism the multiple is also made a multiple of ``tensor_parallel``
+    (``megatron_rlhf.platform.micro_batch_length_multiple``)."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     ref_sync_interval: int = 0
     """Copy policy -> reference every r learner batches (0 = never; Lanchantin et al. 2025)."""
@@ -406,6 +412,8 @@ class LearnerConfig:
         _check(self.max_tokens_per_microbatch >= 0, "learner.max_tokens_per_microbatch",
                self.max_tokens_per_microbatch, "0 (off) or a token budget >= 1")
         _check(self.ref_sync_interval >= 0, "learner.ref_sync_interval", self.ref_sync_interval, ">= 0")
+        _check(self.seq_length_multiple >= 0, "learner.seq_length_multiple", self.seq_length_multiple,
+               "0 (platform default: 64 on GPU, tensor_parallel on CPU) or a multiple >= 1")
 
 
 LOSS_NAMES = ("online_dpo", "group_dpo", "grpo", "ppo", "rloo", "proximal_rloo", "best_of_k_sft")
