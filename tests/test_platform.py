@@ -222,3 +222,62 @@ def test_cpu_layer_spec_uses_sdpa_attention_and_cpu_norms(groups):
     assert sub.input_layernorm is CPUNorm and sub.pre_mlp_layernorm is CPUNorm
     # checkpoint names stay in the TE layout (so GPU runs can load CPU checkpoints)
     assert sub.sharded_state_dict_keys_map["input_layernorm."] == "self_attention.linear_qkv.layer_norm_"
+
+
+_FAKE_TE_PROBE = r"""
+import importlib, json, sys
+from pathlib import Path
+from megatron_rlhf.platform import Platform, gpu
+out = {"absent": gpu.have_transformer_engine()}
+root = Path(sys.argv[1])
+(root / "transformer_engine" / "pytorch").mkdir(parents=True)
+(root / "transformer_engine" / "__init__.py").write_text("__version__ = '2.20.2'\n")
+(root / "transformer_engine" / "pytorch" / "__init__.py").write_text("")   # no fp8 module
+(root / "transformer_engine" / "pytorch" / "tensor").mkdir()   # megatron's fp8_utils needs it
+(root / "transformer_engine" / "pytorch" / "tensor" / "__init__.py").write_text("class QuantizedTensor: pass\n")
+meta = root / "transformer_engine-2.20.2.dist-info"
+meta.mkdir()
+(meta / "METADATA").write_text("Metadata-Version: 2.1\nName: transformer-engine\nVersion: 2.20.2\n")
+sys.path.insert(0, str(root))
+importlib.invalidate_caches()
+import transformer_engine.pytorch   # what the old check accepted
+cuda = Platform(device="cuda", dist_backend="nccl")   # no CUDA call is made below
+for name, call in (("check", gpu.have_transformer_engine),
+                   ("layer_spec", lambda: cuda.layer_spec(None)),
+                   ("recompute", lambda: cuda.recompute_overrides("selective", ["mlp"]))):
+    try:
+        call()
+        out[name] = "no error"
+    except gpu.TransformerEngineMismatch as e:
+        out[name] = str(e)
+from megatron.core.extensions import transformer_engine as mte
+out["megatron_have_te"] = mte.HAVE_TE
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_transformer_engine_that_megatron_mocks_raises_naming_versions_and_fix(tmp_path):
+    """A ``transformer_engine`` whose ``pytorch`` package imports but which megatron's TE extension
+    cannot load (no ``transformer_engine.pytorch.fp8``, as with a TE outside megatron-core's range):
+    megatron sets HAVE_TE=False and mocks ``te``; the platform's check, the GPU layer spec and the
+    recompute check all raise, naming TE 2.20.2, megatron-core 0.16.1 and the fix. Without any
+    ``transformer_engine`` the check says False (the device-agnostic spec)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=os.pathsep.join([str(repo)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    res = subprocess.run([sys.executable, "-c", _FAKE_TE_PROBE, str(tmp_path / "site")], env=env,
+                         capture_output=True, text=True, timeout=110)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["absent"] is False and out["megatron_have_te"] is False
+    for key in ("check", "layer_spec", "recompute"):
+        msg = out[key]
+        assert "transformer_engine 2.20.2" in msg and "megatron-core 0.16.1" in msg, msg
+        assert "fp8" in msg and ">=2.9,<2.12" in msg and "uninstall transformer-engine" in msg, msg

@@ -190,6 +190,7 @@ class MegatronLearner:
         self.ddp, self.optimizer, self.scheduler = self._build_optimizer()
         self.critic = self._build_critic() if algorithm_cfg.loss == "ppo" else None
         self.weight_version = 0
+        self.reference_version = 0   # weight version the reference equals (0: the starting weights)
         log.info("MegatronLearner rank %d/%d (tp %d, pp %d, dp %d) ready in %.1f s (%s, %d local params)",
                  self.groups.rank, world_size, self.tp_rank, self.pp_rank, self.dp_rank,
                  time.perf_counter() - t0, self.hf_config.model_type,
@@ -640,6 +641,7 @@ class MegatronLearner:
         ref = dict(self.reference.named_parameters())
         for name, p in self.policy.named_parameters():
             ref[name].copy_(p)
+        self.reference_version = self.weight_version
 
     def export_hf(self, out_dir: str, base_model_dir: str, max_shard_bytes: int = 5 * 10**9) -> None:
         """Write the policy as an HF folder: safetensors weights (``model.safetensors``, or
@@ -678,15 +680,18 @@ class MegatronLearner:
             dist.barrier()
 
     # ----------------------------------------------------------------------------- checkpoints
-    def save_checkpoint(self, path: str) -> None:
+    def save_checkpoint(self, path: str, reference_root: str | None = None) -> None:
         """Save policy and reference (megatron ``dist_checkpointing``, torch_dist format, under
-        ``path/policy`` and ``path/reference``: every rank writes its own shards), the optimizer
+        ``path/policy`` and ``path/reference``: every rank writes its own shards; with
+        ``reference_root`` the reference is saved once per reference version into
+        ``reference_root/reference_vK`` and ``path/reference.json`` names it), the optimizer
         (with ``learner.distributed_optimizer``: its sharded state under ``path/policy_optimizer``,
         else in the state file), LR scheduler, RNG states and ``weight_version`` (``torch.save``:
         rank 0 to ``path/learner_state.pt``, rank r > 0 to ``path/learner_state.rank<r>.pt``).
         ``path`` is created. Collective over all ranks (:mod:`megatron_rlhf.learner.checkpoint`).
         """
-        save_learner_checkpoint(self, Path(path))
+        save_learner_checkpoint(self, Path(path),
+                                None if reference_root is None else Path(reference_root))
 
     def load_checkpoint(self, path: str) -> int:
         """Restore everything :meth:`save_checkpoint` wrote; returns the restored weight_version.

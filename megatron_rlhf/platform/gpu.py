@@ -62,15 +62,19 @@ def have_transformer_engine() -> bool:
     """
     if importlib.util.find_spec("transformer_engine") is None:
         return False
-    from megatron.core.extensions import transformer_engine as mte
-
-    if mte.HAVE_TE:
-        return True
+    try:
+        from megatron.core.extensions import transformer_engine as mte
+    except ImportError as e:   # megatron's fp8_utils imports TE's modules unguarded
+        why = f"importing megatron-core failed: {type(e).__name__}: {e}"
+    else:
+        if mte.HAVE_TE:
+            return True
+        why = _te_import_error() or "HAVE_TE is False"
     te_v = _dist_version("transformer-engine", "transformer_engine", "transformer-engine-torch")
     mc_v = _dist_version("megatron-core", "megatron_core")
     raise TransformerEngineMismatch(
         f"transformer_engine {te_v} is installed, but megatron-core {mc_v} could not load it "
-        f"({_te_import_error() or 'HAVE_TE is False'}); megatron would replace it with a MagicMock. "
+        f"({why}); megatron would replace it with a MagicMock. "
         f"Fix: install a Transformer Engine megatron-core supports (megatron-core 0.16.1: "
         f"transformer-engine[pytorch]{TE_RANGE}, built with --no-build-isolation; "
         "tools/setup_gpu.sh), or uninstall transformer-engine to train with the device-agnostic "
