@@ -281,3 +281,44 @@ def test_transformer_engine_that_megatron_mocks_raises_naming_versions_and_fix(t
         msg = out[key]
         assert "transformer_engine 2.20.2" in msg and "megatron-core 0.16.1" in msg, msg
         assert "fp8" in msg and ">=2.9,<2.12" in msg and "uninstall transformer-engine" in msg, msg
+
+
+def test_micro_batch_length_multiple_defaults_to_64_on_gpu_tp_on_cpu_and_stays_a_multiple_of_tp():
+    from megatron_rlhf.platform import micro_batch_length_multiple as m
+
+    assert m(0, cuda=True, tp=1, sequence_parallel=False) == 64
+    assert m(0, cuda=True, tp=8, sequence_parallel=True) == 64
+    assert m(0, cuda=False, tp=2, sequence_parallel=True) == 2
+    assert m(0, cuda=False, tp=1, sequence_parallel=False) == 1
+    assert m(48, cuda=True, tp=32, sequence_parallel=True) == 96      # lcm(48, 32)
+    assert m(48, cuda=True, tp=32, sequence_parallel=False) == 48
+    with pytest.raises(ValueError, match="seq_length_multiple"):
+        m(-1, cuda=True, tp=1, sequence_parallel=False)
+
+
+def test_learner_rounds_micro_batch_lengths_to_the_configured_multiple():
+    """The learner's plans (token_logprobs, train_step) pad each micro-batch to the multiple."""
+    from types import SimpleNamespace
+
+    from megatron_rlhf.config import LearnerConfig
+    from megatron_rlhf.learner.actor import MegatronLearner
+
+    fake = SimpleNamespace(cfg=LearnerConfig(micro_batch_size=2, seq_length_multiple=16),
+                           platform=get_platform("cpu"), groups=SimpleNamespace(tp=1, dp=1),
+                           sequence_parallel=False)
+    plans = MegatronLearner._plans(fake, [5, 17, 30, 33])
+    assert sorted(mb.seq_len for mb in plans[0]) == [32, 48]
+    fake.cfg = LearnerConfig(micro_batch_size=2)
+    assert sorted(mb.seq_len for mb in MegatronLearner._plans(fake, [5, 17, 30, 33])[0]) == [17, 33]
+
+
+def test_transformer_fields_per_platform_and_te_needs_cuda():
+    from megatron_rlhf.platform import CUDA_ONLY_FIELDS, transformer_fields
+
+    assert transformer_fields(cuda=False, te=False) == {"use_cpu_initialization": True}
+    gpu = transformer_fields(cuda=True, te=False)
+    assert gpu == {"use_cpu_initialization": False, "bias_activation_fusion": True, "apply_rope_fusion": False}
+    assert transformer_fields(cuda=True, te=True)["apply_rope_fusion"] is True
+    assert set(CUDA_ONLY_FIELDS) == {k for k, v in gpu.items() if k != "use_cpu_initialization"}
+    with pytest.raises(ValueError, match="Transformer Engine needs CUDA"):
+        transformer_fields(cuda=False, te=True)
