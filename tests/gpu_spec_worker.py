@@ -5,8 +5,10 @@ with sequence parallelism through the learner's own micro-batch code.
 
     python tests/gpu_spec_worker.py RANK WORLD PORT OUT_JSON JOB_JSON
 
-JOB_JSON: ``[{"recipe": path, "model_dir": tiny HF folder, "overrides": [...]}]`` (every job has
-this TP = WORLD). Rank 0 writes OUT_JSON: per recipe the config fields that differ from the GPU
+JOB_JSON: ``[{"recipe": path, "model_dir": tiny HF folder}]`` (every job has this TP = WORLD). The
+recipe's ``learner`` section (merged over its ``defaults:``, typed and validated by the config
+loader) and ``model.dtype`` are used as they are, with ``pipeline_parallel`` and ``data_parallel``
+set to 1 (one TP group). Rank 0 writes OUT_JSON: per recipe the config fields that differ from the GPU
 variant, the spec's module classes, the mean / max |logprob - HF fp32 logprob| and gradient checks.
 """
 
@@ -36,7 +38,7 @@ def _config_diff(a, b) -> list[str]:
 
 
 def run_job(job: dict, groups, rank: int) -> dict:
-    from megatron_rlhf.config import load_config
+    from megatron_rlhf.config import LearnerConfig, _build, _read_yaml
     from megatron_rlhf.convert.sharding import padded_vocab_size
     from megatron_rlhf.learner.model import build_gpt_model, learner_model_spec, load_hf_config
     from megatron_rlhf.learner.schedule import make_microbatch, run_microbatches
@@ -44,10 +46,13 @@ def run_job(job: dict, groups, rank: int) -> dict:
     from megatron_rlhf.platform import CUDA_ONLY_FIELDS, get_platform, micro_batch_length_multiple
     from megatron_rlhf.platform.local_spec import SDPACoreAttention, TorchNorm
 
-    cfg = load_config(REPO / job["recipe"], [f"model.source={job['model_dir']}", *job["overrides"]])
+    tree = _read_yaml(REPO / job["recipe"])
+    learner_cfg = dataclasses.replace(_build(LearnerConfig, tree.get("learner"), "learner"),
+                                      pipeline_parallel=1, data_parallel=1)
+    dtype = (tree.get("model") or {}).get("dtype", "float32")
     hf = load_hf_config(job["model_dir"])
-    tp = cfg.learner.tensor_parallel
-    gpu = learner_model_spec(hf, cfg.learner, dtype=cfg.model.dtype, cuda=True, te=False)
+    tp = learner_cfg.tensor_parallel
+    gpu = learner_model_spec(hf, learner_cfg, dtype=dtype, cuda=True, te=False)
     # the only change for CPU: the fusions that need CUDA kernels to run
     cpu_config = dataclasses.replace(gpu.config, **{k: False for k in CUDA_ONLY_FIELDS})
     layer = gpu.layer_spec.submodules.layer_specs[0].submodules
@@ -62,7 +67,7 @@ def run_job(job: dict, groups, rank: int) -> dict:
     mark_tensor_parallel(model, hf)
     load_hf_weights(model, job["model_dir"], hf, tp_rank=groups.pg_collection.tp.rank(), tp=tp,
                     padded_vocab=padded)
-    seq = micro_batch_length_multiple(cfg.learner.seq_length_multiple, cuda=True, tp=tp,
+    seq = micro_batch_length_multiple(learner_cfg.seq_length_multiple, cuda=True, tp=tp,
                                       sequence_parallel=gpu.sequence_parallel)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, hf.vocab_size, (2, seq), generator=g)

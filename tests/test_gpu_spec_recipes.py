@@ -28,6 +28,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from megatron_rlhf.config import _read_yaml
+
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "gpu_spec_worker.py"
 
@@ -36,30 +38,11 @@ _GQA = {"llama3.170b": ("llama", 8), "llama3.18b": ("llama", 4), "qwen2.57b": ("
         "qwen3": ("qwen3", 2), "qwen2": ("qwen2", 7), "llama": ("llama", 4)}
 
 
-def _raw(path: Path) -> dict:
-    """The recipe's YAML merged over its ``defaults:`` chain (plain dicts, no validation)."""
-    data = yaml.safe_load(path.read_text()) or {}
-    parents = data.pop("defaults", None) or []
-    merged: dict = {}
-    for parent in [parents] if isinstance(parents, str) else parents:
-        _merge(merged, _raw(path.parent / parent))
-    _merge(merged, data)
-    return merged
-
-
-def _merge(dst: dict, src: dict) -> None:
-    for k, v in src.items():
-        if isinstance(v, dict) and isinstance(dst.get(k), dict):
-            _merge(dst[k], v)
-        else:
-            dst[k] = v
-
-
 def cluster_recipes() -> list[tuple[str, dict]]:
     """Recipes whose learner is TP > 1 or placed on GPUs, with their merged raw config."""
     out = []
     for p in sorted((REPO / "configs").glob("*.yaml")):
-        raw = _raw(p)
+        raw = _read_yaml(p)   # merged over its defaults: chain, as the loader reads it
         if p.name == "base_cluster.yaml":
             continue
         tp = (raw.get("learner") or {}).get("tensor_parallel", 1)
@@ -138,12 +121,8 @@ def test_gpu_learner_spec_without_te_runs_forward_backward_at_each_recipes_tp_wi
         ln = raw.get("learner") or {}
         tp = int(ln.get("tensor_parallel", 1))
         folder = _tiny_hf_folder(tmp_path / Path(recipe).stem, (raw.get("model") or {}).get("source", ""), tp)
-        # the layout is the recipe's TP alone (PP, DP and nodes scaled to one TP group on gloo);
-        # everything else (dtype, sequence_parallel, recompute, micro-batch rounding) is the recipe's
-        over = ["learner.pipeline_parallel=1", "learner.data_parallel=1", "placement.learner_nodes=1",
-                f"placement.gpus_per_node={tp}", "placement.generator_nodes=1", "generators.num_workers=1",
-                "generators.tensor_parallel=1"]
-        by_tp.setdefault(tp, []).append({"recipe": recipe, "model_dir": str(folder), "overrides": over})
+        # the worker keeps the recipe's learner section and dtype, with PP = DP = 1 (one TP group)
+        by_tp.setdefault(tp, []).append({"recipe": recipe, "model_dir": str(folder)})
     rows = [row for tp, jobs in sorted(by_tp.items()) for row in _run_tp(tp, jobs, tmp_path)]
     assert {r["recipe"] for r in rows} == {r for r, _ in cluster_recipes()}
     for r in rows:
