@@ -69,7 +69,8 @@ def _tiny_hf_folder(out: Path, source: str, tp: int) -> Path:
     cfg_cls, model_cls = classes[arch]
     kw = dict(vocab_size=250, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
               num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
-              max_position_embeddings=16384, rms_norm_eps=1e-5, initializer_range=0.2,
+              max_position_embeddings=16384, rms_norm_eps=1e-5,
+              initializer_range=0.2 * (64 / hidden) ** 0.5,   # logits of a few nats at any width
               tie_word_embeddings=False)
     if arch == "llama" and "3.1" in str(source):
         kw["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
