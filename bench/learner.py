@@ -54,6 +54,9 @@ PRESETS = {  # HF LlamaConfig fields; random weights
     "llama-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
                      num_attention_heads=24, num_key_value_heads=8, vocab_size=128256,
                      tie_word_embeddings=True),   # Llama-3.2-3B shape
+    "llama-1b-4l": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=4,
+                        num_attention_heads=32, num_key_value_heads=8, vocab_size=32768,
+                        tie_word_embeddings=True),   # Llama-3.2-1B layers, 4 of them: 0.31 B params
 }
 
 

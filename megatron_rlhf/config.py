@@ -398,6 +398,12 @@ class LearnerConfig:
     micro-batch and long ones do not run out of memory. The loss keeps whole-batch denominators:
     the gradient equals the one-micro-batch gradient (tests/test_token_budget.py). Padded
     micro-batches (no THD packing: that needs Transformer Engine's attention, GPU only, not done)."""
+    seq_length_multiple: int = 0
+    """Every micro-batch's padded length is rounded up to a multiple of this (0 = the platform
+    default: 64 on GPU, so attention kernels, cuDNN graphs and ``torch.compile`` specialisations
+    are reused instead of rebuilt per length; ``tensor_parallel`` on CPU). Under sequence
+    parallelism the multiple is also made a multiple of ``tensor_parallel``
+    (``megatron_rlhf.platform.micro_batch_length_multiple``)."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     peak_tflops: float | None = None
     """Peak dense TFLOP/s of ONE learner device for ``perf/mfu`` (null: the table of
@@ -427,6 +433,8 @@ class LearnerConfig:
         _check(self.ref_sync_interval >= 0, "learner.ref_sync_interval", self.ref_sync_interval, ">= 0")
         _check(self.peak_tflops is None or self.peak_tflops > 0, "learner.peak_tflops", self.peak_tflops,
                "a number > 0 (TFLOP/s of one device) or null")
+        _check(self.seq_length_multiple >= 0, "learner.seq_length_multiple", self.seq_length_multiple,
+               "0 (platform default: 64 on GPU, tensor_parallel on CPU) or a multiple >= 1")
 
 
 LOSS_NAMES = ("online_dpo", "group_dpo", "grpo", "ppo", "rloo", "proximal_rloo", "best_of_k_sft")

@@ -48,3 +48,26 @@ def test_incomplete_folder_is_ignored(tmp_path):
     half.mkdir()
     (half / "trainer_state.json").write_text(json.dumps({"step": 5}))   # no COMPLETE marker
     assert m.latest()[1]["step"] == 1
+
+
+def test_rotation_deletes_only_references_no_kept_checkpoint_names(tmp_path):
+    """reference_vK folders beside the step folders live while a kept step's
+    ``learner/reference.json`` names them (megatron_rlhf/learner/checkpoint.py writes it)."""
+    m = CheckpointManager(tmp_path / "ck", keep_last=2)
+
+    def writer(version):
+        def write(tmp):
+            ref = m.root / f"reference_v{version:08d}"
+            ref.mkdir(exist_ok=True)
+            (tmp / "learner").mkdir()
+            rel = __import__("os").path.relpath(ref, tmp / "learner")
+            (tmp / "learner" / "reference.json").write_text(json.dumps({"version": version, "dir": rel}))
+        return write
+
+    m.save(1, {"step": 1}, writer(0))
+    m.save(2, {"step": 2}, writer(0))
+    m.save(3, {"step": 3}, writer(3))
+    assert sorted(p.name for p in m.root.glob("reference_v*")) == ["reference_v00000000", "reference_v00000003"]
+    (m.root / "reference_v00000007").mkdir()   # orphan of a failed save
+    m.save(4, {"step": 4}, writer(3))          # keeps 3 and 4: both name v3
+    assert [p.name for p in m.root.glob("reference_v*")] == ["reference_v00000003"]

@@ -182,6 +182,43 @@ def test_save_then_load_into_fresh_learner_restores_weights_optimizer_and_versio
     assert all(torch.equal(pa[n], pf[n]) for n in pa)
 
 
+@pytest.mark.timeout(300)
+def test_reference_is_saved_once_per_version_shared_by_step_checkpoints_and_resumed(
+        make_learner, tiny_llama_dir, tmp_path):
+    """With the trainer's CheckpointManager: steps 1 and 2 share one saved reference (written once:
+    same inode), a reference sync at step 3 writes a new one, rotation (keep_last=1) deletes the
+    reference no kept checkpoint names, and a fresh learner resumes both models and the version."""
+    from megatron_rlhf.trainer.checkpoint import CheckpointManager
+
+    a = make_learner(tiny_llama_dir)
+    b = _batch(a.hf_config.vocab_size)
+    mgr = CheckpointManager(tmp_path / "checkpoints", keep_last=2)
+    save = lambda step: mgr.save(step, {"step": step},   # noqa: E731
+                                 lambda tmp: a.save_checkpoint(str(tmp / "learner"), str(mgr.root)))
+    a.train_step(b)
+    save(1)
+    ref0 = mgr.root / "reference_v00000000"
+    inode = (ref0 / "metadata.json").stat().st_ino
+    a.train_step(b)
+    save(2)
+    assert (ref0 / "metadata.json").stat().st_ino == inode   # not re-saved
+    assert not (mgr.root / "step_2" / "learner" / "reference").exists()
+    a.train_step(b)
+    a.sync_reference()
+    save(3)   # keeps steps 2 (reference v0) and 3 (reference v3)
+    assert sorted(p.name for p in mgr.root.glob("reference_v*")) == ["reference_v00000000", "reference_v00000003"]
+    mgr.keep_last = 1
+    a.train_step(b)
+    save(4)   # keeps step 4 only: v0 is no longer named by a kept checkpoint
+    assert [p.name for p in mgr.root.glob("reference_v*")] == ["reference_v00000003"]
+    fresh = make_learner(tiny_llama_dir)
+    assert fresh.load_checkpoint(str(mgr.root / "step_4" / "learner")) == 4
+    assert fresh.reference_version == 3
+    for which in ("policy", "reference"):
+        pa, pf = _params(a, which), _params(fresh, which)
+        assert all(torch.equal(pa[n], pf[n]) for n in pa), which
+
+
 @pytest.mark.timeout(180)
 def test_sync_reference_copies_policy_into_reference(make_learner, tiny_llama_tied_dir):
     learner = make_learner(tiny_llama_tied_dir)

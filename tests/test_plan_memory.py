@@ -119,6 +119,20 @@ def test_selective_recompute_of_the_mlp_drops_its_6f_term_and_core_attn_alone_sa
     assert attn["activations"] == pytest.approx(32 * A_LAYER)   # flash attention keeps no s*s scores
 
 
+def test_unfused_attention_adds_the_score_matrix_term_and_selective_core_attn_drops_it():
+    """Unfused attention (megatron DotProductAttention / SDPA math) keeps b * a/t * s^2 * 6 bytes
+    per layer (fp32 softmax + bf16 probabilities); fused (TE, SDPA flash) keeps none."""
+    shape = pm.PRESETS["llama3.1-8b"]
+    fused = pm.learner_memory(shape, pm.LearnerLayout(tp=2, dp=4, micro_batch=2))
+    unfused = pm.learner_memory(shape, pm.LearnerLayout(tp=2, dp=4, micro_batch=2, attention="unfused"))
+    assert unfused["activations"] - fused["activations"] == pytest.approx(32 * 2 * 16 * 2048 ** 2 * 6)
+    sel = pm.learner_memory(shape, pm.LearnerLayout(tp=2, dp=4, micro_batch=2, attention="unfused",
+                                                    recompute="selective"))
+    assert sel["activations"] == pytest.approx(fused["activations"])
+    with pytest.raises(ValueError, match="fused or unfused"):
+        pm.learner_memory(shape, pm.LearnerLayout(attention="math"))
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("recipe", ["online-dpo-llama3.1-8b-2n8g", "online-dpo-qwen2.5-7b-math-chat-2n8g",
                                     "online-dpo-llama3.1-70b-8n8g-tp8pp2"])

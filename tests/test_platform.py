@@ -222,3 +222,103 @@ def test_cpu_layer_spec_uses_sdpa_attention_and_cpu_norms(groups):
     assert sub.input_layernorm is CPUNorm and sub.pre_mlp_layernorm is CPUNorm
     # checkpoint names stay in the TE layout (so GPU runs can load CPU checkpoints)
     assert sub.sharded_state_dict_keys_map["input_layernorm."] == "self_attention.linear_qkv.layer_norm_"
+
+
+_FAKE_TE_PROBE = r"""
+import importlib, json, sys
+from pathlib import Path
+from megatron_rlhf.platform import Platform, gpu
+out = {"absent": gpu.have_transformer_engine()}
+root = Path(sys.argv[1])
+(root / "transformer_engine" / "pytorch").mkdir(parents=True)
+(root / "transformer_engine" / "__init__.py").write_text("__version__ = '2.20.2'\n")
+(root / "transformer_engine" / "pytorch" / "__init__.py").write_text("")   # no fp8 module
+(root / "transformer_engine" / "pytorch" / "tensor").mkdir()   # megatron's fp8_utils needs it
+(root / "transformer_engine" / "pytorch" / "tensor" / "__init__.py").write_text("class QuantizedTensor: pass\n")
+meta = root / "transformer_engine-2.20.2.dist-info"
+meta.mkdir()
+(meta / "METADATA").write_text("Metadata-Version: 2.1\nName: transformer-engine\nVersion: 2.20.2\n")
+sys.path.insert(0, str(root))
+importlib.invalidate_caches()
+import transformer_engine.pytorch   # what the old check accepted
+cuda = Platform(device="cuda", dist_backend="nccl")   # no CUDA call is made below
+for name, call in (("check", gpu.have_transformer_engine),
+                   ("layer_spec", lambda: cuda.layer_spec(None)),
+                   ("recompute", lambda: cuda.recompute_overrides("selective", ["mlp"]))):
+    try:
+        call()
+        out[name] = "no error"
+    except gpu.TransformerEngineMismatch as e:
+        out[name] = str(e)
+from megatron.core.extensions import transformer_engine as mte
+out["megatron_have_te"] = mte.HAVE_TE
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_transformer_engine_that_megatron_mocks_raises_naming_versions_and_fix(tmp_path):
+    """A ``transformer_engine`` whose ``pytorch`` package imports but which megatron's TE extension
+    cannot load (no ``transformer_engine.pytorch.fp8``, as with a TE outside megatron-core's range):
+    megatron sets HAVE_TE=False and mocks ``te``; the platform's check, the GPU layer spec and the
+    recompute check all raise, naming TE 2.20.2, megatron-core 0.16.1 and the fix. Without any
+    ``transformer_engine`` the check says False (the device-agnostic spec)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=os.pathsep.join([str(repo)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    res = subprocess.run([sys.executable, "-c", _FAKE_TE_PROBE, str(tmp_path / "site")], env=env,
+                         capture_output=True, text=True, timeout=110)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["absent"] is False and out["megatron_have_te"] is False
+    for key in ("check", "layer_spec", "recompute"):
+        msg = out[key]
+        assert "transformer_engine 2.20.2" in msg and "megatron-core 0.16.1" in msg, msg
+        assert "fp8" in msg and ">=2.9,<2.12" in msg and "uninstall transformer-engine" in msg, msg
+
+
+def test_micro_batch_length_multiple_defaults_to_64_on_gpu_tp_on_cpu_and_stays_a_multiple_of_tp():
+    from megatron_rlhf.platform import micro_batch_length_multiple as m
+
+    assert m(0, cuda=True, tp=1, sequence_parallel=False) == 64
+    assert m(0, cuda=True, tp=8, sequence_parallel=True) == 64
+    assert m(0, cuda=False, tp=2, sequence_parallel=True) == 2
+    assert m(0, cuda=False, tp=1, sequence_parallel=False) == 1
+    assert m(48, cuda=True, tp=32, sequence_parallel=True) == 96      # lcm(48, 32)
+    assert m(48, cuda=True, tp=32, sequence_parallel=False) == 48
+    with pytest.raises(ValueError, match="seq_length_multiple"):
+        m(-1, cuda=True, tp=1, sequence_parallel=False)
+
+
+def test_learner_rounds_micro_batch_lengths_to_the_configured_multiple():
+    """The learner's plans (token_logprobs, train_step) pad each micro-batch to the multiple."""
+    from types import SimpleNamespace
+
+    from megatron_rlhf.config import LearnerConfig
+    from megatron_rlhf.learner.actor import MegatronLearner
+
+    fake = SimpleNamespace(cfg=LearnerConfig(micro_batch_size=2, seq_length_multiple=16),
+                           platform=get_platform("cpu"), groups=SimpleNamespace(tp=1, dp=1),
+                           sequence_parallel=False)
+    plans = MegatronLearner._plans(fake, [5, 17, 30, 33])
+    assert sorted(mb.seq_len for mb in plans[0]) == [32, 48]
+    fake.cfg = LearnerConfig(micro_batch_size=2)
+    assert sorted(mb.seq_len for mb in MegatronLearner._plans(fake, [5, 17, 30, 33])[0]) == [17, 33]
+
+
+def test_transformer_fields_per_platform_and_te_needs_cuda():
+    from megatron_rlhf.platform import CUDA_ONLY_FIELDS, transformer_fields
+
+    assert transformer_fields(cuda=False, te=False) == {"use_cpu_initialization": True}
+    gpu = transformer_fields(cuda=True, te=False)
+    assert gpu == {"use_cpu_initialization": False, "bias_activation_fusion": True, "apply_rope_fusion": False}
+    assert transformer_fields(cuda=True, te=True)["apply_rope_fusion"] is True
+    assert set(CUDA_ONLY_FIELDS) == {k for k, v in gpu.items() if k != "use_cpu_initialization"}
+    with pytest.raises(ValueError, match="Transformer Engine needs CUDA"):
+        transformer_fields(cuda=False, te=True)

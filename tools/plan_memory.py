@@ -46,7 +46,12 @@ score matrix)::
       4hq+4hkv : Q, K, V after RoPE (flash-attention inputs) + attention output (o_proj input)
       6f    : fc1 output [gate, up] (SwiGLU input, 2f) + SwiGLU output (fc2 input, f)
 
-Without sequence parallelism the 8h term is not divided by t. With full recomputation
+Without sequence parallelism the 8h term is not divided by t. That count holds for fused
+attention (Transformer Engine, or SDPA dispatching to FlashAttention: what the learner's spec
+builds on CUDA without TE). Unfused attention (``--attention unfused``: megatron's
+``DotProductAttention``, or SDPA's math kernel) also keeps the score matrix per layer::
+
+    A_attn = b * (a/t) * s * s * 6      (fp32 softmax output 4 B + bf16 probabilities 2 B) With full recomputation
 (``--recompute full``) a layer keeps only its input, ``2*s*b*h/t``, and one layer's A_layer is
 live while it is recomputed. Selective recomputation (``--recompute selective``, megatron
 ``recompute_modules``): ``mlp`` drops the 6f term (the MLP keeps only its input, already in 8h);
@@ -197,6 +202,9 @@ class LearnerLayout:
     """With ``selective``: the recomputed modules (``core_attn``, ``mlp``)."""
     reference: bool = True
     """Keep the frozen reference model on the learner GPUs."""
+    attention: str = "fused"
+    """``fused`` (TE, or SDPA's FlashAttention kernel: no score matrix kept) or ``unfused``
+    (megatron ``DotProductAttention`` / SDPA's math kernel: ``6 * b * a/t * s^2`` bytes per layer)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -242,7 +250,12 @@ def layer_activation_bytes(shape: ModelShape, lay: LearnerLayout) -> float:
     t, sb = lay.tp, lay.seq_len * lay.micro_batch
     sp = lay.sequence_parallel or t == 1
     mlp = 0 if lay.recompute == "selective" and "mlp" in lay.recompute_modules else 6 * f
-    return sb * (8 * h / (t if sp else 1) + (4 * hq + 4 * hkv + mlp) / t)
+    if lay.attention not in ("fused", "unfused"):
+        raise ValueError(f"attention={lay.attention!r}: use fused or unfused")
+    scores = 0.0
+    if lay.attention == "unfused" and not (lay.recompute == "selective" and "core_attn" in lay.recompute_modules):
+        scores = 6.0 * lay.micro_batch * shape.num_heads / t * lay.seq_len ** 2
+    return sb * (8 * h / (t if sp else 1) + (4 * hq + 4 * hkv + mlp) / t) + scores
 
 
 def learner_memory(shape: ModelShape, lay: LearnerLayout) -> dict:
@@ -410,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recompute-modules", default="core_attn",
                     help="with --recompute selective: comma-separated core_attn,mlp")
     ap.add_argument("--no-reference", action="store_true", help="reference model not on learner GPUs")
+    ap.add_argument("--attention", choices=("fused", "unfused"), default="fused",
+                    help="fused: TE or SDPA flash (no score matrix); unfused: megatron DotProductAttention")
     ap.add_argument("--gen-tp", type=int, default=1)
     ap.add_argument("--gen-max-model-len", type=int, default=None, help="default: --seq-len")
     ap.add_argument("--gen-concurrent-seqs", type=int, default=256)
@@ -433,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
                                 seq_len=args.seq_len, distributed_optimizer=not args.no_distributed_optimizer,
                                 sequence_parallel=not args.no_sequence_parallel, recompute=args.recompute,
                                 recompute_modules=tuple(args.recompute_modules.split(",")),
-                                reference=not args.no_reference)
+                                reference=not args.no_reference, attention=args.attention)
             gen = GeneratorLayout(tp=args.gen_tp, max_model_len=args.gen_max_model_len or args.seq_len,
                                   concurrent_seqs=args.gen_concurrent_seqs,
                                   max_batched_tokens=args.gen_max_batched_tokens,

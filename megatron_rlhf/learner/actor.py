@@ -22,8 +22,11 @@ Parallel layout (megatron-core 0.16.1; process groups passed explicitly through 
 * DP: megatron DDP (fp32 grad buffers, averaged in the collective) and ``get_megatron_optimizer``
   (``learner.distributed_optimizer`` shards the fp32 master weights and Adam state over DP);
   units (pairs, groups or rows) are dealt to DP ranks by length (:mod:`megatron_rlhf.learner.batching`).
-* GPU only (never imported on CPU): the platform's Transformer Engine spec, fused SwiGLU, TE
-  fused RoPE, grad-reduce overlap (DP > 1), bf16 params with fp32 master weights.
+* Model config and layer spec: :func:`megatron_rlhf.learner.model.learner_model_spec` of the
+  platform facts (CUDA, Transformer Engine), so a CPU test builds the GPU variant. GPU only: the
+  Transformer Engine spec, fused SwiGLU, TE fused RoPE, grad-reduce overlap (DP > 1), bf16
+  params with fp32 master weights. Micro-batch lengths are rounded to
+  ``learner.seq_length_multiple`` (GPU default 64; :func:`megatron_rlhf.platform.micro_batch_length_multiple`).
 
 Per batch (``train_step``; per-loss glue in :mod:`megatron_rlhf.learner.objectives`):
 
@@ -73,13 +76,14 @@ from pathlib import Path
 import torch
 
 from megatron_rlhf.config import AlgorithmConfig, LearnerConfig
-from megatron_rlhf.convert.llama import torch_dtype, transformer_config_from_hf
+from megatron_rlhf.convert.llama import torch_dtype
 from megatron_rlhf.convert.sharding import padded_vocab_size
 from megatron_rlhf.learner import parallel
 from megatron_rlhf.learner.batching import padding_fraction, plan_microbatches, row_lengths
 from megatron_rlhf.learner.checkpoint import load_learner_checkpoint, save_learner_checkpoint
 from megatron_rlhf.learner.logprobs import masked_sum as _masked_sum
-from megatron_rlhf.learner.model import build_gpt_model, check_divisible, load_hf_config
+from megatron_rlhf.learner.model import (build_gpt_model, check_divisible, learner_model_spec,
+                                         load_hf_config)
 from megatron_rlhf.learner.optim import all_finite, build_train_state
 from megatron_rlhf.learner.objectives import (BatchTensors, LossSpec, SliceInputs, assemble,
                                               check_batch, loss_on_slice, microbatch_inputs,
@@ -88,7 +92,7 @@ from megatron_rlhf.learner.schedule import cut_rows, make_microbatch, run_microb
 from megatron_rlhf.learner.weights import (buckets, finalize_hf_folder, iter_stage_hf_tensors,
                                            load_hf_weights, mark_tensor_parallel, prepare_hf_dir,
                                            write_hf_shards)
-from megatron_rlhf.platform import get_platform
+from megatron_rlhf.platform import get_platform, micro_batch_length_multiple
 from megatron_rlhf.runtime import pin_to_core
 from megatron_rlhf.types import LearnerBatch
 
@@ -175,17 +179,18 @@ class MegatronLearner:
         self._check_divisible()
         self.vocab_size = int(self.hf_config.vocab_size)
         self.padded_vocab = padded_vocab_size(self.vocab_size, tp)
-        self.sequence_parallel = bool(learner_cfg.sequence_parallel and tp > 1)
-        self.tconfig = transformer_config_from_hf(
-            self.hf_config, dtype=self.dtype, tp=tp, pp=pp, perform_initialization=False,
-            sequence_parallel=self.sequence_parallel, **self._pipeline_overrides(),
-            **self._feature_overrides())
+        self.model_spec = learner_model_spec(self.hf_config, learner_cfg, dtype=self.dtype,
+                                             cuda=not self.platform.is_cpu,
+                                             te=self.platform.transformer_engine)
+        self.sequence_parallel = self.model_spec.sequence_parallel
+        self.tconfig = self.model_spec.config
         self.policy = self._build()
         self.reference = self._build()
         self.reference.requires_grad_(False).eval()
         self.ddp, self.optimizer, self.scheduler = self._build_optimizer()
         self.critic = self._build_critic() if algorithm_cfg.loss == "ppo" else None
         self.weight_version = 0
+        self.reference_version = 0   # weight version the reference equals (0: the starting weights)
         log.info("MegatronLearner rank %d/%d (tp %d, pp %d, dp %d) ready in %.1f s (%s, %d local params)",
                  self.groups.rank, world_size, self.tp_rank, self.pp_rank, self.dp_rank,
                  time.perf_counter() - t0, self.hf_config.model_type,
@@ -196,32 +201,12 @@ class MegatronLearner:
         check_divisible(self.hf_config, tensor_parallel=self.cfg.tensor_parallel,
                         pipeline_parallel=self.cfg.pipeline_parallel)
 
-    def _pipeline_overrides(self) -> dict:
-        """PP > 1: ``variable_seq_lengths`` (p2p sends each micro-batch's shape first, so
-        length-grouped micro-batches can differ); megatron's config check then also asks for the
-        ``alltoall`` MoE dispatcher, which has no effect on a dense model."""
-        if self.cfg.pipeline_parallel == 1:
-            return {}
-        return {"variable_seq_lengths": True, "moe_token_dispatcher_type": "alltoall"}
-
-    def _feature_overrides(self) -> dict:
-        """TransformerConfig fields for GPU-only kernels: fused SwiGLU (megatron's jit
-        ``bias_swiglu_impl``), TE's fused RoPE when TE imports, activation recomputation.
-        Empty on CPU except recomputation. TE itself comes in through ``platform.layer_spec``."""
-        out = self.platform.recompute_overrides(self.cfg.recompute, self.cfg.recompute_modules)
-        if self.platform.is_cpu:
-            return out
-        from megatron_rlhf.platform.gpu import have_transformer_engine
-
-        out.update(bias_activation_fusion=True, apply_rope_fusion=have_transformer_engine())
-        return out
-
     def _build(self):
         model = build_gpt_model(self.hf_config, self.tconfig, platform=self.platform,
                                 pg_collection=self.groups.pg_collection,
                                 pre_process=self.groups.is_first_stage,
                                 post_process=self.groups.is_last_stage,
-                                vocab_size=self.padded_vocab)
+                                vocab_size=self.padded_vocab, layer_spec=self.model_spec.layer_spec)
         mark_tensor_parallel(model, self.hf_config)  # before DDP/optimizer read the attributes
         load_hf_weights(model, self.model_dir, self.hf_config, tp_rank=self.tp_rank,
                         tp=self.groups.tp, padded_vocab=self.padded_vocab)
@@ -284,7 +269,8 @@ class MegatronLearner:
     def _plans(self, lengths: list[int], units: list[int] | None = None):
         """Every DP rank's micro-batches; ``units``: sizes of consecutive units kept together
         (None: rows are independent)."""
-        pad = self.groups.tp if self.sequence_parallel else 1
+        pad = micro_batch_length_multiple(self.cfg.seq_length_multiple, cuda=not self.platform.is_cpu,
+                                          tp=self.groups.tp, sequence_parallel=self.sequence_parallel)
         return [plan_microbatches(lengths, rows_per_microbatch=self.cfg.micro_batch_size,
                                   dp_rank=d, dp_size=self.groups.dp, pairs=False, pad_multiple=pad,
                                   units=units, max_tokens=self.cfg.max_tokens_per_microbatch)
@@ -671,6 +657,7 @@ class MegatronLearner:
         ref = dict(self.reference.named_parameters())
         for name, p in self.policy.named_parameters():
             ref[name].copy_(p)
+        self.reference_version = self.weight_version
 
     def export_hf(self, out_dir: str, base_model_dir: str, max_shard_bytes: int = 5 * 10**9) -> None:
         """Write the policy as an HF folder: safetensors weights (``model.safetensors``, or
@@ -709,15 +696,18 @@ class MegatronLearner:
             dist.barrier()
 
     # ----------------------------------------------------------------------------- checkpoints
-    def save_checkpoint(self, path: str) -> None:
+    def save_checkpoint(self, path: str, reference_root: str | None = None) -> None:
         """Save policy and reference (megatron ``dist_checkpointing``, torch_dist format, under
-        ``path/policy`` and ``path/reference``: every rank writes its own shards), the optimizer
+        ``path/policy`` and ``path/reference``: every rank writes its own shards; with
+        ``reference_root`` the reference is saved once per reference version into
+        ``reference_root/reference_vK`` and ``path/reference.json`` names it), the optimizer
         (with ``learner.distributed_optimizer``: its sharded state under ``path/policy_optimizer``,
         else in the state file), LR scheduler, RNG states and ``weight_version`` (``torch.save``:
         rank 0 to ``path/learner_state.pt``, rank r > 0 to ``path/learner_state.rank<r>.pt``).
         ``path`` is created. Collective over all ranks (:mod:`megatron_rlhf.learner.checkpoint`).
         """
-        save_learner_checkpoint(self, Path(path))
+        save_learner_checkpoint(self, Path(path),
+                                None if reference_root is None else Path(reference_root))
 
     def load_checkpoint(self, path: str) -> int:
         """Restore everything :meth:`save_checkpoint` wrote; returns the restored weight_version.

@@ -4,7 +4,13 @@ Layout of a learner checkpoint folder::
 
     path/policy/        megatron dist_checkpointing (torch_dist): the policy GPTModel's
                         sharded_state_dict (TE-layout names; reshardable to any TP/PP)
-    path/reference/     same for the frozen reference
+    path/reference/     same for the frozen reference, only when no ``reference_root`` is given
+    path/reference.json with a ``reference_root`` (the trainer's ``checkpoints/`` folder):
+                        ``{"version": K, "dir": "<path relative to this folder>"}``; the frozen
+                        reference is then saved once per reference version K (0: the starting
+                        weights; K: the policy at weight version K after a reference sync) into
+                        ``<reference_root>/reference_vK/`` and shared by every step checkpoint
+                        that uses it (``trainer/checkpoint.py`` keeps it while one of them is kept)
     path/critic/        same for the PPO critic (only when ``learner.critic`` is not None;
                         :mod:`megatron_rlhf.learner.critic`)
     path/policy_optimizer/  only with ``learner.distributed_optimizer``: the policy's
@@ -47,9 +53,11 @@ import torch
 from megatron_rlhf.convert.hf_io import apply_umask_permissions
 
 __all__ = ["save_learner_checkpoint", "load_learner_checkpoint", "write_hf_folder",
-           "STATE_FILE", "state_file", "distributed_optimizer_state"]
+           "STATE_FILE", "REFERENCE_FILE", "state_file", "distributed_optimizer_state",
+           "reference_folder_name"]
 
 STATE_FILE = "learner_state.pt"
+REFERENCE_FILE = "reference.json"
 _WEIGHT_PATTERNS = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json",
                     ".pt", ".pth", ".gguf")
 
@@ -261,6 +269,37 @@ def _load_model(model, folder: Path) -> None:
                            f"unexpected {result.unexpected_keys[:5]}")
 
 
+def reference_folder_name(version: int) -> str:
+    """The shared folder of the frozen reference of reference version ``version``."""
+    return f"reference_v{int(version):08d}"
+
+
+def _barrier(learner) -> None:
+    if learner.groups.world_size > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def _save_shared_reference(learner, root: Path) -> Path:
+    """Save the frozen reference into ``root/reference_vK`` unless an earlier checkpoint of the
+    run already did (K = ``learner.reference_version``). Atomic: written to ``root/.tmp-reference_vK``
+    (all ranks, collective), then renamed by rank 0. Returns the folder."""
+    final = root / reference_folder_name(getattr(learner, "reference_version", 0))
+    if (final / "metadata.json").is_file():
+        return final
+    tmp = root / f".tmp-{final.name}"
+    if _rank(learner) == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _barrier(learner)
+    _save_model(learner.reference, tmp)
+    _barrier(learner)
+    if _rank(learner) == 0:
+        os.rename(tmp, final)
+    _barrier(learner)
+    return final
+
+
 def _critic(learner):
     """The learner's PPO critic, or None (attribute ``critic``; absent on older learners)."""
     return getattr(learner, "critic", None)
@@ -282,15 +321,26 @@ def _load_state(learner, path: Path) -> dict:
     return state if src == _rank(learner) and own.is_file() else read(src)
 
 
-def save_learner_checkpoint(learner, path: Path) -> None:
+def save_learner_checkpoint(learner, path: Path, reference_root: Path | None = None) -> None:
     """Write ``learner``'s models (and critic, if any), optimizer, scheduler, RNG and version
     under ``path`` (see module doc). ``path`` may exist; it should be empty (the caller makes the
-    save atomic)."""
+    save atomic). With ``reference_root`` the frozen reference goes to the shared
+    ``reference_root/reference_vK`` (written only when absent) and ``path/reference.json`` points
+    at it; without, to ``path/reference``."""
     critic = _critic(learner)
     dist_opt = bool(getattr(learner, "use_distributed_optimizer", False))
     path.mkdir(parents=True, exist_ok=True)
     _save_model(learner.policy, path / "policy")
-    _save_model(learner.reference, path / "reference")
+    if reference_root is None:
+        _save_model(learner.reference, path / "reference")
+    else:
+        ref = _save_shared_reference(learner, Path(reference_root))
+        if _rank(learner) == 0:
+            import json
+
+            (path / REFERENCE_FILE).write_text(json.dumps(
+                {"version": int(getattr(learner, "reference_version", 0)),
+                 "dir": os.path.relpath(ref, path)}))
     if critic is not None:
         _save_model(critic.model, path / "critic")
     if dist_opt:
@@ -298,6 +348,7 @@ def save_learner_checkpoint(learner, path: Path) -> None:
         if critic is not None:
             _save_optimizer(critic.optimizer, critic.model, learner.groups, path / "critic_optimizer")
     state = {"weight_version": learner.weight_version,
+             "reference_version": int(getattr(learner, "reference_version", 0)),
              "optimizer": None if dist_opt else learner.optimizer.state_dict(),
              "scheduler": learner.scheduler.state_dict(),
              "rng": learner._rng_state(),
@@ -316,12 +367,32 @@ def save_learner_checkpoint(learner, path: Path) -> None:
         dist.barrier()  # every rank's files exist before any rank returns
 
 
+def reference_path(path: Path) -> Path:
+    """The frozen reference's folder of the learner checkpoint ``path``: the shared folder named in
+    ``path/reference.json``, else ``path/reference``.
+
+    Raises:
+        FileNotFoundError: ``reference.json`` names a folder that is not a complete dist checkpoint.
+    """
+    import json
+
+    marker = path / REFERENCE_FILE
+    if not marker.is_file():
+        return path / "reference"
+    ref = (path / json.loads(marker.read_text())["dir"]).resolve()
+    if not (ref / "metadata.json").is_file():
+        raise FileNotFoundError(f"{path}: its reference {ref} (from {marker.name}) is missing or "
+                                "incomplete; the checkpoint folder was copied without it?")
+    return ref
+
+
 def load_learner_checkpoint(learner, path: Path) -> int:
     """Restore what :func:`save_learner_checkpoint` wrote into ``learner``; returns the weight
     version.
 
     Raises:
-        FileNotFoundError: ``path/learner_state.pt`` or a model folder is missing.
+        FileNotFoundError: ``path/learner_state.pt`` or a model folder (or the shared reference
+            folder it names) is missing.
         ValueError: the checkpoint's TP/PP or model type differs from the learner's, its DP
             differs without the distributed optimizer (the one format that reshards over DP),
             ``learner.distributed_optimizer`` differs from the saving run's, or the learner has a
@@ -337,7 +408,9 @@ def load_learner_checkpoint(learner, path: Path) -> int:
                          "e.g. algorithm.loss != ppo) but this learner has a critic; resume a ppo "
                          "run from a ppo checkpoint, or start it from the HF weights instead")
     _load_model(learner.policy, path / "policy")
-    _load_model(learner.reference, path / "reference")
+    _load_model(learner.reference, reference_path(path))
+    if hasattr(learner, "reference_version"):
+        learner.reference_version = int(state.get("reference_version", 0))
     if critic is not None:
         _load_model(critic.model, path / "critic")
         critic.load(state["critic"])   # scheduler (and optimizer without the distributed one)

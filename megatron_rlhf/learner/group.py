@@ -197,9 +197,9 @@ class LearnerGroup:
         """Copy policy -> reference on every rank."""
         self._all("sync_reference")
 
-    def save_checkpoint(self, path: str) -> None:
+    def save_checkpoint(self, path: str, reference_root: str | None = None) -> None:
         """Every rank saves its shards and state under ``path`` (see :meth:`MegatronLearner.save_checkpoint`)."""
-        self._all("save_checkpoint", str(path))
+        self._all("save_checkpoint", str(path), reference_root)
 
     def load_checkpoint(self, path: str) -> int:
         """Every rank loads its shards and state; returns the weight version.

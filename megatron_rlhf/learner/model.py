@@ -12,6 +12,7 @@ Weights are full (TP=PP=1) tensors keyed by global layer index; sharding for TP/
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,7 +20,7 @@ import torch
 from megatron_rlhf.convert.llama import align_names, gpt_model_kwargs_from_hf
 
 __all__ = ["check_divisible", "load_hf_config", "load_hf_state_dict", "build_gpt_model", "load_mcore_state",
-           "full_mcore_state", "HF_WEIGHT_FILES"]
+           "full_mcore_state", "HF_WEIGHT_FILES", "LearnerModelSpec", "learner_model_spec"]
 
 HF_WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin",
                    "pytorch_model.bin.index.json")
@@ -44,6 +45,60 @@ def check_divisible(hf_config, *, tensor_parallel: int, pipeline_parallel: int) 
                 fields = ", ".join(f"{w}={m}" for w, m in dims)
                 raise ValueError(f"model {what}={n} is not divisible by learner.{key}={k}; choose a "
                                  f"value that divides {fields}: one of {valid}")
+
+
+@dataclass(frozen=True)
+class LearnerModelSpec:
+    """What a learner's GPTModels are built from.
+
+    Attributes:
+        config: megatron ``TransformerConfig`` (this layout's TP/PP, sequence parallelism, dtype,
+            recomputation, the platform's fields).
+        layer_spec: the ``ModuleSpec`` for ``GPTModel(transformer_layer_spec=...)``.
+        sequence_parallel: megatron sequence parallelism is on (``learner.sequence_parallel``
+            and TP > 1).
+    """
+
+    config: object
+    layer_spec: object
+    sequence_parallel: bool
+
+
+def learner_model_spec(hf_config, learner_cfg, *, dtype, cuda: bool, te: bool) -> LearnerModelSpec:
+    """The exact ``TransformerConfig`` and layer spec of a learner, from the platform facts.
+
+    The learner calls it with its platform's facts (``cuda = not platform.is_cpu``,
+    ``te = platform.transformer_engine``); a CPU test calls it with ``cuda=True, te=False`` to
+    build the GPU learner's model without Transformer Engine (only
+    :data:`megatron_rlhf.platform.CUDA_ONLY_FIELDS` then need CUDA to run).
+
+    Fields: :func:`megatron_rlhf.convert.transformer_config_from_hf` of the HF config at
+    ``learner.tensor_parallel`` / ``pipeline_parallel``, no initialisation (weights are loaded),
+    sequence parallelism when TP > 1, PP > 1: ``variable_seq_lengths`` (p2p sends each
+    micro-batch's shape first, so length-grouped micro-batches can differ; megatron's config check
+    then also asks for the ``alltoall`` MoE dispatcher, no effect on a dense model),
+    :func:`megatron_rlhf.platform.recompute_fields`, :func:`megatron_rlhf.platform.transformer_fields`.
+
+    Args:
+        hf_config: HF ``PretrainedConfig``.
+        learner_cfg: ``LearnerConfig``.
+        dtype: parameter dtype (``torch.dtype`` or its name).
+        cuda, te: CUDA available; megatron's TE extension live (``te`` needs ``cuda``).
+    Raises:
+        ValueError: unsupported architecture, ``te`` without ``cuda``, refused recomputation.
+    """
+    from megatron_rlhf.convert.llama import transformer_config_from_hf
+    from megatron_rlhf.platform import layer_spec, recompute_fields, transformer_fields
+
+    tp, pp = learner_cfg.tensor_parallel, learner_cfg.pipeline_parallel
+    sp = bool(learner_cfg.sequence_parallel and tp > 1)
+    fields = dict(perform_initialization=False, sequence_parallel=sp)
+    if pp > 1:
+        fields.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
+    fields.update(recompute_fields(learner_cfg.recompute, learner_cfg.recompute_modules, te=te))
+    fields.update(transformer_fields(cuda=cuda, te=te))
+    config = transformer_config_from_hf(hf_config, dtype=dtype, tp=tp, pp=pp, **fields)
+    return LearnerModelSpec(config=config, layer_spec=layer_spec(config, te=te), sequence_parallel=sp)
 
 
 def load_hf_config(model_dir: str | Path):
@@ -80,7 +135,7 @@ def load_hf_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
 
 def build_gpt_model(hf_config, transformer_config, *, platform, pg_collection=None,
                     pre_process: bool = True, post_process: bool = True,
-                    vocab_size: int | None = None):
+                    vocab_size: int | None = None, layer_spec=None):
     """An (uninitialised unless ``transformer_config.perform_initialization``) GPTModel for an HF
     config, with the platform's layer spec, on the platform's device.
 
@@ -92,6 +147,7 @@ def build_gpt_model(hf_config, transformer_config, *, platform, pg_collection=No
         pre_process, post_process: first / last pipeline stage flags.
         vocab_size: embedding/output rows (None: ``hf_config.vocab_size``); tensor parallelism
             pads it to a multiple of TP (:func:`megatron_rlhf.convert.sharding.padded_vocab_size`).
+        layer_spec: the ``ModuleSpec`` (None: ``platform.layer_spec(transformer_config)``).
     Returns:
         ``megatron.core.models.gpt.GPTModel``.
     """
@@ -103,7 +159,8 @@ def build_gpt_model(hf_config, transformer_config, *, platform, pg_collection=No
     if pg_collection is not None:
         kwargs["pg_collection"] = pg_collection
     model = GPTModel(config=transformer_config,
-                     transformer_layer_spec=platform.layer_spec(transformer_config),
+                     transformer_layer_spec=(platform.layer_spec(transformer_config)
+                                             if layer_spec is None else layer_spec),
                      pre_process=pre_process, post_process=post_process, **kwargs)
     return model.to(platform.device)
 

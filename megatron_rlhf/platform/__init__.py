@@ -6,10 +6,17 @@
     platform.seed(seed)
     model = GPTModel(config, transformer_layer_spec=platform.layer_spec(config), ...)
 
+What the model is built from is a pure function of two platform facts, ``cuda`` and ``te``
+(:func:`transformer_fields`, :func:`layer_spec`, :func:`recompute_fields`), so a CPU test can build
+the exact GPU variant (``megatron_rlhf.learner.model.learner_model_spec(..., cuda=True, te=False)``).
+Without Transformer Engine both devices use :mod:`megatron_rlhf.platform.local_spec`.
+
 ``platform/engine_args.py`` turns the ``generators`` config into vLLM engine arguments
 (:func:`engine_kwargs`, :func:`engine_env`) and checks that an engine fits (:func:`engine_fit`).
-``platform/cpu.py`` holds all CPU shims, ``platform/gpu.py`` the TE/GPU spec; the GPU module is
-never imported on CPU and the CPU module (which imports megatron) only when a CPU platform is used.
+``platform/cpu.py`` holds all CPU shims, ``platform/local_spec.py`` the device-agnostic spec,
+``platform/gpu.py`` the TE check, TE spec and CUDA seed (the only CUDA-only code); the GPU module
+is never imported on CPU (except by the TE check of a CUDA platform) and the CPU module only when a
+CPU platform is used.
 Importing this package has no side effects.
 """
 
@@ -19,7 +26,100 @@ from dataclasses import dataclass
 
 from megatron_rlhf.platform.engine_args import engine_env, engine_fit, engine_kwargs
 
-__all__ = ["Platform", "get_platform", "engine_kwargs", "engine_env", "engine_fit"]
+__all__ = ["Platform", "get_platform", "engine_kwargs", "engine_env", "engine_fit",
+           "transformer_fields", "layer_spec", "recompute_fields", "CUDA_ONLY_FIELDS",
+           "micro_batch_length_multiple", "BF16_PEAK_TFLOPS", "bf16_peak_flops"]
+
+#: Dense bf16 tensor-core peak per GPU (TFLOP/s, no sparsity), from the vendors' data sheets:
+#: H100/H200 SXM 989.4 (H100 PCIe 756), A100 312, L40S 362, GH200 989.4, B200 2250.
+#: Matched by substring of ``torch.cuda.get_device_name()``, first match wins.
+BF16_PEAK_TFLOPS = (("GH200", 989.4), ("H200", 989.4), ("H100 PCIe", 756.0), ("H100", 989.4),
+                    ("B200", 2250.0), ("A100", 312.0), ("L40S", 362.0))
+
+
+def bf16_peak_flops(device_name: str) -> float | None:
+    """The dense bf16 peak (FLOP/s) of a GPU by its name (:data:`BF16_PEAK_TFLOPS`), or None."""
+    return next((tf * 1e12 for key, tf in BF16_PEAK_TFLOPS if key in device_name), None)
+
+#: ``TransformerConfig`` fields the GPU learner sets that need CUDA kernels to *run* (not to
+#: build): ``bias_activation_fusion`` (megatron's ``bias_swiglu_impl`` under ``torch.compile``,
+#: Triton) and ``apply_rope_fusion`` (TE's fused RoPE; only with TE). A CPU test of the GPU
+#: variant turns exactly these off.
+CUDA_ONLY_FIELDS = ("bias_activation_fusion", "apply_rope_fusion")
+
+
+def transformer_fields(*, cuda: bool, te: bool) -> dict:
+    """The ``TransformerConfig`` fields that differ between platforms.
+
+    CPU: ``use_cpu_initialization=True`` (megatron allocates weights on the host). CUDA:
+    weights allocated on the device, fused SwiGLU (``bias_activation_fusion``) and, with TE,
+    TE's fused RoPE (``apply_rope_fusion``; megatron-core 0.16 checks it against SwiGLU and
+    Llama-3.1 RoPE scaling in ``TransformerConfig.__post_init__``).
+
+    Raises:
+        ValueError: ``te`` without ``cuda`` (Transformer Engine is CUDA-only).
+    """
+    if te and not cuda:
+        raise ValueError("transformer_fields(cuda=False, te=True): Transformer Engine needs CUDA")
+    if not cuda:
+        return {"use_cpu_initialization": True}
+    return {"use_cpu_initialization": False, "bias_activation_fusion": True, "apply_rope_fusion": te}
+
+
+def layer_spec(transformer_config, *, te: bool):
+    """The GPT ModuleSpec: TE's spec with ``te`` (:func:`megatron_rlhf.platform.gpu.te_layer_spec`),
+    else the device-agnostic spec (SDPA attention, torch norms:
+    :func:`megatron_rlhf.platform.local_spec.local_layer_spec`) on CPU and GPU alike."""
+    if te:
+        from megatron_rlhf.platform import gpu
+
+        return gpu.te_layer_spec(transformer_config)
+    from megatron_rlhf.platform.local_spec import local_layer_spec
+
+    return local_layer_spec(transformer_config)
+
+
+def recompute_fields(recompute: str, modules: list[str], *, te: bool) -> dict:
+    """``TransformerConfig`` fields for ``learner.recompute`` / ``learner.recompute_modules``
+    (megatron ``recompute_granularity``, ``recompute_method``, ``recompute_num_layers``,
+    ``recompute_modules``). With TE, ``core_attn`` is refused (TE's fused attention keeps no
+    score matrix, so recomputing it only costs time; megatron warns the same).
+
+    Raises:
+        ValueError: ``recompute`` unknown, or ``core_attn`` with TE.
+    """
+    if recompute == "none":
+        return {}
+    if recompute == "full":
+        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    if recompute != "selective":
+        raise ValueError(f"learner.recompute={recompute!r}: use none, full or selective")
+    if te and "core_attn" in modules:
+        raise ValueError("learner.recompute_modules contains core_attn, but Transformer "
+                         "Engine's fused attention keeps no score matrix to save: use "
+                         "learner.recompute_modules=[mlp], or learner.recompute=full")
+    return {"recompute_granularity": "selective", "recompute_modules": list(modules)}
+
+
+def micro_batch_length_multiple(configured: int, *, cuda: bool, tp: int, sequence_parallel: bool) -> int:
+    """The multiple every micro-batch's padded length is rounded up to.
+
+    ``configured`` is ``learner.seq_length_multiple`` (0 = platform default: 64 on GPU, so
+    kernels, cuDNN attention graphs and ``torch.compile`` specialisations are reused across
+    micro-batches instead of rebuilt per length; ``tp`` on CPU, where shapes cost nothing).
+    With sequence parallelism the result is also a multiple of ``tp`` (megatron scatters the
+    sequence over the TP ranks): ``lcm(multiple, tp)``.
+
+    Raises:
+        ValueError: ``configured < 0`` or ``tp < 1``.
+    """
+    import math
+
+    if configured < 0 or tp < 1:
+        raise ValueError(f"micro_batch_length_multiple(configured={configured}, tp={tp}): "
+                         "learner.seq_length_multiple must be >= 0 and tp >= 1")
+    m = configured or (64 if cuda else tp)
+    return math.lcm(m, tp) if sequence_parallel else m
 
 
 @dataclass(frozen=True)
@@ -38,6 +138,17 @@ class Platform:
     def is_cpu(self) -> bool:
         return self.device == "cpu"
 
+    @property
+    def transformer_engine(self) -> bool:
+        """Whether this platform's learner uses Transformer Engine: False on CPU; on GPU
+        megatron's own ``HAVE_TE`` (:func:`megatron_rlhf.platform.gpu.have_transformer_engine`,
+        which raises when TE is installed but megatron could not load it)."""
+        if self.is_cpu:
+            return False
+        from megatron_rlhf.platform import gpu
+
+        return gpu.have_transformer_engine()
+
     def install(self, function_mode: bool = True) -> bool:
         """CPU: install the torch-level CUDA->CPU shims (``platform.cpu.install``; idempotent);
         ``function_mode`` adds the global device-literal mode (needed for pipeline schedules,
@@ -49,15 +160,9 @@ class Platform:
         return cpu.install(function_mode=function_mode)
 
     def layer_spec(self, transformer_config):
-        """The GPT ModuleSpec for this platform: CPU -> local spec with SDPA attention and torch
-        norms (a TransformerBlock spec); GPU -> TE spec when TE imports, else the local spec."""
-        if self.is_cpu:
-            from megatron_rlhf.platform import cpu
-
-            return cpu.cpu_layer_spec(transformer_config)
-        from megatron_rlhf.platform import gpu
-
-        return gpu.gpu_layer_spec(transformer_config)
+        """The GPT ModuleSpec for this platform (:func:`layer_spec` with ``te`` =
+        :attr:`transformer_engine`): TE's spec on a GPU with TE, else the device-agnostic one."""
+        return layer_spec(transformer_config, te=self.transformer_engine)
 
     def seed(self, seed_value: int) -> None:
         """Seed torch and megatron's RNG tracker (CPU: no CUDA calls). Call after
@@ -104,36 +209,17 @@ class Platform:
         return torch.empty(int(nbytes), dtype=torch.uint8, device=device)
 
     def recompute_overrides(self, recompute: str, modules: list[str]) -> dict:
-        """``TransformerConfig`` fields for ``learner.recompute`` / ``learner.recompute_modules``
-        (megatron ``recompute_granularity``, ``recompute_method``, ``recompute_num_layers``,
-        ``recompute_modules``), validated for this platform.
-
-        CPU: ``full`` and ``selective`` run through megatron's ``tensor_parallel.checkpoint``,
-        which saves and restores CUDA RNG states; ``platform.cpu.install`` maps those calls to
-        no-ops (there is no CUDA generator; dropout draws from the CPU generator, which megatron
-        restores itself). GPU with Transformer Engine: ``core_attn`` is refused (TE's fused
-        attention keeps no score matrix, so recomputing it only costs time; megatron warns the
-        same), use ``mlp`` or ``full``.
+        """:func:`recompute_fields` for this platform. CPU: ``full`` and ``selective`` run through
+        megatron's ``tensor_parallel.checkpoint``, which saves and restores CUDA RNG states;
+        ``platform.cpu.install`` (called here) maps those calls to no-ops (there is no CUDA
+        generator; dropout draws from the CPU generator, which megatron restores itself).
 
         Raises:
             ValueError: ``recompute`` unknown, or a module the platform cannot recompute usefully.
         """
-        if recompute == "none":
-            return {}
-        if self.is_cpu:
+        if recompute != "none" and self.is_cpu:
             self.install(function_mode=False)
-        if recompute == "full":
-            return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
-        if recompute != "selective":
-            raise ValueError(f"learner.recompute={recompute!r}: use none, full or selective")
-        if not self.is_cpu:
-            from megatron_rlhf.platform import gpu
-
-            if gpu.have_transformer_engine() and "core_attn" in modules:
-                raise ValueError("learner.recompute_modules contains core_attn, but Transformer "
-                                 "Engine's fused attention keeps no score matrix to save: use "
-                                 "learner.recompute_modules=[mlp], or learner.recompute=full")
-        return {"recompute_granularity": "selective", "recompute_modules": list(modules)}
+        return recompute_fields(recompute, modules, te=self.transformer_engine)
 
     def synchronize(self) -> None:
         """Wait for queued device work (before timing); no-op on CPU."""

@@ -25,10 +25,11 @@ only when CUDA is absent; it is idempotent and :func:`uninstall` restores torch.
   inside this context ``Tensor.type()`` reports CPU tensors as ``torch.cuda.*`` and P3 applies.
   The learner wraps only ``get_megatron_optimizer(...)`` and ``optimizer.step()`` in it.
 
-The model-level CPU pieces go through megatron's public ``ModuleSpec`` mechanism instead of
-patching: :class:`SDPACoreAttention` (``DotProductAttention.forward`` allocates a CUDA scratch
-buffer) and :class:`CPUNorm` (torch ``RMSNorm``/``LayerNorm``; unlike megatron's
-``WrappedTorchNorm`` it also accepts ``sequence_parallel=True``).
+The model-level pieces go through megatron's public ``ModuleSpec`` mechanism instead of
+patching, and are device-agnostic (the GPU learner without Transformer Engine builds the same
+spec): :mod:`megatron_rlhf.platform.local_spec` (``SDPACoreAttention``: megatron's
+``DotProductAttention.forward`` allocates a CUDA scratch buffer; ``TorchNorm``, re-exported here as
+``CPUNorm``: unlike megatron's ``WrappedTorchNorm`` it accepts ``sequence_parallel=True``).
 """
 
 from __future__ import annotations
@@ -37,10 +38,12 @@ import contextlib
 import threading
 
 import torch
-import torch.nn.functional as F
-from megatron.core.transformer.dot_product_attention import DotProductAttention
-from megatron.core.transformer.enums import AttnMaskType
 from torch.overrides import TorchFunctionMode
+
+from megatron_rlhf.platform.local_spec import SDPACoreAttention, TorchNorm
+from megatron_rlhf.platform.local_spec import local_layer_spec as cpu_layer_spec
+
+CPUNorm = TorchNorm   # the name the CPU tests and older code use
 
 __all__ = ["install", "uninstall", "is_installed", "function_mode_active", "optimizer_context",
            "seed", "cpu_layer_spec", "CudaToCpuMode", "CudaTypeSpoofMode", "SDPACoreAttention",
@@ -173,98 +176,3 @@ def seed(seed_value: int) -> None:
 
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     torch.manual_seed(seed_value)
-
-
-class SDPACoreAttention(DotProductAttention):
-    """Megatron core attention computed with ``torch.nn.functional.scaled_dot_product_attention``.
-
-    Inputs ``query [sq, b, np, hn]``, ``key``/``value [sk, b, ng, hn]`` (GQA: ``ng`` query groups;
-    query head ``h`` uses group ``h // (np // ng)``, as megatron lays out QKV), ``attention_mask``
-    (megatron convention: True = masked out) or None for the spec's causal mask.
-    Returns ``[sq, b, np * hn]``. Dropout uses ``config.attention_dropout`` in training mode.
-    Same constructor as ``megatron.core.transformer.dot_product_attention.DotProductAttention``.
-
-    Raises:
-        NotImplementedError: packed sequences, attention bias, query-key layer scaling or
-            sliding-window attention (not needed by Llama-family models).
-    """
-
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
-                attention_bias=None, packed_seq_params=None, **unused):
-        if packed_seq_params is not None or attention_bias is not None:
-            raise NotImplementedError("SDPACoreAttention: packed sequences / attention bias")
-        if self.config.apply_query_key_layer_scaling or self.config.window_size is not None:
-            raise NotImplementedError("SDPACoreAttention: set apply_query_key_layer_scaling=False "
-                                      "and window_size=None")
-        sq, b, np_, _ = query.shape
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]
-        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
-        dropout = self.config.attention_dropout if self.training else 0.0
-        gqa = key.size(2) != np_
-        if attention_mask is not None:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask,
-                                                 dropout_p=dropout, scale=self.softmax_scale,
-                                                 enable_gqa=gqa)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout,
-                                                 is_causal=mask_type == AttnMaskType.causal,
-                                                 scale=self.softmax_scale, enable_gqa=gqa)
-        return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
-
-
-class CPUNorm:
-    """Norm factory for megatron ModuleSpecs: torch ``RMSNorm`` or ``LayerNorm`` per
-    ``config.normalization``; parameters are tagged ``sequence_parallel`` so megatron's
-    ``finalize_model_grads`` all-reduces their grads under sequence parallelism.
-
-    Args (as megatron passes them): ``config`` (TransformerConfig), ``hidden_size``, ``eps``.
-    Returns a ``torch.nn.RMSNorm``/``LayerNorm`` over the last dimension ``[..., hidden_size]``.
-    Raises ValueError for other ``normalization`` values.
-    """
-
-    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **unused):
-        if config.normalization == "RMSNorm":
-            norm = torch.nn.RMSNorm(hidden_size, eps=eps, dtype=config.params_dtype)
-        elif config.normalization == "LayerNorm":
-            norm = torch.nn.LayerNorm(hidden_size, eps=eps, dtype=config.params_dtype)
-        else:
-            raise ValueError(f"CPUNorm: normalization={config.normalization!r}; "
-                             "expected RMSNorm or LayerNorm")
-        for p in norm.parameters():
-            setattr(p, "sequence_parallel", bool(config.sequence_parallel))
-        return norm
-
-
-def cpu_layer_spec(config):
-    """GPT block spec for CPU: megatron's local layer spec with SDPA core attention and
-    :class:`CPUNorm` for the input, pre-MLP and final norms.
-
-    Parameter names are those of the local spec (``decoder.layers.N.input_layernorm.weight``,
-    ``...self_attention.linear_qkv.weight``, ``...mlp.linear_fc1.weight``, ...,
-    ``decoder.final_layernorm.weight``); checkpoints use the TE layout names through the spec's
-    ``sharded_state_dict_keys_map`` (``input_layernorm.`` -> ``self_attention.linear_qkv.layer_norm_``).
-
-    Args:
-        config: megatron ``TransformerConfig`` (its PP size decides how many layers this rank builds).
-    Returns:
-        ``ModuleSpec(TransformerBlock)`` to pass as ``GPTModel(transformer_layer_spec=...)``.
-    """
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.transformer_block import (TransformerBlock,
-                                                             TransformerBlockSubmodules,
-                                                             get_num_layers_to_build)
-
-    layer = get_gpt_layer_local_spec(normalization=config.normalization,
-                                     qk_layernorm=bool(getattr(config, "qk_layernorm", False)))
-    attn = layer.submodules.self_attention.submodules
-    attn.core_attention = SDPACoreAttention
-    if attn.q_layernorm is not None and getattr(config, "qk_layernorm", False):
-        attn.q_layernorm = CPUNorm
-        attn.k_layernorm = CPUNorm
-    layer.submodules.input_layernorm = CPUNorm
-    layer.submodules.pre_mlp_layernorm = CPUNorm
-    n = get_num_layers_to_build(config)
-    return ModuleSpec(module=TransformerBlock,
-                      submodules=TransformerBlockSubmodules(layer_specs=[layer] * n,
-                                                            layer_norm=CPUNorm))

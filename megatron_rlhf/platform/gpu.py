@@ -1,55 +1,101 @@
-"""GPU platform: Transformer Engine layer spec when TE imports, megatron's local spec otherwise.
+"""GPU platform: the Transformer Engine layer spec (when megatron's TE extension is live) and the
+CUDA seed. Everything else the GPU learner builds is device-agnostic and lives in
+:mod:`megatron_rlhf.platform.local_spec` (the same code CI runs on CPU).
 
-Never imported on CPU (``megatron_rlhf.platform.get_platform`` picks this module only when
-``torch.cuda.is_available()``). No shims: megatron-core runs natively on CUDA.
+Never imported on CPU (``megatron_rlhf.platform`` reaches this module only for a CUDA platform or
+for the TE check). No shims: megatron-core runs natively on CUDA.
 """
 
 from __future__ import annotations
 
-import logging
+import importlib.util
 
 import torch
 
-__all__ = ["gpu_layer_spec", "seed", "have_transformer_engine"]
+__all__ = ["te_layer_spec", "seed", "have_transformer_engine", "TransformerEngineMismatch"]
+
+#: megatron-core 0.16.1's own metadata (its ``dev`` extra in ``megatron_core-0.16.1.dist-info/METADATA``):
+#: ``transformer-engine[core_cu13,pytorch]<2.12.0,>=2.9.0a0``.
+TE_RANGE = ">=2.9,<2.12"
+
+
+class TransformerEngineMismatch(RuntimeError):
+    """``transformer_engine`` imports but megatron-core's TE extension did not load it (megatron then
+    replaces ``te`` with a ``MagicMock`` and would build layers over the mock)."""
+
+
+def _dist_version(*names: str) -> str:
+    from importlib import metadata
+
+    for n in names:
+        try:
+            return metadata.version(n)
+        except metadata.PackageNotFoundError:
+            continue
+    return "not installed"
+
+
+def _te_import_error() -> str:
+    """The error of the import megatron's TE extension does (``megatron/core/extensions/
+    transformer_engine.py``: ``import transformer_engine``, then ``transformer_engine.pytorch.fp8``'s
+    ``FP8GlobalStateManager`` and ``fp8_autocast``), or ``""`` when it succeeds."""
+    try:
+        import transformer_engine  # noqa: F401
+        from transformer_engine.pytorch.fp8 import FP8GlobalStateManager, fp8_autocast  # noqa: F401
+    except Exception as e:  # ImportError, or OSError from a missing CUDA library
+        return f"{type(e).__name__}: {e}"
+    return ""
 
 
 def have_transformer_engine() -> bool:
-    """True when ``transformer_engine.pytorch`` imports (TE's PyTorch modules: fused attention,
-    norm + linear). Importing only ``transformer_engine`` is not enough: the top-level package
-    installs without its PyTorch extension (e.g. ``pip install transformer-engine`` without the
-    ``[pytorch]`` extra, or a build without ``--no-build-isolation`` that skipped it), and
-    megatron's TE spec then fails at model build. A broken extension (``OSError`` from a missing
-    CUDA library) counts as absent and is logged."""
+    """Whether the learner uses Transformer Engine, decided by megatron-core's own flag
+    (``megatron.core.extensions.transformer_engine.HAVE_TE``), so the TE spec is never built over
+    the ``MagicMock`` megatron substitutes when its TE import fails.
+
+    Returns:
+        False when no ``transformer_engine`` package is installed; True when megatron loaded it.
+    Raises:
+        TransformerEngineMismatch: ``transformer_engine`` is installed but megatron's TE extension
+            did not load it (``HAVE_TE`` is False): the message names both packages' versions,
+            the import error and the fix (a TE inside megatron-core's range, or no TE at all).
+    Source: megatron-core 0.16.1 ``megatron/core/extensions/transformer_engine.py`` lines 61-77.
+    """
+    if importlib.util.find_spec("transformer_engine") is None:
+        return False
     try:
-        import transformer_engine.pytorch  # noqa: F401
-    except ImportError:
-        return False
-    except OSError as e:  # e.g. libcudnn / libnvrtc not found
-        logging.getLogger(__name__).warning("transformer_engine.pytorch failed to load (%s); "
-                                            "using megatron's local layer spec", e)
-        return False
-    return True
+        from megatron.core.extensions import transformer_engine as mte
+    except ImportError as e:   # megatron's fp8_utils imports TE's modules unguarded
+        why = f"importing megatron-core failed: {type(e).__name__}: {e}"
+    else:
+        if mte.HAVE_TE:
+            return True
+        why = _te_import_error() or "HAVE_TE is False"
+    te_v = _dist_version("transformer-engine", "transformer_engine", "transformer-engine-torch")
+    mc_v = _dist_version("megatron-core", "megatron_core")
+    raise TransformerEngineMismatch(
+        f"transformer_engine {te_v} is installed, but megatron-core {mc_v} could not load it "
+        f"({why}); megatron would replace it with a MagicMock. "
+        f"Fix: install a Transformer Engine megatron-core supports (megatron-core 0.16.1: "
+        f"transformer-engine[pytorch]{TE_RANGE}, built with --no-build-isolation; "
+        "tools/setup_gpu.sh), or uninstall transformer-engine to train with the device-agnostic "
+        "spec (SDPA attention, torch norms)")
 
 
-def gpu_layer_spec(config):
-    """GPT layer spec on GPU.
+def te_layer_spec(config):
+    """GPT layer spec with Transformer Engine (``get_gpt_layer_with_transformer_engine_spec``).
 
-    With TE: ``get_gpt_layer_with_transformer_engine_spec`` (parameter names then follow the TE
-    layout, e.g. ``self_attention.linear_qkv.layer_norm_weight`` holds the input RMSNorm; the
-    conversion aligns names with :func:`megatron_rlhf.convert.llama.align_names`). Without TE:
-    megatron's local spec (DotProductAttention works on CUDA).
+    Parameter names then follow the TE layout (``self_attention.linear_qkv.layer_norm_weight``
+    holds the input RMSNorm; :func:`megatron_rlhf.convert.llama.align_names` maps them).
 
     Args:
-        config: megatron ``TransformerConfig``.
+        config: megatron ``TransformerConfig`` (``qk_layernorm`` read from it).
     Returns:
         a ``ModuleSpec`` for ``GPTModel(transformer_layer_spec=...)``.
     """
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
-    qk = bool(getattr(config, "qk_layernorm", False))
-    if have_transformer_engine():
-        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk)
-    return specs.get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=qk)
+    return specs.get_gpt_layer_with_transformer_engine_spec(
+        qk_layernorm=bool(getattr(config, "qk_layernorm", False)))
 
 
 def seed(seed_value: int) -> None:

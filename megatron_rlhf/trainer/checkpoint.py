@@ -19,6 +19,9 @@ Layout of one checkpoint::
       learner/            # written by MegatronLearner.save_checkpoint (models, optimizer, RNG, version)
       trainer_state.json  # step, weight_version, data sampler + pair RNG position, run stats
       COMPLETE
+    reference_vK/         # the frozen reference, saved once per reference version K and shared:
+                          # a step's learner/reference.json names the one it uses; rotation
+                          # deletes a reference_vK only when no kept checkpoint names it
 """
 
 from __future__ import annotations
@@ -137,7 +140,19 @@ class CheckpointManager:
             raise
         for _, old in self.complete_checkpoints()[:-self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
+        self._drop_unused_references()
         return final
+
+    def _drop_unused_references(self) -> None:
+        """Delete ``reference_v*`` folders that no kept checkpoint names in a ``*/reference.json``
+        (:mod:`megatron_rlhf.learner.checkpoint`)."""
+        used = set()
+        for _, ckpt in self.complete_checkpoints():
+            for marker in ckpt.glob("*/reference.json"):
+                used.add((marker.parent / json.loads(marker.read_text())["dir"]).resolve())
+        for ref in self.root.glob("reference_v*"):
+            if ref.is_dir() and ref.resolve() not in used:
+                shutil.rmtree(ref, ignore_errors=True)
 
 
 def _test_delay() -> None:

@@ -218,7 +218,8 @@ class Run:
         def write(tmp: Path) -> None:
             for b in pending:
                 save_batch(b, tmp / "batches")
-            self.call(self.learner.save_checkpoint.remote(str(tmp / "learner")), f"checkpoint save of step {step}")
+            self.call(self.learner.save_checkpoint.remote(str(tmp / "learner"), str(self.ckpts.root)),
+                      f"checkpoint save of step {step}")
 
         self.ckpts.save(step, state, write, passthrough=(LearnerDiedError,))
         return step
