@@ -17,7 +17,7 @@ section runs; a section whose time estimate no longer fits the budget is skipped
   bf16 against transformers' ``LlamaForCausalLM`` in bf16 on the same weights: mean and max
   |diff| over completion tokens, nats; the number the weight-sync probe check sees between two
   bf16 stacks), ``train-P`` (``--warmup`` + ``--steps`` Online DPO train steps: step time, real
-  tokens/s, MFU against the GPU's dense bf16 peak from ``megatron_rlhf.platform.BF16_PEAK_TFLOPS``,
+  tokens/s, MFU against the GPU's dense bf16 peak from ``megatron_rlhf.platform.peaks``,
   peak memory against ``tools/plan_memory.py`` with the attention term of the spec actually built:
   fused for TE or SDPA's flash kernel on CUDA), ``pack-P`` (the on-device weight pack against a
   same-device memcpy: ``megatron_rlhf.learner.weights.measure_pack``; skipped with the

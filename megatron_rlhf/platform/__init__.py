@@ -28,18 +28,16 @@ from megatron_rlhf.platform.engine_args import engine_env, engine_fit, engine_kw
 
 __all__ = ["Platform", "get_platform", "engine_kwargs", "engine_env", "engine_fit",
            "transformer_fields", "layer_spec", "recompute_fields", "CUDA_ONLY_FIELDS",
-           "micro_batch_length_multiple", "BF16_PEAK_TFLOPS", "bf16_peak_flops"]
-
-#: Dense bf16 tensor-core peak per GPU (TFLOP/s, no sparsity), from the vendors' data sheets:
-#: H100/H200 SXM 989.4 (H100 PCIe 756), A100 312, L40S 362, GH200 989.4, B200 2250.
-#: Matched by substring of ``torch.cuda.get_device_name()``, first match wins.
-BF16_PEAK_TFLOPS = (("GH200", 989.4), ("H200", 989.4), ("H100 PCIe", 756.0), ("H100", 989.4),
-                    ("B200", 2250.0), ("A100", 312.0), ("L40S", 362.0))
-
+           "micro_batch_length_multiple", "bf16_peak_flops"]
 
 def bf16_peak_flops(device_name: str) -> float | None:
-    """The dense bf16 peak (FLOP/s) of a GPU by its name (:data:`BF16_PEAK_TFLOPS`), or None."""
-    return next((tf * 1e12 for key, tf in BF16_PEAK_TFLOPS if key in device_name), None)
+    """The dense bf16 peak (FLOP/s) of a GPU by its name, from the one table in
+    :mod:`megatron_rlhf.platform.peaks`, or None (every CPU, a GPU not in the table)."""
+    from megatron_rlhf.platform.peaks import peak_tflops
+
+    tf = peak_tflops(device_name, "bfloat16")
+    return None if tf is None else tf * 1e12
+
 
 #: ``TransformerConfig`` fields the GPU learner sets that need CUDA kernels to *run* (not to
 #: build): ``bias_activation_fusion`` (megatron's ``bias_swiglu_impl`` under ``torch.compile``,

@@ -7,7 +7,8 @@ cores, clock and vector units, so no MFU is reported on CPU (``bench/learner.py`
 from /proc/cpuinfo for its own use). ``learner.peak_tflops`` overrides the table.
 
 Sources: NVIDIA H100 datasheet (SXM5 bf16/fp16 989.4, PCIe 756; tf32 494.7 / 378), H200
-datasheet (SXM 989.4; NVL 835.6), A100 datasheet (bf16/fp16 312, tf32 156).
+datasheet (SXM 989.4; NVL 835.6; GH200 as H100 SXM), A100 datasheet (bf16/fp16 312, tf32 156),
+B200 (bf16 2250 dense), L40S (bf16 362 dense).
 """
 
 from __future__ import annotations
@@ -15,11 +16,14 @@ from __future__ import annotations
 __all__ = ["PEAK_TFLOPS", "device_peak_tflops", "peak_tflops"]
 
 PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
+    ("GH200", {"bfloat16": 989.4, "float16": 989.4, "float32": 494.7}),
     ("H200 NVL", {"bfloat16": 835.6, "float16": 835.6}),
     ("H200", {"bfloat16": 989.4, "float16": 989.4, "float32": 494.7}),
     ("H100 PCIe", {"bfloat16": 756.0, "float16": 756.0, "float32": 378.0}),
     ("H100", {"bfloat16": 989.4, "float16": 989.4, "float32": 494.7}),
+    ("B200", {"bfloat16": 2250.0, "float16": 2250.0}),
     ("A100", {"bfloat16": 312.0, "float16": 312.0, "float32": 156.0}),
+    ("L40S", {"bfloat16": 362.0, "float16": 362.0}),
 )
 """``(device-name substring, {dtype: dense TFLOP/s})``, most specific first. float32 is the TF32
 tensor-core peak (the rate of fp32 matmuls with TF32 allowed)."""
