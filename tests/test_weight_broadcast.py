@@ -226,6 +226,8 @@ def test_a_version_no_push_asks_for_is_superseded_so_the_next_publish_and_push_d
     from megatron_rlhf.generator.pool import GeneratorPool
     from megatron_rlhf.generator.weight_sync import BroadcastTransport
 
+    from megatron_rlhf.generator.weight_sync import PublishedWeights, WeightSyncError
+
     handles, gcfg = engines(tiny_llama_dir)
     learner = _learner(ray, tiny_llama_dir, 1, 1, 1)
     timeout, probe = 90.0, list(range(5, 40))
@@ -244,11 +246,18 @@ def test_a_version_no_push_asks_for_is_superseded_so_the_next_publish_and_push_d
         res = transport.push_all(handles, w1, timeout)                # the stale version: v2 comes instead
         assert [r["weights"].version for r in res] == [held + 2] * 2
         assert all(r["checksums"] == [want] for r in res), "a worker received other bytes than v2's"
-        assert pool.check(w2) < gcfg.check_weight_sync_tol
+        assert pool.calibrate_check(w2.probe_ref, w2.version)["sync/check_mean_abs_diff"] < 1e-4   # fp32 floor
         assert ray.get([h.get_weight_version.remote() for h in handles]) == [held + 2] * 2
         ray.get(learner.train_step.remote(_batch(13)), timeout=timeout)
         res3 = pool.push(transport.publish(learner, held + 3, timeout, probe))   # the pool path goes on
         assert res3["sync/check_max_abs_diff"] < gcfg.check_weight_sync_tol and pool.versions() == [held + 3] * 2
+        assert res3["sync/check_mean_abs_diff"] <= res3["sync/check_max_abs_diff"]
+        assert res3["sync/check_baseline_mean_abs_diff"] == pool.check_baseline
+        # a push that did not land: the learner trains on, the engines keep held + 3
+        ray.get(learner.train_step.remote(_batch(14)), timeout=timeout)
+        stale = PublishedWeights(version=held + 4, probe_ref=learner.token_logprobs.remote([probe]))
+        with pytest.raises(WeightSyncError, match=f"version {held + 4}.*mean"):
+            pool.check(stale)
     finally:
         ray.kill(learner)
 

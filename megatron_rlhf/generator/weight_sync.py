@@ -30,8 +30,10 @@ copy, and waiting for the previous version's broadcast or write): the loop recor
 Every push reports ``bytes`` and ``seconds``; the pool adds GB/s.
 
 The weight-sync check (:func:`compare_probe`): after a push, each worker's teacher-forced
-logprobs of a fixed probe sequence must equal the learner's for that version (computed when it
-was published) within a tolerance; stale weights are otherwise a silent failure.
+logprobs of a fixed probe sequence are compared with the learner's for that version (computed when
+it was published); stale weights are otherwise a silent failure. The gate is on the mean |diff|,
+calibrated by a probe of version 0 at start-up (:meth:`GeneratorPool.calibrate_check`), plus an
+absolute bound on NeMo-RL's ``token_mult_prob_error``; the max is logged only.
 
 Sources: vLLM docs "RLHF" / ``examples/offline_inference/rlhf_utils.py`` (stateless process group,
 ``collective_rpc``); Ray docs "Objects" (ObjectRefs as task arguments);
@@ -49,6 +51,7 @@ from typing import Any
 
 __all__ = ["PublishedWeights", "WeightSyncError", "WeightTransport", "ObjectStoreTransport",
            "FilesystemTransport", "BroadcastTransport", "BroadcastPushError", "check_transport_layout", "make_transport", "compare_probe",
+           "probe_gap", "ProbeGap",
            "on_learner_ranks", "is_learner_group"]
 
 
@@ -82,19 +85,35 @@ class PublishedWeights:
     push_wait_s: float = 0.0
 
 
-def compare_probe(worker_lp: list[float], learner_lp, tol: float, *, worker: int, version: int) -> float:
-    """Max |worker - learner| logprob over the probe's positions 1..T-1; raise beyond ``tol``.
+@dataclass(frozen=True)
+class ProbeGap:
+    """How far one worker's probe logprobs are from the learner's (positions 1..T-1).
 
-    Args:
-        worker_lp: ``[T]`` vLLM prompt logprobs (position 0 = 0.0), nats.
-        learner_lp: ``[T]`` or ``[1, T]`` learner token logprobs of the same tokens (tensor/list).
-        tol: allowed max abs difference (nats).
-        worker, version: for the message.
-    Returns:
-        the max abs difference.
+    Attributes:
+        mean_abs: mean |worker - learner| (nats): what the check gates on.
+        max_abs: max |worker - learner| (nats): logged only (bf16 stacks differ by tenths of a
+            nat at single tokens while agreeing on average).
+        mult_prob_error: mean of exp(|worker - learner|), NeMo-RL's ``token_mult_prob_error``
+            (1.0 = identical).
+        tokens: positions compared.
+    """
+
+    mean_abs: float
+    max_abs: float
+    mult_prob_error: float
+    tokens: int
+
+
+def probe_gap(worker_lp, learner_lp, *, worker: int = 0) -> ProbeGap:
+    """The :class:`ProbeGap` of ``worker_lp`` (``[T]`` vLLM prompt logprobs, position 0 = 0.0,
+    nats) against ``learner_lp`` (``[T]`` or ``[1, T]`` learner token logprobs of the same tokens).
+
+    ``mult_prob_error`` is NeMo-RL's ``token_mult_prob_error``
+    (``nemo_rl/algorithms/loss_functions.py``: ``masked_mean(exp(|generation - train| * mask), mask)``)
+    over the probe's positions.
+
     Raises:
-        WeightSyncError: lengths differ, or the difference exceeds ``tol`` (the worker does not
-            hold the learner's weights of ``version``).
+        WeightSyncError: the lengths differ.
     """
     import torch
 
@@ -103,14 +122,50 @@ def compare_probe(worker_lp: list[float], learner_lp, tol: float, *, worker: int
     if ref.numel() != got.numel():
         raise WeightSyncError(f"weight-sync check: worker {worker} returned {got.numel()} probe logprobs, "
                               f"the learner {ref.numel()}")
-    diff = float((got[1:] - ref[1:]).abs().max()) if ref.numel() > 1 else 0.0
-    if not diff <= tol:  # also catches NaN
+    if ref.numel() < 2:
+        return ProbeGap(0.0, 0.0, 1.0, 0)
+    d = (got[1:] - ref[1:]).abs()
+    return ProbeGap(float(d.mean()), float(d.max()), float(d.exp().mean()), int(d.numel()))
+
+
+def compare_probe(worker_lp, learner_lp, *, tol: float, baseline: float | None,
+                  max_mult_prob_error: float, worker: int, version: int) -> ProbeGap:
+    """Check one worker's probe logprobs against the learner's at ``version``; return the gap.
+
+    Two bounds (the calibrated gate; a max over ~200 tokens would fail two correct bf16 stacks,
+    which differ by ~0.03 nats on average and by tenths at single tokens):
+
+    * absolute: ``mult_prob_error`` (NeMo-RL's ``token_mult_prob_error``, mean of exp|diff|) at
+      most ``max_mult_prob_error`` (``logging.warn_token_mult_prob_error``, 1.05 as NeMo-RL's
+      recipe tests): the start-up probe of version 0 uses only this one (engines and learner hold
+      the same base weights, so anything above is a numerics or conversion mismatch);
+    * calibrated: ``mean_abs`` at most ``baseline + tol``, ``baseline`` = the mean |diff| the
+      start-up probe measured (the numerics floor of this learner / engine pair), ``tol`` =
+      ``generators.check_weight_sync_tol``. A stale, skipped or wrong push shows up as a jump of
+      the mean above the floor (tests/test_generator_pool.py measures both sides).
+
+    Args:
+        worker_lp, learner_lp: as in :func:`probe_gap`.
+        baseline: the start-up probe's mean |diff| (None: only the absolute bound).
+    Raises:
+        WeightSyncError: lengths differ, a bound is exceeded or a value is NaN (the worker does not
+            hold the learner's weights of ``version``).
+    """
+    gap = probe_gap(worker_lp, learner_lp, worker=worker)
+    what = None
+    if not gap.mult_prob_error <= max_mult_prob_error:   # also catches NaN
+        what = (f"token_mult_prob_error (mean exp|diff|) {gap.mult_prob_error:.4f} > "
+                f"logging.warn_token_mult_prob_error={max_mult_prob_error:g}")
+    elif baseline is not None and not gap.mean_abs <= baseline + tol:
+        what = (f"mean |diff| {gap.mean_abs:.3g} nats > the start-up probe's {baseline:.3g} + "
+                f"generators.check_weight_sync_tol={tol:g}")
+    if what is not None:
         raise WeightSyncError(
             f"weight-sync check failed: generator worker {worker} after the push of weight version "
-            f"{version} gives probe logprobs up to {diff:.3g} nats away from the learner's "
-            f"(generators.check_weight_sync_tol={tol:g}); the worker is generating with other weights "
-            "than the learner trained (skipped/failed push, stale prefix cache, reloaded base model)")
-    return diff
+            f"{version}: probe logprobs vs the learner's: {what} (max |diff| {gap.max_abs:.3g} over "
+            f"{gap.tokens} tokens); the worker is generating with other weights than the learner trained "
+            "(skipped/failed push, stale prefix cache, reloaded base model)")
+    return gap
 
 
 def _probe_ref(learner, probe: list[int] | None):
