@@ -349,7 +349,16 @@ class GeneratorPool:
     # ------------------------------------------------------------------------------ faults
     def _recover(self, w: _Worker, err: BaseException, num_prompts: int) -> None:
         """Wait for Ray to restart worker ``w``, give it the current weights; raise when it cannot
-        come back."""
+        come back (then a collective transport is told the groups will not be re-formed, so a
+        publish waiting for that raises at once: ``BroadcastTransport.abandon``)."""
+        try:
+            self._recover_worker(w, err, num_prompts)
+        except BaseException as e:
+            if hasattr(self.transport, "abandon"):
+                self.transport.abandon(f"{type(e).__name__}: {str(e)[:500]}")
+            raise
+
+    def _recover_worker(self, w: _Worker, err: BaseException, num_prompts: int) -> None:
         import ray
         from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
@@ -453,7 +462,8 @@ class GeneratorPool:
         try:
             results = self.transport.push_all([w.handle for w in targets], weights, self.timeout_s)
         except BroadcastPushError as e:
-            if not e.died:
+            if not e.died:   # no worker to wait for: the run stops, a waiting publish too
+                self.transport.abandon(f"{type(e).__name__}: {str(e)[:500]}")
                 raise
             self._recover(self.workers[targets[e.engine].index], e, 0)   # every worker holds self.current
             return [{"weights": self.current}]

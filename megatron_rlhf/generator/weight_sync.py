@@ -386,6 +386,8 @@ class BroadcastTransport(WeightTransport):
         self._forming = threading.Lock()   # publish() (learner loop) waits while recover() re-forms the groups
         self.learner, self.workers, self._stages, self._group = None, [], [], False
         self._broken: str | None = None   # a failed push: groups must be re-formed (setup/recover)
+        self._given_up: str | None = None  # the pool will not re-form them (abandon)
+        self._health = threading.Condition()   # setup() / abandon() -> publish() waiting on a re-form
         self._layouts, self._layouts_ref = None, None
 
     def setup(self, learner, workers: list, timeout_s: float) -> None:
@@ -415,27 +417,84 @@ class BroadcastTransport(WeightTransport):
         ray.get(list(refs))
         with self._published:
             self._pending.clear()
-        self._broken = None
+        with self._health:
+            self._broken = self._given_up = None
+            self._health.notify_all()
+
+    def mark_broken(self, why: str) -> None:
+        """A push failed: the groups take no publish until they are re-formed (:meth:`setup`)."""
+        with self._health:
+            self._broken = why
+
+    def abandon(self, why: str) -> None:
+        """The pool will not re-form the groups (a worker died beyond ``generators.max_restarts``,
+        or a push failed for another reason than a death): a publish waiting for the re-form
+        raises at once instead of waiting out ``async.timeout_s``."""
+        with self._health:
+            self._given_up = why
+            self._health.notify_all()
+
+    def _wait_healthy(self, version: int, deadline: float, timeout_s: float) -> None:
+        """While a failed push's groups are broken, wait for the pool to re-form them (Ray restarts
+        the dead worker, :meth:`recover`).
+
+        Raises:
+            WeightSyncError: the pool gave up (:meth:`abandon`), or no re-form by ``deadline``.
+        """
+        with self._health:
+            while self._broken is not None and self._given_up is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise WeightSyncError(
+                        f"weight broadcast: cannot publish version {version}: the groups are broken since a "
+                        f"failed push ({self._broken}) and were not re-formed within async.timeout_s="
+                        f"{timeout_s:.0f} s (the pool re-forms them once Ray restarted the worker)")
+                self._health.wait(min(left, 1.0))
+            if self._given_up is not None:
+                raise WeightSyncError(f"weight broadcast: cannot publish version {version}: the groups are "
+                                      f"broken and will not be re-formed ({self._given_up})")
 
     def publish(self, learner, version, timeout_s, probe=None):
+        """Stage ``version`` on the exporters (see the class doc). A publish that lands while a
+        failed push's groups are broken (a generator died in it and the pool is waiting for Ray
+        to restart it) waits for the re-form and then stages, bounded by ``timeout_s``; one
+        whose staging failed because the push in flight broke meanwhile stages again after the
+        re-form.
+
+        Raises:
+            WeightSyncError: not re-formed within ``timeout_s``, or the pool gave up on them.
+        """
         t0 = time.perf_counter()
-        if not self._forming.acquire(timeout=timeout_s):
-            raise WeightSyncError(f"weight broadcast: cannot publish version {version}, the groups were being "
-                                  f"re-formed for more than async.timeout_s={timeout_s:.0f} s")
-        try:
-            return self._publish(learner, version, timeout_s, probe, t0)
-        finally:
-            self._forming.release()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._wait_healthy(version, deadline, timeout_s)
+            if not self._forming.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                raise WeightSyncError(f"weight broadcast: cannot publish version {version}, the groups were "
+                                      f"being re-formed for more than async.timeout_s={timeout_s:.0f} s")
+            try:
+                if self._broken is None:
+                    return self._publish(learner, version, timeout_s, probe, t0)
+            except Exception as e:  # noqa: BLE001 - re-raised unless the groups broke under it
+                if not self._broke_in_flight(e, deadline):
+                    raise
+            finally:
+                self._forming.release()
+
+    def _broke_in_flight(self, err: BaseException, deadline: float) -> bool:
+        """Whether a failed staging is due to the push in flight failing (the exporter's broadcast
+        was aborted: the groups are, or within a few seconds will be, marked broken)."""
+        if "failed earlier" not in str(err) and "was aborted" not in str(err):
+            return False
+        until = min(deadline, time.monotonic() + 30.0)   # the pool marks them within its settle time
+        while self._broken is None and self._given_up is None and time.monotonic() < until:
+            time.sleep(0.1)
+        return self._broken is not None
 
     def _publish(self, learner, version, timeout_s, probe, t0):
         import ray
 
         from megatron_rlhf.generator import broadcast_sync as bs
 
-        if self._broken is not None:
-            raise WeightSyncError(f"weight broadcast: cannot publish version {version}, the groups are broken "
-                                  f"since a failed push ({self._broken}); they are re-formed when the pool "
-                                  "restarts the worker (generators.max_restarts > 0)")
         ref = on_learner_ranks(learner, self._group, bs.stage_version, int(version), self.bucket_bytes, float(timeout_s))
         probe_ref = _probe_ref(learner, probe)
         staged = sorted((r for r in ray.get(ref, timeout=timeout_s) if r), key=lambda r: r["stage"])
@@ -505,6 +564,7 @@ class BroadcastTransport(WeightTransport):
             try:
                 results[i] = ray.get(ready[0])
             except Exception as e:  # noqa: BLE001 - named below
+                self.mark_broken(f"version {weights.version}: generator engine {i} failed")   # before the abort note
                 self._abort(weights.version, f"version {weights.version}: generator engine {i} failed: "
                                              f"{type(e).__name__}")
                 errs = {i: e, **self._settle(left, index, min(5.0, max(0.0, deadline - time.monotonic())))}
@@ -512,11 +572,12 @@ class BroadcastTransport(WeightTransport):
                 dead = sorted(j for j, x in errs.items() if isinstance(x, RayActorError) or bs.NOT_JOINED in str(x))
                 first = dead[0] if dead else i   # a death is the cause; the others were aborted
                 others = {j: str(x).splitlines()[-1][:300] for j, x in errs.items() if j != first}
-                self._broken = self._describe(weights, first, errs[first], others)
-                raise BroadcastPushError(self._broken, engine=first, died=bool(dead)) from errs[first]
+                why = self._describe(weights, first, errs[first], others)
+                self.mark_broken(why)
+                raise BroadcastPushError(why, engine=first, died=bool(dead)) from errs[first]
         if left:
             stuck = sorted(index[r] for r in left)
-            self._broken = f"engine(s) {stuck} did not finish receiving version {weights.version}"
+            self.mark_broken(f"engine(s) {stuck} did not finish receiving version {weights.version}")
             self._abort(weights.version, self._broken)
             raise BroadcastPushError(
                 f"weight broadcast of version {weights.version}: generator engine(s) {stuck} "
