@@ -80,6 +80,27 @@ def test_pack_tensors_writes_each_tensor_at_its_planned_offset_and_refuses_a_cha
         pack_tensors(buf, b.tensors, iter(items[:2]))
 
 
+@pytest.mark.timeout(120)
+def test_measure_pack_reports_pack_and_memcpy_rates_of_every_hf_byte_per_bucket_size(groups, tiny_llama_dir):
+    from megatron_rlhf.convert import transformer_config_from_hf
+    from megatron_rlhf.learner.model import build_gpt_model, load_hf_config
+    from megatron_rlhf.learner.weights import iter_stage_hf_tensors, measure_pack
+    from megatron_rlhf.platform import get_platform
+
+    cfg = load_hf_config(tiny_llama_dir)
+    model = build_gpt_model(cfg, transformer_config_from_hf(cfg, dtype="float32"), platform=get_platform(),
+                            pg_collection=groups.pg_collection)
+    want = sum(t.numel() * t.element_size() for _, t in iter_stage_hf_tensors(model, cfg))
+    rows = measure_pack(model, cfg, bucket_mb=(0.0625, 1), repeats=1)
+    assert [r["bucket_mb"] for r in rows] == [0.0625, 1]
+    for r in rows:
+        assert set(r) == {"bucket_mb", "bytes", "pack_GBps", "memcpy_GBps", "ratio"} and r["bytes"] == want
+        assert r["pack_GBps"] > 0 and r["memcpy_GBps"] > 0
+        assert r["ratio"] == pytest.approx(r["pack_GBps"] / r["memcpy_GBps"])
+    with pytest.raises(ValueError, match="repeats"):
+        measure_pack(model, cfg, repeats=0)
+
+
 @pytest.mark.timeout(30)
 def test_host_buffers_pack_whole_buffers_into_power_of_two_chunks():
     from megatron_rlhf.platform import get_platform
