@@ -434,10 +434,12 @@ def test_a_receiver_killed_mid_broadcast_fails_the_push_naming_it_then_the_pool_
 
         # a generator dies as a push starts and the learner publishes the next version while the
         # pool waits for Ray to restart it: the publish waits for the re-form (issue 25), 5 times
+        during_restart = []
         for k in range(5):
             v = 3 + 2 * k
             ray.get(learner.train_step.remote(_batch(v)), timeout=timeout)
             wv = transport.publish(learner, v, timeout, probe)
+            ray.get(learner.train_step.remote(_batch(v + 1)), timeout=timeout)
             ray.kill(handles[(k + 1) % 2], no_restart=False)
             result = {}
 
@@ -453,13 +455,13 @@ def test_a_receiver_killed_mid_broadcast_fails_the_push_naming_it_then_the_pool_
             while transport._broken is None and thread.is_alive():
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
-            ray.get(learner.train_step.remote(_batch(v + 1)), timeout=timeout)
+            during_restart.append(transport._broken is not None and thread.is_alive())
             w_next = transport.publish(learner, v + 1, timeout, probe)   # before: WeightSyncError, the run ended
             thread.join(timeout)
             assert "error" not in result, result
             res = pool.push(w_next)
             assert pool.versions() == [v + 1] * 2 and res["sync/check_mean_abs_diff"] < gcfg.check_weight_sync_tol
-        assert pool.restarts == 2 + 5
+        assert pool.restarts == 2 + 5 and all(during_restart), during_restart
 
         # every group replaced on the way was aborted and released with no work pending
         from megatron_rlhf.generator.broadcast_sync import closed_groups
