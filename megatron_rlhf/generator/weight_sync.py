@@ -23,9 +23,12 @@ place, reset the prefix cache). Algorithm code never branches on the transport.
   publish is superseded (never sent) and a push of it loads the newer one instead (as the
   producer's weight channel only ever offers the latest version).
 
-Publishing blocks the learner only for what must run in its own thread (TP gathers, the staging
-copy, and waiting for the previous version's broadcast or write): the loop records it as
-``sync/learner_blocked_s``.
+Publishing blocks the learner only for what must run in its own thread (TP gathers, the HF
+conversion and the pack into the staging buffers, on the learner's device for ``broadcast``, and
+waiting for the previous version's broadcast or write): the loop records it as
+``sync/learner_blocked_s``. With ``broadcast``, a publish that lands while a failed push's groups
+wait to be re-formed (a generator died in it and the pool waits for Ray's restart) waits for the
+re-form instead of failing (:meth:`BroadcastTransport.publish`).
 
 Every push reports ``bytes`` and ``seconds``; the pool adds GB/s.
 
@@ -353,7 +356,7 @@ class BroadcastTransport(WeightTransport):
     (:mod:`megatron_rlhf.generator.broadcast_sync`; gloo on CPU, NCCL on GPU).
 
     :meth:`setup` forms one group per stage (exporter rank 0, TP rank r of engine i at
-    ``1 + i * tensor_parallel + r``); :meth:`publish` runs the TP gathers and the staging copy on
+    ``1 + i * tensor_parallel + r``); :meth:`publish` runs the TP gathers and the device-side pack on
     the learner ranks (their own thread; waits for the previous version's broadcast first, and
     that wait is part of the blocked time) and returns while the broadcast runs in the background;
     the pool pushes a published version to all workers at once (:attr:`collective`,
