@@ -23,6 +23,12 @@ reset). Pushes are timed after the check's learner probe forward has finished (i
 cost, not the transport's). ``blocked_s`` is what the learner's own thread spends per publish (TP
 gathers, staging, export; for ``broadcast`` the broadcast itself runs in the background), set
 against the median ``train_step`` seconds of the same learner on a small DPO batch.
+
+The device-side pack (``learner.weights.measure_pack``, on the exporting learner rank of stage 0,
+per ``--pack-bucket-mb``): GB/s of HF conversion + packing of the stage into bucket buffers on the
+learner's device (what the broadcast exporter does per publish besides the TP gathers) against a
+same-device memcpy of the same bytes; on CPU both are host memory, on a GPU this is the number
+that replaces the former GPU -> host -> GPU staging.
 """
 
 from __future__ import annotations
@@ -100,6 +106,16 @@ def _train_batch(vocab: int, seed: int):
                         sampling_logprobs=-torch.rand(4, 64, generator=g) * mask)
 
 
+def _measure_pack_on_rank(learner, bucket_mb, repeats):
+    """On every learner rank: :func:`~megatron_rlhf.learner.weights.measure_pack` on stage 0's
+    exporter (TP 0, DP 0), None elsewhere."""
+    if learner.tp_rank or learner.dp_rank or learner.pp_rank:
+        return None
+    from megatron_rlhf.learner.weights import measure_pack
+
+    return measure_pack(learner._model("policy"), learner.hf_config, bucket_mb=tuple(bucket_mb), repeats=repeats)
+
+
 def broadcast_profile(transport, gens, learner, version: int, probe, timeout: float) -> dict:
     """One more publish + push through ``BroadcastTransport.push_all``, with the time split each
     worker reports (``broadcast_sync.worker_receive``'s ``profile``): ask (waiting for the
@@ -119,7 +135,7 @@ def broadcast_profile(transport, gens, learner, version: int, probe, timeout: fl
 
 
 def run(model: str, workers: int, repeats: int, transports: list[str], work_dir: Path,
-        layout: str = "tp1", bucket_mb: float | None = None) -> list[dict]:
+        layout: str = "tp1", bucket_mb: float | None = None, pack_bucket_mb=(64, 256, 1024)) -> tuple[list[dict], list[dict]]:
     import json
 
     import ray
@@ -170,6 +186,10 @@ def run(model: str, workers: int, repeats: int, transports: list[str], work_dir:
             ray.get(learner.train_step.remote(_train_batch(vocab, i)))
             train_s.append(time.perf_counter() - t0)
         train_step_s = min(train_s)
+        from megatron_rlhf.generator.weight_sync import on_learner_ranks
+
+        packs = [r for r in ray.get(on_learner_ranks(learner, is_learner_group(learner, 60), _measure_pack_on_rank,
+                                                      list(pack_bucket_mb), max(1, repeats))) if r][0]
         probe = list(range(10, 74))
         version = 0
         for name in transports:
@@ -208,7 +228,7 @@ def run(model: str, workers: int, repeats: int, transports: list[str], work_dir:
             rows.append(row)
     finally:
         ray.shutdown()
-    return rows
+    return rows, packs
 
 
 def main(argv=None) -> int:
@@ -220,10 +240,14 @@ def main(argv=None) -> int:
     ap.add_argument("--layout", default="tp1", choices=sorted(LAYOUTS), help="learner TP x PP x DP")
     ap.add_argument("--bucket-mb", type=float, default=None,
                     help="generators.weight_sync_bucket_mb (default: the config's)")
+    ap.add_argument("--pack-bucket-mb", type=float, nargs="+", default=[64, 256, 1024],
+                    help="bucket sizes (MiB) of the device-side pack measurement")
     args = ap.parse_args(argv)
     transports = args.transports or available_transports()
+    print(f"load average before: {os.getloadavg()[0]:.1f}", flush=True)
     with tempfile.TemporaryDirectory(prefix="mrlhf_bench_sync_") as d:
-        rows = run(args.model, args.workers, args.repeats, transports, Path(d), args.layout, args.bucket_mb)
+        rows, packs = run(args.model, args.workers, args.repeats, transports, Path(d), args.layout, args.bucket_mb,
+                          tuple(args.pack_bucket_mb))
     print(f"\nweight sync, model={args.model}, layout={args.layout}, workers={args.workers}, "
           f"repeats={args.repeats} (median), bucket_mb={args.bucket_mb or 'config default'}")
     print(f"{'transport':<13}{'MB':>9}{'export s':>10}{'load s':>9}{'sync s':>9}{'floor s':>10}"
@@ -239,6 +263,12 @@ def main(argv=None) -> int:
               f"{r['sync_over_floor']:>11.2f}") if "floor_bcast_s" in r else f"{'-':>14}{'':>18}{'-':>11}"
         print(f"{r['transport']:<13}{r['blocked_s']:>10.3f}{r['train_step_s']:>13.3f}"
               f"{r['blocked_s'] / r['train_step_s']:>13.1%}{fl}")
+    print(f"\ndevice-side pack vs same-device memcpy (stage 0 exporter, best of {max(1, args.repeats)}; "
+          f"load average {os.getloadavg()[0]:.1f})")
+    print(f"{'bucket MB':>10}{'MB':>9}{'pack GB/s':>11}{'memcpy GB/s':>13}{'pack/memcpy':>13}")
+    for p in packs:
+        print(f"{p['bucket_mb']:>10g}{p['bytes'] / 1e6:>9.1f}{p['pack_GBps']:>11.2f}{p['memcpy_GBps']:>13.2f}"
+              f"{p['ratio']:>13.2f}")
     for r in rows:
         if "push_wall_s" in r:
             prof = ", ".join(f"{k[5:]} {v:.3f}" for k, v in r.items() if k.startswith("prof_"))

@@ -288,11 +288,15 @@ class GeneratorConfig:
     as surplus (``algorithm.carry_surplus``)."""
     check_weight_sync: bool = False
     """After every weight push, compare each worker's teacher-forced logprobs of a fixed probe
-    sequence with the learner's (same version) and raise ``WeightSyncError`` beyond
-    ``check_weight_sync_tol`` (catches stale weights: a skipped push, a kept prefix cache)."""
+    sequence with the learner's (same version) and raise ``WeightSyncError`` when the mean
+    |vLLM - learner| rises more than ``check_weight_sync_tol`` above the start-up probe's (version 0,
+    before step 1), or NeMo-RL's ``token_mult_prob_error`` of the probe exceeds
+    ``logging.warn_token_mult_prob_error`` (also checked at start-up: fails fast). Catches stale
+    weights: a skipped push, a kept prefix cache. The max |diff| is logged only."""
     check_weight_sync_tol: float = 1e-3
-    """Largest allowed |vLLM - learner| token logprob (nats) of the probe: about 1e-3 for fp32;
-    bf16 needs about 5e-2."""
+    """Allowed rise (nats) of the probe's mean |vLLM - learner| token logprob above the start-up
+    probe's: 1e-3 for fp32 (CPU: the floor is ~1e-6); bf16 stacks sit at ~0.02-0.03 with a
+    sampling spread of ~0.005 over a 200-token probe, so 2e-2 (configs/base_cluster.yaml)."""
     max_restarts: int = 3
     """Times Ray restarts a dead generator worker (each restart reloads the model, receives the
     current weights and redoes the worker's unfinished prompts); beyond it the run stops."""

@@ -10,6 +10,7 @@ machine) with the ``tests.plugins:char_parity`` reward (about half the completio
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import signal
@@ -65,15 +66,71 @@ def test_staleness_is_measured_per_sample_and_too_old_pairs_are_dropped():
 
 
 @pytest.mark.timeout(30)
-def test_probe_comparison_fails_loudly_beyond_tolerance():
-    from megatron_rlhf.generator.weight_sync import WeightSyncError, compare_probe
+def test_probe_check_gates_the_mean_above_the_start_up_floor_and_logs_the_max():
+    from megatron_rlhf.generator.weight_sync import WeightSyncError, compare_probe, probe_gap
 
-    ref = [0.0, -1.0, -2.0, -3.0]
-    assert compare_probe([0.0, -1.0, -2.0005, -3.0], ref, 1e-3, worker=0, version=1) == pytest.approx(5e-4)
-    with pytest.raises(WeightSyncError, match="worker 1 .* version 7"):
-        compare_probe([0.0, -1.0, -2.1, -3.0], [ref], 1e-3, worker=1, version=7)
+    ref = [0.0, -1.0, -2.0, -3.0, -4.0]
+    gap = probe_gap([0.0, -1.0, -2.3, -3.0, -4.1], [ref])   # |diff| over positions 1..4: 0, .3, 0, .1
+    assert gap.mean_abs == pytest.approx(0.1) and gap.max_abs == pytest.approx(0.3) and gap.tokens == 4
+    assert gap.mult_prob_error == pytest.approx((1 + math.exp(0.3) + 1 + math.exp(0.1)) / 4)
+    kw = dict(tol=0.02, max_mult_prob_error=1.2, worker=1, version=7)
+    # one token 0.3 nats off passes when the mean stays within tol of the start-up floor
+    assert compare_probe([0.0, -1.0, -2.3, -3.0, -4.1], ref, baseline=0.09, **kw).max_abs == pytest.approx(0.3)
+    with pytest.raises(WeightSyncError, match=r"worker 1 .* version 7.*mean \|diff\| 0\.1 nats > .*0\.05"):
+        compare_probe([0.0, -1.0, -2.3, -3.0, -4.1], ref, baseline=0.05, **kw)
+    with pytest.raises(WeightSyncError, match="token_mult_prob_error"):   # the absolute bound (start-up)
+        compare_probe([0.0, -1.5, -2.5, -3.5, -4.5], ref, baseline=None, **kw)
     with pytest.raises(WeightSyncError):
-        compare_probe([0.0, float("nan"), -2.0, -3.0], ref, 1e-3, worker=0, version=1)
+        compare_probe([0.0, float("nan"), -2.0, -3.0, -4.0], ref, baseline=None, **kw)
+    with pytest.raises(WeightSyncError, match="returned 3 probe logprobs"):
+        compare_probe([0.0, -1.0, -2.0], ref, baseline=None, **kw)
+
+
+@pytest.mark.timeout(120)
+def test_bf16_engine_passes_the_calibrated_gate_the_max_gate_failed_while_stale_or_other_weights_fail():
+    """The learner in fp32, the "engine" a bf16 copy (transformers, a tiny random Llama whose
+    init gives peaked logits: ~0.03 nats mean, tenths of a nat at single tokens, as two bf16
+    stacks differ): the start-up probe passes the absolute bound and sets the floor; the right
+    weights after a training-like step pass the mean gate although their max is above the old
+    max gate's 0.05; the stale (previous) weights and another model's weights fail."""
+    import copy
+
+    import torch
+    import transformers
+
+    from megatron_rlhf.generator.weight_sync import WeightSyncError, compare_probe, probe_gap
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                                   initializer_range=0.13)
+    v0 = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 512, (1, 200))
+
+    @torch.no_grad()
+    def logprobs(model, dtype):   # [T], position 0 = 0 (as vLLM's prompt logprobs)
+        m = copy.deepcopy(model).to(dtype)
+        out = m(ids).logits.float().log_softmax(-1)[0, :-1].gather(-1, ids[0, 1:, None])[:, 0]
+        return torch.cat([torch.zeros(1), out])
+
+    v1 = copy.deepcopy(v0)
+    with torch.no_grad():   # one Adam-like step: every weight moves by lr = 1e-3
+        for p in v1.parameters():
+            p.add_(torch.randn_like(p).sign() * 1e-3)
+    other = transformers.LlamaForCausalLM(cfg).eval()   # another seed's weights
+    learner0, learner1 = logprobs(v0, torch.float32), logprobs(v1, torch.float32)
+    engine0, engine1 = logprobs(v0, torch.bfloat16), logprobs(v1, torch.bfloat16)
+    kw = dict(tol=0.02, max_mult_prob_error=1.05, worker=0)
+
+    start = compare_probe(engine0, learner0, baseline=None, version=0, **kw)   # the start-up probe
+    assert 0.01 < start.mean_abs < 0.05 and start.max_abs > 0.1
+    right = compare_probe(engine1, learner1, baseline=start.mean_abs, version=1, **kw)
+    assert right.max_abs > 0.05, "the old gate (max |diff| <= 0.05) would have stopped this correct push"
+    with pytest.raises(WeightSyncError, match="mean"):   # the push did not land: the engine keeps v0
+        compare_probe(engine0, learner1, baseline=start.mean_abs, version=1, **kw)
+    with pytest.raises(WeightSyncError):
+        compare_probe(logprobs(other, torch.bfloat16), learner1, baseline=start.mean_abs, version=1, **kw)
+    assert probe_gap(engine0, learner1).mean_abs > start.mean_abs + 0.02 > right.mean_abs
 
 
 @pytest.mark.timeout(30)

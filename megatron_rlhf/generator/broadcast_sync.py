@@ -1,8 +1,8 @@
 """Weight broadcast: every pipeline stage of a TP x PP x DP learner -> every vLLM worker process.
 
-The same code on CPU (gloo) and GPU (NCCL): the backend and the buffers' device come from
-:func:`megatron_rlhf.platform.get_platform` (``dist_backend``, ``buffer_device``,
-``host_buffer``); nothing else differs.
+The same code on CPU (gloo) and GPU (NCCL): the backend, the buffers' device and the streams
+come from :func:`megatron_rlhf.platform.get_platform` (``dist_backend``, ``buffer_device``,
+``host_buffers``, ``side_stream``, ``sync_stream``); nothing else differs.
 
 Groups. One process group per pipeline stage ``s`` (as slime's ``slime-pp_{s}`` groups):
 rank 0 is the stage's *exporter* (the learner rank with ``pp = s, tp = 0, dp = 0``), ranks
@@ -26,11 +26,14 @@ reused for every later version (checked tensor by tensor).
 Per published version (:func:`stage_version`, in the learner's own thread: these are
 collectives on Megatron's TP groups, which must never run from a second thread during a train
 step, verl PR #7423): wait until the previous version's broadcast has finished (counted), TP
-gathers + copy into one host staging buffer, then queue the broadcast. A background thread
-(:class:`StageExporter`) copies chunk after chunk into two device buffers of ``bucket_bytes``
-(double-buffered: chunk ``k + 1`` is copied while chunk ``k`` is on the wire) and broadcasts
-them; the learner's next train step overlaps it. One version is in flight at a time, so
-versions go out in publish order.
+gathers, HF conversion and the pack into one staging buffer per bucket, all on the learner's
+device (``iter_stage_hf_tensors(device=None)`` + ``learner.weights.pack_tensors``: no host
+round trip), then queue the broadcast. A background thread (:class:`StageExporter`) broadcasts
+the buckets chunk by chunk straight from those device buffers on its own stream (CUDA), so the
+learner's next train step overlaps it. A stage that does not fit in half the device's free
+memory is staged in pinned host chunks instead and copied to two device chunk buffers on the
+way out (double-buffered). One version is in flight at a time, so versions go out in publish
+order.
 
 Send or supersede (:func:`decide`). A broadcast cannot be withdrawn once started (gloo and NCCL
 wait for every rank), so the sender thread starts a staged version only when every receiver has
@@ -61,7 +64,7 @@ import queue
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Iterable, Iterator
 
@@ -69,7 +72,7 @@ __all__ = ["TensorMeta", "BucketMeta", "StageLayout", "plan_layout", "open_group
            "exporter_address", "exporter_join", "stage_version", "exporter_status", "resend_latest",
            "worker_join", "worker_receive", "refresh_tied_lm_head", "StageExporter", "shard_name", "stage_folder",
            "exporter_raw_send", "worker_raw_receive_then_reload", "decide", "await_decision",
-           "decision_store", "post_abort", "SEND", "SUPERSEDED", "NOT_JOINED", "NOTHING_LOADED"]
+           "decision_store", "post_abort", "closed_groups", "BroadcastGroup", "SEND", "SUPERSEDED", "NOT_JOINED", "NOTHING_LOADED"]
 
 _ALIGN = 64
 
@@ -210,21 +213,103 @@ def open_group(host: str, port: int, rank: int, world_size: int, backend: str, t
 
 @dataclass
 class BroadcastGroup:
-    """A process group of :func:`open_group` and the store it was built on (kept alive with it)."""
+    """A process group of :func:`open_group` and the store it was built on (kept alive with it).
+
+    Attributes:
+        works: this member's broadcasts not yet seen completed (pruned as they complete).
+        aborted: :meth:`close` was called (the group takes no further operation).
+        released: the process group and its store were dropped (no pending work was left).
+    """
 
     pg: object
     store: object
     rank: int
     world_size: int
     listen_socket: object = None
+    works: list = field(default_factory=list)
+    aborted: bool = False
+    released: bool = False
 
     def broadcast(self, tensor):
-        """Broadcast ``tensor`` from rank 0 (in place on the others); returns the async work."""
+        """Broadcast ``tensor`` from rank 0 (in place on the others); returns the async work.
+
+        Raises:
+            RuntimeError: the group was closed (:meth:`close`)."""
         from torch.distributed import BroadcastOptions
 
+        if self.aborted:
+            raise RuntimeError("weight broadcast: this group was aborted (a failed push); it is re-formed")
         opts = BroadcastOptions()
         opts.rootRank, opts.rootTensor = 0, 0
-        return self.pg.broadcast([tensor], opts)
+        work = self.pg.broadcast([tensor], opts)
+        self.works = [w for w in self.works if not w.is_completed()]
+        self.works.append(work)
+        return work
+
+    def pending(self) -> int:
+        """Broadcasts of this member still pending."""
+        self.works = [w for w in self.works if not w.is_completed()]
+        return len(self.works)
+
+    def close(self, timeout_s: float) -> None:
+        """Abort and destroy the group (a failed push; the groups are re-formed): ``abort()`` on
+        the process group (``ProcessGroupNCCL.abort``: its communicators are aborted, pending works
+        end with an error and the NCCL watchdog no longer waits for them, so
+        ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` cannot tear the process down an hour later; gloo's
+        ``abort`` is a no-op), then, in a background thread, wait until no work of this member is
+        pending and drop the process group, the store and the listening socket. On gloo a pending
+        send or receive ends with "Connection closed by peer" as soon as its peer drops its own
+        group (every member does this on re-form; a dead one's sockets are closed by its OS): a
+        ``ProcessGroupGloo`` dropped with work pending would block in its destructor until the
+        group timeout, so it is released only once that work ended (bounded by ``timeout_s``;
+        then it stays referenced here, never destroyed with work pending). Idempotent.
+
+        Sources: torch ``ProcessGroup.abort`` / ``distributed_c10d._abort_process_group`` (torch
+        2.13, NCCL-only abort); vLLM ``stateless_init_torch_distributed_process_group`` (groups
+        outside the global state are dropped by reference).
+        """
+        if self.aborted:
+            return
+        self.aborted = True
+        try:
+            self.pg.abort()
+        except Exception:  # noqa: BLE001 - abort is best effort; the release below still waits
+            pass
+        _CLOSED.append(self)
+        del _CLOSED[:-32]
+        threading.Thread(target=self._release, args=(float(timeout_s),), daemon=True,
+                         name="mrlhf-broadcast-release").start()
+
+    def _release(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.pending() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self.pending():
+            return   # kept referenced: never destroyed with work pending
+        self.works = []
+        self.pg = self.store = None
+        if self.listen_socket is not None:
+            try:
+                self.listen_socket.close()
+            except OSError:   # the store's server closed the descriptor with it
+                pass
+            self.listen_socket = None
+        self.released = True
+
+
+_CLOSED: list = []   # the groups this process closed (the last 32; tests inspect them)
+
+
+def closed_groups(_=None) -> list[dict]:
+    """In any process: ``{'aborted', 'released', 'pending'}`` of each group it closed (the last 32)."""
+    return [{"aborted": g.aborted, "released": g.released, "pending": 0 if g.released else g.pending()}
+            for g in _CLOSED]
+
+
+def _close_groups(groups, timeout_s: float) -> None:
+    for g in groups:
+        if g is not None:
+            g.close(timeout_s)
 
 
 def _client_store(host: str, port: int, timeout_s: float):
@@ -233,17 +318,6 @@ def _client_store(host: str, port: int, timeout_s: float):
 
     store = TCPStore(host, int(port), None, False, timedelta(seconds=float(timeout_s)))
     return PrefixStore(f"mrlhf-weight-broadcast-{host}-{port}", store)
-
-
-_RETIRED: list = []
-
-
-def _retire(groups) -> None:
-    """Keep replaced groups referenced for the life of the process: a group dropped while one of
-    its operations is pending (a receive or send cut off by a failed push) blocks in its
-    destructor until the group timeout (gloo); kept here, the operation ends when its peer exits
-    or times out, in the group's own threads."""
-    _RETIRED.extend(g for g in groups if g is not None)
 
 
 def post_abort(host: str, port: int, version: int, message: str, timeout_s: float) -> None:
@@ -337,7 +411,8 @@ def _wait_receives(group: BroadcastGroup, works: list) -> None:
 
 # ------------------------------------------------------------------------------------ exporter
 class StageExporter:
-    """The exporting rank's side of one stage: the group, the layout, the host staging buffer and
+    """The exporting rank's side of one stage: the group, the layout, the staging buffers (one per
+    bucket: on the learner's device for a broadcast that fits there, else pinned host chunks) and
     the background thread that broadcasts staged versions (see the module docstring).
 
     Attributes:
@@ -354,7 +429,8 @@ class StageExporter:
         self.group = None
         self.listen: socket.socket | None = None
         self.layout: StageLayout | None = None
-        self.staging = None
+        self.staging: list = []          # one uint8 buffer per bucket of the layout
+        self.staged_on_device = False    # staging on the learner's device (else host memory)
         self.version: int | None = None
         self.error: str | None = None
         self.sent = (None, 0, 0)
@@ -362,7 +438,8 @@ class StageExporter:
         self.decisions = None        # decision_store of it (one verdict for every stage)
         self._undecided: int | None = None   # queued broadcast waiting for its verdict
         self._drop: int | None = None        # give up waiting for that verdict (group re-formed)
-        self._bufs: list = []
+        self._bufs: list = []            # two device wire buffers (host staging only)
+        self._stream = None              # the sender's dedicated stream (CUDA)
         self._jobs: queue.Queue = queue.Queue()
         self._idle = threading.Event()
         self._idle.set()
@@ -393,7 +470,7 @@ class StageExporter:
         if not self._idle.wait(timeout_s):
             raise TimeoutError(f"stage {self.stage} exporter: the previous broadcast did not end within "
                                f"async.timeout_s={timeout_s:.0f} s; cannot re-form the group")
-        _retire([self.group])
+        _close_groups([self.group], timeout_s)
         self.group = self.decisions = self.stage0_store = None
         self.group = open_group(host, port, 0, world_size, self.platform.dist_backend, timeout_s, self.listen)
         self.listen = None   # the group keeps the socket now
@@ -433,9 +510,18 @@ class StageExporter:
 
     def stage_tensors(self, items: Iterator[tuple[str, object]], version: int, bucket_bytes: int,
                       write_dir: str | None = None) -> StageLayout:
-        """Copy this stage's ``(hf_name, tensor)`` into the staging buffer (planning the layout on
+        """Pack this stage's ``(hf_name, tensor)`` into the staging buffers (planning the layout on
         the first call) and queue their broadcast, or with ``write_dir`` the writing of one
         safetensors file per bucket into it (the filesystem transport). Call :meth:`wait_idle` first.
+
+        Where the staging lives: for a broadcast, on the learner's device when the stage fits
+        there (``Platform.staging_fits_on_device``): the tensors, gathered and converted on the
+        device, are packed there (:func:`~megatron_rlhf.learner.weights.pack_tensors`, a
+        device-side copy) and broadcast straight from those buffers, nothing passes through host
+        memory; otherwise, and for the filesystem transport's writes, in pinned host buffers
+        allocated in power-of-two chunks (``Platform.host_buffers``). On CPU both are host memory
+        (the same code, device = cpu). Returns once the pack has finished on the device (the next
+        train step may change the parameters).
 
         Raises:
             RuntimeError: the group is broken (an earlier broadcast failed) or missing.
@@ -450,24 +536,39 @@ class StageExporter:
             items = list(items)   # first version: plan, then copy
             self.layout = plan_layout(self.stage, ((n, _dtype_name(t), tuple(t.shape),
                                                     t.numel() * t.element_size()) for n, t in items), bucket_bytes)
-            self.staging = self.platform.host_buffer(self.layout.nbytes)
-            dev = self.platform.buffer_device()
-            self._bufs = [self.platform.empty_bytes(min(bucket_bytes, self.layout.nbytes), dev) for _ in range(2)]
+            self.staging = []
+        on_device = write_dir is None and self.platform.staging_fits_on_device(self.layout.nbytes)
+        if not self.staging or on_device != self.staged_on_device:
+            self._allocate(on_device, items)
         self._copy_in(iter(items))
         self.version = int(version)
         self._enqueue((int(version), write_dir))
         return self.layout
 
-    def _copy_in(self, items: Iterator[tuple[str, object]]) -> None:
-        import torch
+    def _allocate(self, on_device: bool, items) -> None:
+        sizes = [b.nbytes for b in self.layout.buckets]
+        self.staging, self._bufs = [], []
+        if on_device:   # one device buffer, a view per bucket
+            dev = _items_device(items, self.platform)
+            whole = self.platform.empty_bytes(self.layout.nbytes, dev)
+            self.staging = [whole[b.offset:b.offset + b.nbytes] for b in self.layout.buckets]
+        else:
+            self.staging = self.platform.host_buffers(sizes, chunk_bytes=self.layout.chunk_bytes)
+            if not self.platform.is_cpu:   # the wire is on the device: two chunk buffers there
+                dev = self.platform.buffer_device()
+                self._bufs = [self.platform.empty_bytes(min(self.layout.chunk_bytes, max(sizes)), dev)
+                              for _ in range(2)]
+        self.staged_on_device = on_device
 
-        metas = ((b, t) for b in self.layout.buckets for t in b.tensors)
-        for (b, m), (name, t) in _zip_strict(metas, items, self.stage):
-            if name != m.name or _dtype_name(t) != m.dtype or tuple(t.shape) != m.shape:
-                raise ValueError(f"stage {self.stage}: tensor {name} {_dtype_name(t)} {tuple(t.shape)} differs from "
-                                 f"the planned layout ({m.name} {m.dtype} {m.shape}); the model changed")
-            off = b.offset + m.offset
-            self.staging[off:off + m.nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+    def _copy_in(self, items: Iterator[tuple[str, object]]) -> None:
+        from megatron_rlhf.learner.weights import pack_tensors
+
+        items = iter(items)
+        for b, buf in zip(self.layout.buckets, self.staging):
+            pack_tensors(buf, b.tensors, items, copy=self.platform.copy_bytes)
+        for name, _ in items:
+            raise ValueError(f"stage {self.stage}: tensor {name} is not in the planned layout; the model changed")
+        self.platform.sync_stream()   # the pack (or D2H copy) ran on this thread's stream: done before training goes on
 
     def resend(self) -> int:
         """Queue the staged version again (after the group was re-formed); returns its version.
@@ -513,39 +614,44 @@ class StageExporter:
                     self._idle.set()
 
     def _send(self, version: int) -> None:
-        layout, group = self.layout, self.group
-        if self.platform.device != "cpu":
-            import torch
-
-            torch.cuda.set_device(self._bufs[0].device)
+        """Broadcast the staged version chunk by chunk on the sender's dedicated stream: straight
+        from the staging buffers when they are on the wire's device (device staging; CPU), else
+        through two device chunk buffers (asynchronous H2D copies from pinned memory,
+        double-buffered: chunk k + 1 is copied while chunk k is on the wire). Ends with that
+        stream's synchronisation, not the device's."""
+        layout, group, platform = self.layout, self.group, self.platform
+        platform.bind_device(self._bufs[0] if self._bufs else self.staging[0])
+        if self._stream is None:
+            self._stream = platform.side_stream()
         n = len(layout.buckets)
         works = [None, None]
         k = 0
-        for bi, b in enumerate(layout.buckets):
-            self.sent = (version, bi, n)
-            for off, size in layout.chunks(b):
-                i = k % 2
-                if works[i] is not None:
-                    self._wait_sent(works[i])     # buffer i is free again
-                src = self.staging[b.offset + off:b.offset + off + size]
-                if src.device == self._bufs[i].device:   # staging already on the wire's device: send it in place
-                    buf = src
-                else:
-                    buf = self._bufs[i][:size]
-                    buf.copy_(src, non_blocking=True)
-                works[i] = _bcast(group, buf)
-                k += 1
-        for w in works:
-            if w is not None:
-                self._wait_sent(w)
-        self.platform.synchronize()
+        with platform.on_stream(self._stream):
+            for bi, (b, staged) in enumerate(zip(layout.buckets, self.staging)):
+                self.sent = (version, bi, n)
+                for off, size in layout.chunks(b):
+                    i = k % 2
+                    if works[i] is not None:
+                        self._wait_sent(works[i])     # buffer i is free again
+                    src = staged[off:off + size]
+                    if not self._bufs:   # staging is on the wire's device: send it in place
+                        buf = src
+                    else:
+                        buf = self._bufs[i][:size]
+                        platform.copy_bytes(buf, src)
+                    works[i] = _bcast(group, buf)
+                    k += 1
+            for w in works:
+                if w is not None:
+                    self._wait_sent(w)
+        platform.sync_stream(self._stream)
         self.sent = (version, n, n)
 
     def _wait_sent(self, work) -> None:
         """Wait for a send; every second look for the driver's abort note in stage 0's store (a
         receiver died or gave up: a send to a live peer that stopped receiving would otherwise only
-        end at the group timeout). Raises RuntimeError on the note (the work is left to the
-        retired group, see :func:`_retire`)."""
+        end at the group timeout). Raises RuntimeError on the note (the work ends when the group is
+        aborted and its peers drop theirs, see :meth:`BroadcastGroup.close`)."""
         t_check = time.monotonic()
         while not work.is_completed():
             time.sleep(0.0005)
@@ -574,7 +680,7 @@ class StageExporter:
             n = len(self.layout.buckets)
             for k, b in enumerate(self.layout.buckets):
                 self.sent = (version, k, n)
-                raw = self.staging[b.offset:b.offset + b.nbytes]
+                raw = self.staging[k]
                 tensors = {m.name: raw[m.offset:m.offset + m.nbytes].view(getattr(torch, m.dtype)).view(m.shape)
                            for m in b.tensors}
                 save_file(tensors, str(tmp / shard_name(self.stage, k)), metadata={"format": "pt"})
@@ -593,17 +699,6 @@ def shard_name(stage: int, bucket: int) -> str:
 def stage_folder(stage: int) -> str:
     """Sub-folder a stage's shards land in once complete (filesystem transport)."""
     return f"stage{stage:03d}"
-
-
-def _zip_strict(metas, items, stage):
-    for m in metas:
-        try:
-            it = next(items)
-        except StopIteration:
-            raise ValueError(f"stage {stage}: fewer tensors than the planned layout; the model changed") from None
-        yield m, it
-    for name, _ in items:
-        raise ValueError(f"stage {stage}: tensor {name} is not in the planned layout; the model changed")
 
 
 # --------------------------------------------- learner-side functions (run on each learner rank)
@@ -652,13 +747,32 @@ def stage_version(learner, version: int, bucket_bytes: int, timeout_s: float,
     ex = _exporter(learner)
     wait_s = ex.supersede_or_wait(timeout_s) if ex is not None else 0.0
     t0 = time.perf_counter()
-    items = learner._stage_hf_tensors()
+    items = _device_hf_tensors(learner)
     if ex is None:
         for _ in items:   # TP ranks > 0 only join the gathers
             pass
         return None
     layout = ex.stage_tensors(items, version, bucket_bytes, write_dir)
     return {"stage": ex.stage, "layout": layout, "wait_s": wait_s, "stage_s": time.perf_counter() - t0}
+
+
+def _device_hf_tensors(learner):
+    """This stage's HF tensors, TP-gathered and converted on the learner's device (nothing goes
+    to host memory: ``iter_stage_hf_tensors(device=None)``; the TP group as
+    ``MegatronLearner._stage_hf_tensors`` takes it)."""
+    from megatron_rlhf.learner.weights import iter_stage_hf_tensors
+
+    tp_group = learner.groups.pg_collection.tp if learner.groups.tp > 1 else None
+    return iter_stage_hf_tensors(learner._model("policy"), learner.hf_config, tp_group=tp_group, device=None)
+
+
+def _items_device(items, platform):
+    """The device of the first tensor of ``items`` (a list on the first version), else the platform's."""
+    import torch
+
+    if isinstance(items, list) and items:
+        return items[0][1].device
+    return torch.device("cpu") if platform.is_cpu else platform.buffer_device()
 
 
 def exporter_status(learner) -> dict | None:
@@ -688,7 +802,7 @@ def worker_join(worker, stages: list[dict], rank_offset: int, world_size: int, t
 
     backend = get_platform().dist_backend
     rank = int(rank_offset) + int(worker.rank)
-    _retire(getattr(worker, "_mrlhf_broadcast_groups", None) or [])
+    _close_groups(getattr(worker, "_mrlhf_broadcast_groups", None) or [], timeout_s)
     worker._mrlhf_broadcast_groups = None
     groups = []
     for s in stages:
@@ -835,10 +949,11 @@ def exporter_raw_send(learner, timeout_s: float) -> float | None:
     ex.wait_idle(timeout_s)
     t0 = time.perf_counter()
     lay = ex.layout
-    for b in lay.buckets:
+    for b, staged in zip(lay.buckets, ex.staging):
         for off, size in lay.chunks(b):
-            buf = ex._bufs[0][:size]
-            buf.copy_(ex.staging[b.offset + off:b.offset + off + size])
+            buf = ex._bufs[0][:size] if ex._bufs else staged[off:off + size]
+            if ex._bufs:
+                buf.copy_(staged[off:off + size])
             _bcast(ex.group, buf).wait()
     ex.platform.synchronize()
     return time.perf_counter() - t0

@@ -16,7 +16,8 @@ Used by the rollout producer (one controller thread; the pool is not thread-safe
   running mean completion length; longest-processing-time-first greedy); results in prompt order.
 * :meth:`GeneratorPool.push` loads a published weight version on every worker through the
   transport (``weight_sync``), records bytes / seconds / GB/s, and, with
-  ``generators.check_weight_sync``, compares every worker's probe logprobs with the learner's.
+  ``generators.check_weight_sync``, compares every worker's probe logprobs with the learner's
+  (gate on the mean |diff| above the start-up probe's, :meth:`GeneratorPool.calibrate_check`).
 * Faults: a worker whose request raises ``RayActorError`` (process killed, OOM; Ray reports
   ``ActorUnavailableError`` while it restarts) or exceeds ``timeout_s`` (then it is killed with
   ``ray.kill(no_restart=False)``) is restarted by Ray (``max_restarts``): the pool waits until it
@@ -129,11 +130,13 @@ class GeneratorPool:
         probe: token ids of the weight-sync probe (required when ``check_weight_sync``).
         initial: the weights every worker holds at start (version 0 = the base model).
         log: where restart lines go (default: stderr).
+        max_mult_prob_error: the check's absolute bound on NeMo-RL's ``token_mult_prob_error``
+            of the probe (``logging.warn_token_mult_prob_error``).
     """
 
     def __init__(self, handles: list, *, transport: WeightTransport, generator_cfg, timeout_s: float,
                  probe: list[int] | None = None, initial: PublishedWeights | None = None,
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None, max_mult_prob_error: float = 1.05):
         if not handles:
             raise ValueError("GeneratorPool: no worker handle given (generators.num_workers >= 1)")
         self.workers = [_Worker(i, h) for i, h in enumerate(handles)]
@@ -142,6 +145,9 @@ class GeneratorPool:
         if generator_cfg.check_weight_sync and not self.probe:
             raise ValueError("GeneratorPool: generators.check_weight_sync needs a probe sequence")
         self.current = initial or PublishedWeights(version=0)
+        self.max_mult_prob_error = float(max_mult_prob_error)
+        self.check_baseline: float | None = None   # mean |diff| of the start-up probe (calibrate_check)
+        self.last_check: dict = {}
         self.restarts = 0
         self.expected_len = float(generator_cfg.max_new_tokens)
         self._seen_completions = 0
@@ -414,7 +420,16 @@ class GeneratorPool:
     # ------------------------------------------------------------------------------ faults
     def _recover(self, w: _Worker, err: BaseException, num_prompts: int) -> None:
         """Wait for Ray to restart worker ``w``, give it the current weights; raise when it cannot
-        come back."""
+        come back (then a collective transport is told the groups will not be re-formed, so a
+        publish waiting for that raises at once: ``BroadcastTransport.abandon``)."""
+        try:
+            self._recover_worker(w, err, num_prompts)
+        except BaseException as e:
+            if hasattr(self.transport, "abandon"):
+                self.transport.abandon(f"{type(e).__name__}: {str(e)[:500]}")
+            raise
+
+    def _recover_worker(self, w: _Worker, err: BaseException, num_prompts: int) -> None:
         import ray
         from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
@@ -459,8 +474,8 @@ class GeneratorPool:
         Returns:
             sync metrics: ``time/sync_s`` (export + slowest load, seconds), ``sync/bytes``
             (payload bytes per worker), ``sync/export_s``, ``sync/load_s``, ``sync/GBps``
-            (bytes x workers / (export + load seconds) / 1e9), and ``sync/check_max_abs_diff``
-            (nats) when the check is on.
+            (bytes x workers / (export + load seconds) / 1e9), and the check's ``sync/check_*``
+            (:meth:`check`) when it is on.
         Raises:
             WeightSyncError: the check failed. GeneratorDiedError: see :meth:`_recover`.
         """
@@ -504,7 +519,8 @@ class GeneratorPool:
                "sync/export_s": weights.export_s, "sync/load_s": load_s,
                "sync/GBps": nbytes * len(targets) / 1e9 / max(load_s + weights.export_s, 1e-9)}
         if self.cfg.check_weight_sync:
-            out["sync/check_max_abs_diff"] = self.check(weights, targets)
+            self.check(weights, targets)
+            out.update(self.last_check)
         return out
 
     def _push_collective(self, targets: list[_Worker], weights: PublishedWeights) -> list[dict]:
@@ -517,7 +533,8 @@ class GeneratorPool:
         try:
             results = self.transport.push_all([w.handle for w in targets], weights, self.timeout_s)
         except BroadcastPushError as e:
-            if not e.died:
+            if not e.died:   # no worker to wait for: the run stops, a waiting publish too
+                self.transport.abandon(f"{type(e).__name__}: {str(e)[:500]}")
                 raise
             self._recover(self.workers[targets[e.engine].index], e, 0)   # every worker holds self.current
             return [{"weights": self.current}]
@@ -525,12 +542,37 @@ class GeneratorPool:
             w.version = results[0]["weights"].version if results else weights.version
         return results
 
+    def calibrate_check(self, learner_probe_ref, version: int = 0) -> dict:
+        """The start-up probe (before step 1, every worker holding ``version``, the learner's
+        weights): fail fast when engines and learner disagree beyond the absolute bound
+        (``max_mult_prob_error``), and keep the largest worker's mean |diff| as the floor later
+        checks are measured against (:func:`~megatron_rlhf.generator.weight_sync.compare_probe`).
+
+        Args:
+            learner_probe_ref: ObjectRef (or value) of the learner's ``token_logprobs([probe])``.
+        Returns:
+            the check metrics (see :meth:`check`), with ``sync/check_baseline_mean_abs_diff``.
+        Raises:
+            WeightSyncError: beyond the absolute bound (names the worker and the numbers).
+        """
+        self.check_baseline = None
+        self.check(PublishedWeights(version=version, probe_ref=learner_probe_ref))
+        self.check_baseline = self.last_check["sync/check_mean_abs_diff"]
+        self.last_check["sync/check_baseline_mean_abs_diff"] = self.check_baseline
+        return dict(self.last_check)
+
     def check(self, weights: PublishedWeights, targets: list[_Worker] | None = None) -> float:
         """Compare the probe logprobs of ``targets`` (default all) with the learner's at
-        ``weights.version``; returns the max abs difference (nats).
+        ``weights.version``; returns the max abs difference (nats, logged only). The gate
+        (:func:`~megatron_rlhf.generator.weight_sync.compare_probe`): mean |diff| within
+        ``generators.check_weight_sync_tol`` of the start-up probe's (:meth:`calibrate_check`;
+        without one, e.g. on resume, the first check sets it) and NeMo-RL's ``token_mult_prob_error``
+        within ``max_mult_prob_error``. ``last_check`` holds ``sync/check_max_abs_diff``,
+        ``sync/check_mean_abs_diff``, ``sync/check_token_mult_prob_error`` (largest over workers)
+        and ``sync/check_baseline_mean_abs_diff``.
 
         Raises:
-            WeightSyncError: beyond ``generators.check_weight_sync_tol``.
+            WeightSyncError: a bound is exceeded.
             ValueError: ``weights`` carries no learner probe logprobs.
         """
         import ray
@@ -538,11 +580,20 @@ class GeneratorPool:
         if weights.probe_ref is None:
             raise ValueError(f"weight version {weights.version} was published without probe logprobs "
                              "(publish with the probe when generators.check_weight_sync is on)")
-        learner_lp = ray.get(weights.probe_ref, timeout=self.timeout_s)
+        learner_lp = ray.get(weights.probe_ref, timeout=self.timeout_s) \
+            if isinstance(weights.probe_ref, ray.ObjectRef) else weights.probe_ref
         targets = targets or self.workers
         got = ray.get([w.handle.prompt_logprobs.remote([self.probe]) for w in targets], timeout=self.timeout_s)
-        return max(compare_probe(lp[0], learner_lp, self.cfg.check_weight_sync_tol, worker=w.index,
-                                 version=weights.version) for w, lp in zip(targets, got))
+        gaps = [compare_probe(lp[0], learner_lp, tol=self.cfg.check_weight_sync_tol, baseline=self.check_baseline,
+                              max_mult_prob_error=self.max_mult_prob_error, worker=w.index,
+                              version=weights.version) for w, lp in zip(targets, got)]
+        if self.check_baseline is None:   # resumed run: its first check is the floor
+            self.check_baseline = max(g.mean_abs for g in gaps)
+        self.last_check = {"sync/check_max_abs_diff": max(g.max_abs for g in gaps),
+                           "sync/check_mean_abs_diff": max(g.mean_abs for g in gaps),
+                           "sync/check_token_mult_prob_error": max(g.mult_prob_error for g in gaps),
+                           "sync/check_baseline_mean_abs_diff": self.check_baseline}
+        return self.last_check["sync/check_max_abs_diff"]
 
     # ------------------------------------------------------------------------------ metrics
     def take_stats(self) -> dict:

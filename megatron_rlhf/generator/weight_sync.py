@@ -23,15 +23,20 @@ place, reset the prefix cache). Algorithm code never branches on the transport.
   publish is superseded (never sent) and a push of it loads the newer one instead (as the
   producer's weight channel only ever offers the latest version).
 
-Publishing blocks the learner only for what must run in its own thread (TP gathers, the staging
-copy, and waiting for the previous version's broadcast or write): the loop records it as
-``sync/learner_blocked_s``.
+Publishing blocks the learner only for what must run in its own thread (TP gathers, the HF
+conversion and the pack into the staging buffers, on the learner's device for ``broadcast``, and
+waiting for the previous version's broadcast or write): the loop records it as
+``sync/learner_blocked_s``. With ``broadcast``, a publish that lands while a failed push's groups
+wait to be re-formed (a generator died in it and the pool waits for Ray's restart) waits for the
+re-form instead of failing (:meth:`BroadcastTransport.publish`).
 
 Every push reports ``bytes`` and ``seconds``; the pool adds GB/s.
 
 The weight-sync check (:func:`compare_probe`): after a push, each worker's teacher-forced
-logprobs of a fixed probe sequence must equal the learner's for that version (computed when it
-was published) within a tolerance; stale weights are otherwise a silent failure.
+logprobs of a fixed probe sequence are compared with the learner's for that version (computed when
+it was published); stale weights are otherwise a silent failure. The gate is on the mean |diff|,
+calibrated by a probe of version 0 at start-up (:meth:`GeneratorPool.calibrate_check`), plus an
+absolute bound on NeMo-RL's ``token_mult_prob_error``; the max is logged only.
 
 Sources: vLLM docs "RLHF" / ``examples/offline_inference/rlhf_utils.py`` (stateless process group,
 ``collective_rpc``); Ray docs "Objects" (ObjectRefs as task arguments);
@@ -49,6 +54,7 @@ from typing import Any
 
 __all__ = ["PublishedWeights", "WeightSyncError", "WeightTransport", "ObjectStoreTransport",
            "FilesystemTransport", "BroadcastTransport", "BroadcastPushError", "check_transport_layout", "make_transport", "compare_probe",
+           "probe_gap", "ProbeGap",
            "on_learner_ranks", "is_learner_group"]
 
 
@@ -82,19 +88,35 @@ class PublishedWeights:
     push_wait_s: float = 0.0
 
 
-def compare_probe(worker_lp: list[float], learner_lp, tol: float, *, worker: int, version: int) -> float:
-    """Max |worker - learner| logprob over the probe's positions 1..T-1; raise beyond ``tol``.
+@dataclass(frozen=True)
+class ProbeGap:
+    """How far one worker's probe logprobs are from the learner's (positions 1..T-1).
 
-    Args:
-        worker_lp: ``[T]`` vLLM prompt logprobs (position 0 = 0.0), nats.
-        learner_lp: ``[T]`` or ``[1, T]`` learner token logprobs of the same tokens (tensor/list).
-        tol: allowed max abs difference (nats).
-        worker, version: for the message.
-    Returns:
-        the max abs difference.
+    Attributes:
+        mean_abs: mean |worker - learner| (nats): what the check gates on.
+        max_abs: max |worker - learner| (nats): logged only (bf16 stacks differ by tenths of a
+            nat at single tokens while agreeing on average).
+        mult_prob_error: mean of exp(|worker - learner|), NeMo-RL's ``token_mult_prob_error``
+            (1.0 = identical).
+        tokens: positions compared.
+    """
+
+    mean_abs: float
+    max_abs: float
+    mult_prob_error: float
+    tokens: int
+
+
+def probe_gap(worker_lp, learner_lp, *, worker: int = 0) -> ProbeGap:
+    """The :class:`ProbeGap` of ``worker_lp`` (``[T]`` vLLM prompt logprobs, position 0 = 0.0,
+    nats) against ``learner_lp`` (``[T]`` or ``[1, T]`` learner token logprobs of the same tokens).
+
+    ``mult_prob_error`` is NeMo-RL's ``token_mult_prob_error``
+    (``nemo_rl/algorithms/loss_functions.py``: ``masked_mean(exp(|generation - train| * mask), mask)``)
+    over the probe's positions.
+
     Raises:
-        WeightSyncError: lengths differ, or the difference exceeds ``tol`` (the worker does not
-            hold the learner's weights of ``version``).
+        WeightSyncError: the lengths differ.
     """
     import torch
 
@@ -103,14 +125,50 @@ def compare_probe(worker_lp: list[float], learner_lp, tol: float, *, worker: int
     if ref.numel() != got.numel():
         raise WeightSyncError(f"weight-sync check: worker {worker} returned {got.numel()} probe logprobs, "
                               f"the learner {ref.numel()}")
-    diff = float((got[1:] - ref[1:]).abs().max()) if ref.numel() > 1 else 0.0
-    if not diff <= tol:  # also catches NaN
+    if ref.numel() < 2:
+        return ProbeGap(0.0, 0.0, 1.0, 0)
+    d = (got[1:] - ref[1:]).abs()
+    return ProbeGap(float(d.mean()), float(d.max()), float(d.exp().mean()), int(d.numel()))
+
+
+def compare_probe(worker_lp, learner_lp, *, tol: float, baseline: float | None,
+                  max_mult_prob_error: float, worker: int, version: int) -> ProbeGap:
+    """Check one worker's probe logprobs against the learner's at ``version``; return the gap.
+
+    Two bounds (the calibrated gate; a max over ~200 tokens would fail two correct bf16 stacks,
+    which differ by ~0.03 nats on average and by tenths at single tokens):
+
+    * absolute: ``mult_prob_error`` (NeMo-RL's ``token_mult_prob_error``, mean of exp|diff|) at
+      most ``max_mult_prob_error`` (``logging.warn_token_mult_prob_error``, 1.05 as NeMo-RL's
+      recipe tests): the start-up probe of version 0 uses only this one (engines and learner hold
+      the same base weights, so anything above is a numerics or conversion mismatch);
+    * calibrated: ``mean_abs`` at most ``baseline + tol``, ``baseline`` = the mean |diff| the
+      start-up probe measured (the numerics floor of this learner / engine pair), ``tol`` =
+      ``generators.check_weight_sync_tol``. A stale, skipped or wrong push shows up as a jump of
+      the mean above the floor (tests/test_generator_pool.py measures both sides).
+
+    Args:
+        worker_lp, learner_lp: as in :func:`probe_gap`.
+        baseline: the start-up probe's mean |diff| (None: only the absolute bound).
+    Raises:
+        WeightSyncError: lengths differ, a bound is exceeded or a value is NaN (the worker does not
+            hold the learner's weights of ``version``).
+    """
+    gap = probe_gap(worker_lp, learner_lp, worker=worker)
+    what = None
+    if not gap.mult_prob_error <= max_mult_prob_error:   # also catches NaN
+        what = (f"token_mult_prob_error (mean exp|diff|) {gap.mult_prob_error:.4f} > "
+                f"logging.warn_token_mult_prob_error={max_mult_prob_error:g}")
+    elif baseline is not None and not gap.mean_abs <= baseline + tol:
+        what = (f"mean |diff| {gap.mean_abs:.3g} nats > the start-up probe's {baseline:.3g} + "
+                f"generators.check_weight_sync_tol={tol:g}")
+    if what is not None:
         raise WeightSyncError(
             f"weight-sync check failed: generator worker {worker} after the push of weight version "
-            f"{version} gives probe logprobs up to {diff:.3g} nats away from the learner's "
-            f"(generators.check_weight_sync_tol={tol:g}); the worker is generating with other weights "
-            "than the learner trained (skipped/failed push, stale prefix cache, reloaded base model)")
-    return diff
+            f"{version}: probe logprobs vs the learner's: {what} (max |diff| {gap.max_abs:.3g} over "
+            f"{gap.tokens} tokens); the worker is generating with other weights than the learner trained "
+            "(skipped/failed push, stale prefix cache, reloaded base model)")
+    return gap
 
 
 def _probe_ref(learner, probe: list[int] | None):
@@ -298,7 +356,7 @@ class BroadcastTransport(WeightTransport):
     (:mod:`megatron_rlhf.generator.broadcast_sync`; gloo on CPU, NCCL on GPU).
 
     :meth:`setup` forms one group per stage (exporter rank 0, TP rank r of engine i at
-    ``1 + i * tensor_parallel + r``); :meth:`publish` runs the TP gathers and the staging copy on
+    ``1 + i * tensor_parallel + r``); :meth:`publish` runs the TP gathers and the device-side pack on
     the learner ranks (their own thread; waits for the previous version's broadcast first, and
     that wait is part of the blocked time) and returns while the broadcast runs in the background;
     the pool pushes a published version to all workers at once (:attr:`collective`,
@@ -331,6 +389,8 @@ class BroadcastTransport(WeightTransport):
         self._forming = threading.Lock()   # publish() (learner loop) waits while recover() re-forms the groups
         self.learner, self.workers, self._stages, self._group = None, [], [], False
         self._broken: str | None = None   # a failed push: groups must be re-formed (setup/recover)
+        self._given_up: str | None = None  # the pool will not re-form them (abandon)
+        self._health = threading.Condition()   # setup() / abandon() -> publish() waiting on a re-form
         self._layouts, self._layouts_ref = None, None
 
     def setup(self, learner, workers: list, timeout_s: float) -> None:
@@ -360,27 +420,84 @@ class BroadcastTransport(WeightTransport):
         ray.get(list(refs))
         with self._published:
             self._pending.clear()
-        self._broken = None
+        with self._health:
+            self._broken = self._given_up = None
+            self._health.notify_all()
+
+    def mark_broken(self, why: str) -> None:
+        """A push failed: the groups take no publish until they are re-formed (:meth:`setup`)."""
+        with self._health:
+            self._broken = why
+
+    def abandon(self, why: str) -> None:
+        """The pool will not re-form the groups (a worker died beyond ``generators.max_restarts``,
+        or a push failed for another reason than a death): a publish waiting for the re-form
+        raises at once instead of waiting out ``async.timeout_s``."""
+        with self._health:
+            self._given_up = why
+            self._health.notify_all()
+
+    def _wait_healthy(self, version: int, deadline: float, timeout_s: float) -> None:
+        """While a failed push's groups are broken, wait for the pool to re-form them (Ray restarts
+        the dead worker, :meth:`recover`).
+
+        Raises:
+            WeightSyncError: the pool gave up (:meth:`abandon`), or no re-form by ``deadline``.
+        """
+        with self._health:
+            while self._broken is not None and self._given_up is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise WeightSyncError(
+                        f"weight broadcast: cannot publish version {version}: the groups are broken since a "
+                        f"failed push ({self._broken}) and were not re-formed within async.timeout_s="
+                        f"{timeout_s:.0f} s (the pool re-forms them once Ray restarted the worker)")
+                self._health.wait(min(left, 1.0))
+            if self._given_up is not None:
+                raise WeightSyncError(f"weight broadcast: cannot publish version {version}: the groups are "
+                                      f"broken and will not be re-formed ({self._given_up})")
 
     def publish(self, learner, version, timeout_s, probe=None):
+        """Stage ``version`` on the exporters (see the class doc). A publish that lands while a
+        failed push's groups are broken (a generator died in it and the pool is waiting for Ray
+        to restart it) waits for the re-form and then stages, bounded by ``timeout_s``; one
+        whose staging failed because the push in flight broke meanwhile stages again after the
+        re-form.
+
+        Raises:
+            WeightSyncError: not re-formed within ``timeout_s``, or the pool gave up on them.
+        """
         t0 = time.perf_counter()
-        if not self._forming.acquire(timeout=timeout_s):
-            raise WeightSyncError(f"weight broadcast: cannot publish version {version}, the groups were being "
-                                  f"re-formed for more than async.timeout_s={timeout_s:.0f} s")
-        try:
-            return self._publish(learner, version, timeout_s, probe, t0)
-        finally:
-            self._forming.release()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._wait_healthy(version, deadline, timeout_s)
+            if not self._forming.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                raise WeightSyncError(f"weight broadcast: cannot publish version {version}, the groups were "
+                                      f"being re-formed for more than async.timeout_s={timeout_s:.0f} s")
+            try:
+                if self._broken is None:
+                    return self._publish(learner, version, timeout_s, probe, t0)
+            except Exception as e:  # noqa: BLE001 - re-raised unless the groups broke under it
+                if not self._broke_in_flight(e, deadline):
+                    raise
+            finally:
+                self._forming.release()
+
+    def _broke_in_flight(self, err: BaseException, deadline: float) -> bool:
+        """Whether a failed staging is due to the push in flight failing (the exporter's broadcast
+        was aborted: the groups are, or within a few seconds will be, marked broken)."""
+        if "failed earlier" not in str(err) and "was aborted" not in str(err):
+            return False
+        until = min(deadline, time.monotonic() + 30.0)   # the pool marks them within its settle time
+        while self._broken is None and self._given_up is None and time.monotonic() < until:
+            time.sleep(0.1)
+        return self._broken is not None
 
     def _publish(self, learner, version, timeout_s, probe, t0):
         import ray
 
         from megatron_rlhf.generator import broadcast_sync as bs
 
-        if self._broken is not None:
-            raise WeightSyncError(f"weight broadcast: cannot publish version {version}, the groups are broken "
-                                  f"since a failed push ({self._broken}); they are re-formed when the pool "
-                                  "restarts the worker (generators.max_restarts > 0)")
         ref = on_learner_ranks(learner, self._group, bs.stage_version, int(version), self.bucket_bytes, float(timeout_s))
         probe_ref = _probe_ref(learner, probe)
         staged = sorted((r for r in ray.get(ref, timeout=timeout_s) if r), key=lambda r: r["stage"])
@@ -450,6 +567,7 @@ class BroadcastTransport(WeightTransport):
             try:
                 results[i] = ray.get(ready[0])
             except Exception as e:  # noqa: BLE001 - named below
+                self.mark_broken(f"version {weights.version}: generator engine {i} failed")   # before the abort note
                 self._abort(weights.version, f"version {weights.version}: generator engine {i} failed: "
                                              f"{type(e).__name__}")
                 errs = {i: e, **self._settle(left, index, min(5.0, max(0.0, deadline - time.monotonic())))}
@@ -457,11 +575,12 @@ class BroadcastTransport(WeightTransport):
                 dead = sorted(j for j, x in errs.items() if isinstance(x, RayActorError) or bs.NOT_JOINED in str(x))
                 first = dead[0] if dead else i   # a death is the cause; the others were aborted
                 others = {j: str(x).splitlines()[-1][:300] for j, x in errs.items() if j != first}
-                self._broken = self._describe(weights, first, errs[first], others)
-                raise BroadcastPushError(self._broken, engine=first, died=bool(dead)) from errs[first]
+                why = self._describe(weights, first, errs[first], others)
+                self.mark_broken(why)
+                raise BroadcastPushError(why, engine=first, died=bool(dead)) from errs[first]
         if left:
             stuck = sorted(index[r] for r in left)
-            self._broken = f"engine(s) {stuck} did not finish receiving version {weights.version}"
+            self.mark_broken(f"engine(s) {stuck} did not finish receiving version {weights.version}")
             self._abort(weights.version, self._broken)
             raise BroadcastPushError(
                 f"weight broadcast of version {weights.version}: generator engine(s) {stuck} "

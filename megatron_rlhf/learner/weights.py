@@ -8,8 +8,10 @@ model itself, so loading, weight sync and HF export scale to models that fill th
   (:class:`~megatron_rlhf.convert.sharding.HFCheckpointReader`), fuses and shards them.
 * :func:`iter_stage_hf_tensors`: on every TP rank of a stage (a collective over the TP group: all
   TP ranks must call it together); TP rank 0 receives each tensor's shards
-  (``torch.distributed.gather``), un-shards, converts to HF names and yields CPU tensors; the
-  other TP ranks yield nothing.
+  (``torch.distributed.gather``), un-shards and converts to HF names on the model's device and
+  yields them there or on the host; the other TP ranks yield nothing.
+* :func:`pack_tensors`: packs HF tensors into a uint8 bucket buffer on its device (the broadcast
+  transport); :func:`measure_pack` times it against a same-device memcpy.
 * :func:`buckets`: groups ``(name, tensor)`` into dicts of at most ``bucket_bytes``.
 * :func:`write_hf_shards` / :func:`finalize_hf_folder`: safetensors shard files per stage, then
   the HF names (``model.safetensors`` or ``model-0000k-of-0000n.safetensors`` + index).
@@ -40,6 +42,7 @@ from megatron_rlhf.convert.sharding import (HFCheckpointReader, fuse_hf, iter_ru
                                             split_to_hf, unshard)
 
 __all__ = ["LocalTensor", "local_tensors", "load_hf_weights", "mark_tensor_parallel", "iter_stage_hf_tensors", "buckets",
+           "pack_tensors", "measure_pack",
            "write_hf_shards", "prepare_hf_dir", "finalize_hf_folder"]
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json",
@@ -174,9 +177,13 @@ def _source(lt: LocalTensor, what: str) -> torch.Tensor:
 
 
 @torch.no_grad()
-def iter_stage_hf_tensors(model, hf_config, *, tp_group=None, what: str = "param"
-                          ) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_stage_hf_tensors(model, hf_config, *, tp_group=None, what: str = "param",
+                          device: str | torch.device | None = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
     """Full HF-named tensors of this pipeline stage, gathered over the TP group (see module doc).
+
+    The gather, the un-sharding and the HF split run on the model's device; ``device="cpu"``
+    copies each finished HF tensor to the host (object store, safetensors files), ``device=None``
+    keeps it on the model's device (the broadcast transport packs it there: :func:`pack_tensors`).
 
     Args:
         model: this rank's GPTModel (or DDP of one).
@@ -185,8 +192,9 @@ def iter_stage_hf_tensors(model, hf_config, *, tp_group=None, what: str = "param
         what: ``param`` (weights) or ``grad`` (megatron DDP's ``main_grad`` after a backward,
             else ``.grad``; zeros when absent) - gradients convert like weights because the
             HF <-> megatron maps are linear re-arrangements.
+        device: where the yielded tensors live (None: the model's device).
     Yields:
-        on TP rank 0: ``(hf_name, contiguous CPU tensor)`` never sharing storage with the model;
+        on TP rank 0: ``(hf_name, contiguous tensor)`` never sharing storage with the model;
         on other TP ranks: nothing (they only send their shards).
     Raises:
         ValueError: ``what`` is not param/grad.
@@ -207,16 +215,128 @@ def iter_stage_hf_tensors(model, hf_config, *, tp_group=None, what: str = "param
             dist.gather(local, parts, dst=dist.get_global_rank(tp_group, 0), group=tp_group)
             if me != 0:
                 continue
-            full = unshard(lt.rule, [p.cpu() for p in parts])
+            full = unshard(lt.rule, parts)   # on the device: no host round trip
         elif me != 0:
             continue
         else:
             full = local
         for hf_name, t in split_to_hf(lt.rule, lt.hf_names, full, hf_config):
-            cpu = t.detach().to("cpu")
-            if cpu.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
-                cpu = cpu.clone()  # never hand out views of live parameters
-            yield hf_name, cpu.contiguous()
+            out = t.detach() if device is None else t.detach().to(device)
+            if out.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+                out = out.clone()  # never hand out views of live parameters
+            yield hf_name, out.contiguous()
+
+
+def pack_tensors(buf: torch.Tensor, metas: Iterable, items: Iterator[tuple[str, torch.Tensor]],
+                 copy=None) -> int:
+    """Pack ``items`` into the ``uint8`` buffer ``buf`` at the planned places, on ``buf``'s
+    device (a device-side copy when the tensors live there too: no host staging).
+
+    Args:
+        buf: ``uint8 [nbytes]`` bucket (or staging) buffer.
+        metas: per tensor, in order, an object with ``name``, ``dtype`` (torch dtype name),
+            ``shape``, ``offset`` (bytes into ``buf``) and ``nbytes``
+            (``broadcast_sync.TensorMeta`` with offsets relative to ``buf``).
+        items: ``(hf_name, tensor)`` in the same order (:func:`iter_stage_hf_tensors`).
+        copy: ``copy(dst, src)`` (default ``dst.copy_(src)``; the exporter passes the platform's
+            asynchronous copy when ``buf`` is pinned host memory).
+    Returns:
+        bytes packed.
+    Raises:
+        ValueError: a tensor's name, dtype or shape differs from its meta, or the counts differ.
+
+    Sources: vLLM ``vllm/distributed/weight_transfer/packed_tensor.py`` (``pack_tensors``: linearise
+    each tensor to uint8 into one contiguous buffer on the device), slime
+    ``update_weight_from_distributed`` and NeMo-RL's packed broadcast (gather + convert + pack on GPU).
+    """
+    n = 0
+    for m in metas:
+        try:
+            name, t = next(items)
+        except StopIteration:
+            raise ValueError(f"pack_tensors: fewer tensors than planned (missing {m.name}); the model changed") from None
+        dtype = str(t.dtype).removeprefix("torch.")
+        if name != m.name or dtype != m.dtype or tuple(t.shape) != tuple(m.shape):
+            raise ValueError(f"pack_tensors: tensor {name} {dtype} {tuple(t.shape)} differs from the planned "
+                             f"layout ({m.name} {m.dtype} {tuple(m.shape)}); the model changed")
+        src = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        dst = buf[m.offset:m.offset + m.nbytes]
+        copy(dst, src) if copy is not None else dst.copy_(src)
+        n += m.nbytes
+    return n
+
+
+def measure_pack(model, hf_config, *, bucket_mb=(64, 256, 1024), repeats: int = 3) -> list[dict]:
+    """GB/s of the broadcast transport's device-side pack against a same-device memcpy of the
+    same bytes, per bucket size (``bench/weight_sync.py``, ``bench/gpu_check.py``).
+
+    The pack is what an exporter does per publish outside the wire: HF conversion of every tensor
+    of ``model`` (TP 1: no gather) on its device and :func:`pack_tensors` into two alternating
+    bucket buffers of at most ``bucket_mb`` MiB (the layout of ``broadcast_sync.plan_layout``; a
+    larger tensor gets a bucket of its own). The memcpy is ``dst.copy_(src)`` of a buffer of the
+    same bucket sizes, the same number of times. Best of ``repeats`` each, after one warm-up,
+    timed with the platform's stream synchronisation.
+
+    Args:
+        model: a GPTModel (one rank, any device).
+        hf_config: its HF config.
+        bucket_mb: bucket sizes (MiB).
+        repeats: timed repetitions per size (>= 1).
+    Returns:
+        one dict per bucket size with exactly the keys ``bucket_mb``, ``bytes`` (tensor bytes
+        packed), ``pack_GBps``, ``memcpy_GBps`` and ``ratio`` (pack / memcpy).
+    Raises:
+        ValueError: ``repeats < 1`` or a bucket size <= 0.
+    """
+    import time
+
+    from megatron_rlhf.generator.broadcast_sync import TensorMeta, plan_layout
+    from megatron_rlhf.platform import get_platform
+
+    if repeats < 1 or any(b <= 0 for b in bucket_mb):
+        raise ValueError(f"measure_pack(bucket_mb={bucket_mb}, repeats={repeats}): need sizes > 0, repeats >= 1")
+    platform = get_platform()
+    first = next(iter(_named_tensors(model).values()))
+    device = first.device
+    entries = [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numel() * t.element_size())
+               for n, t in iter_stage_hf_tensors(model, hf_config, device=None)]
+    out = []
+    for mb in bucket_mb:
+        layout = plan_layout(0, entries, int(mb * 2**20))
+        largest = max(b.nbytes for b in layout.buckets)
+        bufs = [platform.empty_bytes(largest, device) for _ in range(2)]
+        local = [[TensorMeta(m.name, m.dtype, m.shape, m.offset, m.nbytes) for m in b.tensors] for b in layout.buckets]
+
+        def pack():
+            items = iter_stage_hf_tensors(model, hf_config, device=None)
+            for k, metas in enumerate(local):
+                pack_tensors(bufs[k % 2], metas, items)
+            platform.sync_stream()
+
+        src = platform.empty_bytes(largest, device)
+        src.fill_(1)
+
+        def memcpy():
+            for k, b in enumerate(layout.buckets):
+                bufs[k % 2][:b.nbytes].copy_(src[:b.nbytes])
+            platform.sync_stream()
+
+        best = {}
+        for name, fn in (("pack", pack), ("memcpy", memcpy)):
+            fn()   # warm-up (allocations, first touch)
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            best[name] = min(times)
+        nbytes = layout.tensor_bytes
+        moved = sum(b.nbytes for b in layout.buckets)
+        pack_gbps, memcpy_gbps = nbytes / best["pack"] / 1e9, moved / best["memcpy"] / 1e9
+        out.append({"bucket_mb": mb, "bytes": nbytes, "pack_GBps": pack_gbps, "memcpy_GBps": memcpy_gbps,
+                    "ratio": pack_gbps / memcpy_gbps})
+        del bufs, src
+    return out
 
 
 def buckets(items: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int

@@ -192,12 +192,85 @@ class Platform:
 
         return torch.device("cpu") if self.is_cpu else torch.device("cuda", torch.cuda.current_device())
 
-    def host_buffer(self, nbytes: int):
-        """A ``uint8 [nbytes]`` host staging buffer (page-locked on GPU platforms, so copies to
-        the device can be asynchronous)."""
+    def host_buffers(self, sizes: list[int], chunk_bytes: int = 256 * 2**20) -> list:
+        """``uint8`` host buffers of ``sizes`` bytes (page-locked on GPU platforms, so copies to
+        and from the device can be asynchronous), as views of power-of-two chunks of at least
+        ``chunk_bytes``: PyTorch's caching host allocator rounds every pinned block up to a power
+        of two (one 65.7 GiB block would pin 128 GiB), so whole buffers are packed into chunks of
+        such sizes (a buffer larger than ``chunk_bytes`` gets a chunk of its own) and at most one
+        chunk is partly empty (plus the rounding of the oversized ones).
+
+        Raises:
+            ValueError: a size below 1.
+        """
         import torch
 
-        return torch.empty(int(nbytes), dtype=torch.uint8, pin_memory=not self.is_cpu)
+        if any(int(n) < 1 for n in sizes):
+            raise ValueError(f"host_buffers: sizes must be >= 1 byte, got {sizes}")
+        chunk = 1 << max(int(chunk_bytes) - 1, 0).bit_length()
+        pin = not self.is_cpu
+        out, cur, used = [], None, 0
+        for n in (int(x) for x in sizes):
+            if n > chunk:   # its own block (the allocator rounds it: power of two)
+                out.append(torch.empty(1 << (n - 1).bit_length(), dtype=torch.uint8, pin_memory=pin)[:n])
+                continue
+            if cur is None or used + n > chunk:
+                cur, used = torch.empty(chunk, dtype=torch.uint8, pin_memory=pin), 0
+            out.append(cur[used:used + n])
+            used = (used + n + 63) // 64 * 64
+        return out
+
+    def staging_fits_on_device(self, nbytes: int, fraction: float = 0.5) -> bool:
+        """Whether a weight-sync staging buffer of ``nbytes`` may live on the learner's device:
+        CPU -> always (the device is the host); GPU -> when it takes at most ``fraction`` of the
+        device's free memory (``torch.cuda.mem_get_info``), else the caller stages in host memory."""
+        if self.is_cpu:
+            return True
+        import torch
+
+        free, _ = torch.cuda.mem_get_info()
+        return int(nbytes) <= fraction * free
+
+    def side_stream(self):
+        """A dedicated stream for weight-sync copies and broadcasts (CUDA: ``torch.cuda.Stream`` on
+        the current device, so they do not serialize with the training kernels on the default
+        stream; CPU: None)."""
+        if self.is_cpu:
+            return None
+        import torch
+
+        return torch.cuda.Stream()
+
+    def on_stream(self, stream):
+        """Context manager running the enclosed device work on ``stream`` (None / CPU: as is)."""
+        import contextlib
+
+        if self.is_cpu or stream is None:
+            return contextlib.nullcontext()
+        import torch
+
+        return torch.cuda.stream(stream)
+
+    def sync_stream(self, stream=None) -> None:
+        """Wait for the work queued on ``stream`` (None: this thread's current stream), not the
+        whole device; no-op on CPU."""
+        if self.is_cpu:
+            return
+        import torch
+
+        (stream or torch.cuda.current_stream()).synchronize()
+
+    def bind_device(self, tensor) -> None:
+        """Make ``tensor``'s device this thread's current device (CUDA; a new thread starts on
+        device 0); no-op on CPU."""
+        if not self.is_cpu and tensor.device.type == "cuda":
+            import torch
+
+            torch.cuda.set_device(tensor.device)
+
+    def copy_bytes(self, dst, src) -> None:
+        """``dst.copy_(src)``, asynchronous between pinned host memory and the device on GPU."""
+        dst.copy_(src, non_blocking=not self.is_cpu)
 
     @staticmethod
     def empty_bytes(nbytes: int, device):

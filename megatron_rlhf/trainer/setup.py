@@ -159,7 +159,15 @@ def start(run, generators: list | None) -> None:
         ray.get([run.transport.push(g, start) for g in run.shared_generators], timeout=timeout)
     run.pool = GeneratorPool(run.generators, transport=run.transport, generator_cfg=cfg.generators,
                               timeout_s=timeout, probe=run.probe,
-                              log=lambda m: print(m, file=sys.stderr, flush=True))
+                              log=lambda m: print(m, file=sys.stderr, flush=True),
+                              max_mult_prob_error=cfg.logging.warn_token_mult_prob_error)
+    if run.probe is not None and run.version == 0:   # the start-up probe: fails fast, calibrates the check
+        with learner_guard("the start-up weight-sync probe", run.ckpts):
+            got = run.pool.calibrate_check(run.learner.token_logprobs.remote([run.probe]))
+        run.say(f"weight-sync check calibrated at version 0: probe mean |diff| "
+                f"{got['sync/check_mean_abs_diff']:.2e} nats (max {got['sync/check_max_abs_diff']:.2e}); "
+                f"later pushes must stay within generators.check_weight_sync_tol="
+                f"{cfg.generators.check_weight_sync_tol:g} of it")
     run.evals = eval_service(cfg, run.pool, run.eval_by_task, fns, log=run.say)
     bound = cfg.run.num_steps if cfg.run.mode == "rollout_only" else cfg.async_.staleness_bound
     run.producer = RolloutProducer(   # rollout_only: never waits for weights (no training)
