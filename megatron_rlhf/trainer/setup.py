@@ -89,12 +89,13 @@ def start(run, generators: list | None) -> None:
     import ray
 
     from megatron_rlhf.rewards import MathVerifyReward
+    from megatron_rlhf.rewards.math_verify import default_num_workers
     from megatron_rlhf.rollout.pairs import select_pair
     from megatron_rlhf.trainer.nodes import actor_nodes, write_actor_nodes
 
     cfg, timeout = run.cfg, run.timeout
     if any(t.kind == "math_verify" for t in cfg.tasks):
-        run.reward = MathVerifyReward(num_workers=1)
+        run.reward = MathVerifyReward(num_workers=default_num_workers(cfg.rewards.math_verify_workers))
     run.stacks_dir = run.run_dir / "logs" / f"stacks-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     run.ray_head = init_ray(cfg, run.run_dir, run.stacks_dir,
                               extra_cpus=len(set(run.reward_models.values())))
