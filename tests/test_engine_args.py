@@ -32,6 +32,12 @@ HF_CONFIGS = {
     "qwen2.5-7b": {"model_type": "qwen2", "hidden_size": 3584, "num_hidden_layers": 28,
                    "num_attention_heads": 28, "num_key_value_heads": 4, "intermediate_size": 18944,
                    "vocab_size": 152064, "tie_word_embeddings": False},
+    "qwen2.5-0.5b": {"model_type": "qwen2", "hidden_size": 896, "num_hidden_layers": 24,
+                     "num_attention_heads": 14, "num_key_value_heads": 2, "intermediate_size": 4864,
+                     "vocab_size": 151936, "tie_word_embeddings": True},
+}
+GPU_LOCAL = {  # GPU recipes run with `python train.py` on one node (no SLURM placement) -> a model
+    "smoke-1n8g.yaml": "qwen2.5-0.5b",
 }
 CLUSTER = {  # recipe -> its model
     "online-dpo-llama3.1-8b-2n8g.yaml": "llama3.1-8b",
@@ -57,6 +63,7 @@ EXPECTED = {  # recipe -> exact LLM(...) keyword arguments of each engine (model
                      "kv_cache_memory_bytes": GiB // 16},
 }
 EXPECTED["ci_slurm.yaml"] = EXPECTED["ci_tiny.yaml"]
+EXPECTED["smoke-1n8g.yaml"] = {**GPU_COMMON, "max_model_len": 1024, "tensor_parallel_size": 1}
 
 
 def _model_folder(root: Path, name: str) -> Path:
@@ -67,7 +74,8 @@ def _model_folder(root: Path, name: str) -> Path:
 
 
 def _recipe(recipe: str, tmp_path: Path, *overrides: str):
-    model = _model_folder(tmp_path, CLUSTER[recipe]) if recipe in CLUSTER else tmp_path
+    models = {**CLUSTER, **GPU_LOCAL}
+    model = _model_folder(tmp_path, models[recipe]) if recipe in models else tmp_path
     return load_config(REPO / "configs" / recipe, [f"model.source={model}", *overrides]), model
 
 
@@ -116,7 +124,7 @@ def test_recipe_engine_kwargs_are_exactly_these_and_valid_vllm_engine_args(recip
     from vllm.engine.arg_utils import EngineArgs
 
     cfg, model = _recipe(recipe, tmp_path)
-    device = "cuda" if recipe in CLUSTER else "cpu"
+    device = "cuda" if recipe in CLUSTER or recipe in GPU_LOCAL else "cpu"
     if recipe in CLUSTER:   # GPU nodes, even when the process that loads the config has no GPU
         assert ea.config_device(cfg) == "cuda"
     kw = ea.engine_kwargs(cfg.generators, model=str(model), dtype=cfg.model.dtype, seed=cfg.run.seed,
