@@ -81,3 +81,34 @@ def _uninstalled_checkout(tmp_path: Path, src: Path = REPO) -> tuple[Path, dict,
     env.update(PYTHONPATH=site.getsitepackages()[0], PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}",
                OMP_NUM_THREADS="1")
     return copy, env, py
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(420)
+def test_train_runs_from_a_plain_checkout_with_the_package_not_installed(tiny_llama_dir, tmp_path):
+    """Issue 21 item 1: from a copy of the repository that no Python can import the package from,
+    the tiny async loop (ci_tiny, 2 steps) starts its Ray workers (whose setup hook imports
+    ``megatron_rlhf.trainer.watchdog`` before any task runs) and finishes. Fails without the
+    ``PYTHONPATH`` that ``setup.init_ray`` gives the workers: ``Failed to execute the setup hook
+    method ... No module named 'megatron_rlhf'`` and ``LearnerDiedError`` at start-up."""
+    import subprocess
+
+    copy, env, py = _uninstalled_checkout(tmp_path)
+    for mod, ok in (("megatron_rlhf", False), ("ray, torch, vllm, megatron.core", True)):  # the set-up holds
+        res = subprocess.run([py, "-c", f"import {mod}"], cwd="/", env=env, capture_output=True, text=True,
+                             timeout=120)
+        assert (res.returncode == 0) == ok, (mod, res.stderr[-2000:])
+    res = subprocess.run(["ray", "--version"], env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and "2." in res.stdout, res.stdout + res.stderr
+    out = tmp_path / "runs"
+    res = subprocess.run([py, "train.py", "--config", "configs/ci_tiny.yaml", f"model.source={tiny_llama_dir}",
+                          f"run.output_dir={out}", "run.name=plain", "run.num_steps=2",
+                          "tasks.0.reward=tests.plugins:char_parity", "logging.progress=false",
+                          "checkpoint.interval=0", "checkpoint.export_hf=false", "eval.enabled=false"],
+                         cwd=copy, env=env, capture_output=True, text=True, timeout=400)
+    text = res.stdout + res.stderr
+    assert res.returncode == 0, text[-6000:]
+    assert "setup hook" not in text, text[-6000:]
+    from tests.conftest import metrics_steps
+
+    assert metrics_steps(out / "plain") == [1, 2], text[-3000:]
