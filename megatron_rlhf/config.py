@@ -36,7 +36,7 @@ __all__ = [
     "ConfigError", "RunConfig", "ModelConfig", "DataConfig", "TaskConfig", "RewardModelSpec",
     "MATH_INSTRUCTION", "GeneratorConfig",
     "OptimizerConfig", "LearnerConfig", "AlgorithmConfig", "AsyncConfig", "CheckpointConfig",
-    "LoggingConfig", "EvalConfig", "Config", "load_config", "config_to_dict", "save_config",
+    "LoggingConfig", "EvalConfig", "RewardsConfig", "Config", "load_config", "config_to_dict", "save_config",
 ]
 
 
@@ -804,6 +804,20 @@ class EvalConfig:
 
 
 @dataclass(kw_only=True)
+class RewardsConfig:
+    """Reward scoring on the driver (``megatron_rlhf.rewards``), shared by every task."""
+
+    math_verify_workers: int = 0
+    """Worker processes of the math-verify pool (``rewards.math_verify.MathVerifyReward``);
+    0 = from the cores of the driver's node: ``min(32, cores - 1)``, at least 1 (one core left
+    for the driver; ``rewards.math_verify.default_num_workers``)."""
+
+    def __post_init__(self):
+        _check(self.math_verify_workers >= 0, "rewards.math_verify_workers", self.math_verify_workers,
+               "an integer >= 0 (0 = from the driver node's cores)")
+
+
+@dataclass(kw_only=True)
 class Config:
     """The whole run. YAML top-level sections map 1:1 to these fields."""
 
@@ -818,6 +832,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    rewards: RewardsConfig = field(default_factory=RewardsConfig)
 
     def __post_init__(self):
         _check(len(self.tasks) >= 1, "tasks", self.tasks, "a list of at least one task")

@@ -9,7 +9,10 @@
 #   1. resolves the run folder from the config (`python -c load_config(...).run_dir`) and sends its
 #      own output to <run>/logs/driver-<job>.log (appending: a requeued job keeps the first log);
 #   2. exports the NCCL / torch.distributed environment (below) so every Ray worker inherits it;
-#   3. starts the Ray head on the first node and one Ray worker per other node, each with `srun
+#   3. pre-flight: `srun` on every node runs `$PY -c "import megatron_rlhf"` from `/` (the repo is
+#      on PYTHONPATH, exported here, so a plain checkout on a shared file system works without a
+#      `pip install`); a node that cannot import fails the job at once, by name;
+#      then starts the Ray head on the first node and one Ray worker per other node, each with `srun
 #      --overlap --nodes=1 --ntasks=1 -w NODE ray start --block`, declaring the node's GPUs and CPUs
 #      and a role resource (`mrlhf_learner` on the first MRLHF_LEARNER_NODES nodes, `mrlhf_generator`
 #      on the next MRLHF_GENERATOR_NODES nodes; both on every node when a single node does both, CPU
@@ -79,6 +82,9 @@ else PY=$(command -v python3); fi
 RAY_BIN=$(dirname "$PY")/ray
 [ -x "$RAY_BIN" ] || RAY_BIN=$(command -v ray || echo ray)
 read -r -a TRAIN_CMD <<<"${MRLHF_TRAIN_CMD:-$PY train.py}"
+# A plain checkout is enough (no `pip install -e .`): this repo goes first on every process's path,
+# the Ray nodes and their workers included (srun passes the environment on; issue 21 item 1)
+export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
 JOB=${SLURM_JOB_ID:-local}
 RESTARTS=${SLURM_RESTART_COUNT:-0}
 
@@ -157,6 +163,21 @@ JOIN_ADDRESS=${MRLHF_RAY_JOIN_HOST:-$HEAD_IP}:$PORT
 read -r -a EXTRA <<<"${MRLHF_RAY_START_ARGS:-}"
 GPU_STEP=(); [ "$GPUS" -gt 0 ] && GPU_STEP=(--gpus-per-node="$GPUS")
 echo "nodes: ${NODES[*]} (learner nodes $LEARNER_NODES, generator nodes $GENERATOR_NODES, shared=$SHARED); $GPUS GPUs, $CPUS CPUs per node; RAY_ADDRESS=$RAY_ADDRESS"
+
+# Pre-flight: every node imports the package with $PY from / (no help from the working
+# directory), as its Ray workers will; a node that cannot fails the job here, in seconds, by name
+PREFLIGHT_SH='node=${SLURMD_NODENAME:-$(hostname -s)}
+if out=$(timeout 120 "$0" -c "import os, megatron_rlhf; print(os.path.dirname(megatron_rlhf.__path__[0]))" 2>&1)
+then echo "pre-flight $node: ok, megatron_rlhf from $out"
+else echo "pre-flight $node: FAILED: $0 cannot import megatron_rlhf (PYTHONPATH=${PYTHONPATH:-}): $(printf "%s" "$out" | tail -n 1)"; fi'
+PREFLIGHT=$(srun --overlap --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 \
+  -w "$(IFS=,; echo "${NODES[*]}")" --chdir=/ --kill-on-bad-exit=0 bash -c "$PREFLIGHT_SH" "$PY" 2>&1)
+echo "$PREFLIGHT"
+if grep -q 'FAILED' <<<"$PREFLIGHT" || [ "$(grep -c ': ok, ' <<<"$PREFLIGHT")" -ne "$NNODES" ]; then
+  BAD=$(sed -n 's/^pre-flight \([^:]*\): FAILED.*/\1/p' <<<"$PREFLIGHT" | paste -sd ' ')
+  echo "ray_cluster.sh: pre-flight failed on ${BAD:-some node (no answer)}: the package must be importable there (check MRLHF_REPO=$REPO is on the nodes' shared file system and MRLHF_PYTHON=$PY)" >&2
+  exit 2
+fi
 
 SRUN_PIDS=()
 # `setsid`: the srun clients live in a session of their own, so a signal to the whole batch step

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -58,3 +59,75 @@ def test_time_breakdown_and_its_summary_line_by_hand():
         "time (s): total 690 = set-up (model 60, reward model 90, start 50) + steps 400 (overlapped inside: "
         "first eval 100, generation 105, training 67, sync 3) + final eval 80, hf export 5, other 5"]
     assert train._time_lines({}) == []
+
+
+def test_ray_workers_get_the_checkout_the_driver_imported_first_on_pythonpath():
+    """setup.worker_pythonpath: the folder holding the imported ``megatron_rlhf`` goes before the
+    driver's own PYTHONPATH entries (kept, in order, not repeated)."""
+    import megatron_rlhf
+    from megatron_rlhf.trainer.setup import worker_pythonpath
+
+    root = str(Path(megatron_rlhf.__file__).resolve().parents[1])
+    assert worker_pythonpath({}) == root
+    assert worker_pythonpath({"PYTHONPATH": f"/a{os.pathsep}/b"}) == os.pathsep.join([root, "/a", "/b"])
+    assert worker_pythonpath({"PYTHONPATH": f"/a{os.pathsep}{root}"}) == os.pathsep.join(["/a", root])
+
+
+def _uninstalled_checkout(tmp_path: Path, src: Path = REPO) -> tuple[Path, dict, str]:
+    """A plain copy of the repository (``git ls-files``), an interpreter that cannot import the
+    project, and its environment: the venv's base interpreter (``sys._base_executable``, the system
+    Python the venv was made from) with only the venv's site-packages on ``PYTHONPATH`` (a
+    ``PYTHONPATH`` entry does not run ``.pth`` files, so the editable install is not seen), and a
+    ``ray`` command on ``PATH`` run by that interpreter (the venv's own ``ray`` script would run the
+    venv's Python, which sees the editable install)."""
+    import shutil
+    import site
+    import subprocess
+
+    copy = tmp_path / "checkout"
+    names = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
+    for name in filter(None, names.decode().split("\0")):
+        if (src / name).is_file():
+            (copy / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src / name, copy / name)
+    py = getattr(sys, "_base_executable", sys.executable)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "ray").write_text(f"#!/bin/sh\nexec {py} -c 'import sys; from ray.scripts.scripts import main; "
+                                 f"sys.argv[0] = \"ray\"; sys.exit(main())' \"$@\"\n")
+    (bin_dir / "ray").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PYTHONHOME", "VIRTUAL_ENV")}
+    env.update(PYTHONPATH=site.getsitepackages()[0], PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}",
+               OMP_NUM_THREADS="1")
+    return copy, env, py
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(420)
+def test_train_runs_from_a_plain_checkout_with_the_package_not_installed(tiny_llama_dir, tmp_path):
+    """Issue 21 item 1: from a copy of the repository that no Python can import the package from,
+    the tiny async loop (ci_tiny, 2 steps) starts its Ray workers (whose setup hook imports
+    ``megatron_rlhf.trainer.watchdog`` before any task runs) and finishes. Fails without the
+    ``PYTHONPATH`` that ``setup.init_ray`` gives the workers: ``Failed to execute the setup hook
+    method ... No module named 'megatron_rlhf'`` and ``LearnerDiedError`` at start-up."""
+    import subprocess
+
+    copy, env, py = _uninstalled_checkout(tmp_path)
+    for mod, ok in (("megatron_rlhf", False), ("ray, torch, vllm, megatron.core", True)):  # the set-up holds
+        res = subprocess.run([py, "-c", f"import {mod}"], cwd="/", env=env, capture_output=True, text=True,
+                             timeout=120)
+        assert (res.returncode == 0) == ok, (mod, res.stderr[-2000:])
+    res = subprocess.run(["ray", "--version"], env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and "2." in res.stdout, res.stdout + res.stderr
+    out = tmp_path / "runs"
+    res = subprocess.run([py, "train.py", "--config", "configs/ci_tiny.yaml", f"model.source={tiny_llama_dir}",
+                          f"run.output_dir={out}", "run.name=plain", "run.num_steps=2",
+                          "tasks.0.reward=tests.plugins:char_parity", "logging.progress=false",
+                          "checkpoint.interval=0", "checkpoint.export_hf=false", "eval.enabled=false"],
+                         cwd=copy, env=env, capture_output=True, text=True, timeout=400)
+    text = res.stdout + res.stderr
+    assert res.returncode == 0, text[-6000:]
+    assert "setup hook" not in text, text[-6000:]
+    from tests.conftest import metrics_steps
+
+    assert metrics_steps(out / "plain") == [1, 2], text[-3000:]

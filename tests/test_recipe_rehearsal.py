@@ -24,6 +24,10 @@ node, see that script), via test_slurm.running_slurm; skipped where that cannot 
 test_slurm._skip_reason). Ray stays on loopback (the second node joins at the host name, which
 resolves to 127.0.0.1; see ray_cluster.sh MRLHF_RAY_JOIN_HOST).
 
+Also here, without SLURM: ``configs/smoke-1n8g.yaml`` (the one-node GPU smoke run) scaled by
+overrides only, run with ``python train.py`` from a plain copy of the repository (see
+``test_smoke_1n8g_recipe_scaled_runs_from_a_plain_checkout_with_tp2_broadcast_and_probe_check``).
+
 Run it alone (about 2-4 minutes on an idle 2-core machine):
     MRLHF_SLURM_TESTS=1 .venv/bin/pytest -q tests/test_recipe_rehearsal.py -m integration
 """
@@ -31,6 +35,7 @@ Run it alone (about 2-4 minutes on an idle 2-core machine):
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -151,3 +156,74 @@ def test_a_ray_node_that_fails_to_start_fails_the_job_at_once_naming_the_node(tw
     assert info["JobState"] == "FAILED", (info, text[-3000:])
     assert re.search(r"the Ray step on [\w.-]+(, [\w.-]+)* exited before the run started", text), text[-3000:]
     assert not (run_dir / "metrics.jsonl").exists()
+
+
+# ------------------------------------------------------------------ configs/smoke-1n8g.yaml (issue 21)
+SMOKE = "configs/smoke-1n8g.yaml"
+SMOKE_SCALE = [   # one 8-GPU node -> 2 cores: everything else as the recipe has it
+    "model.dtype=float32",                      # CPU: fp32 learner and engines
+    "learner.data_parallel=1",                  # TP=2 x DP=2 -> TP=2 x DP=1 (TP and SP as the recipe)
+    "generators.num_workers=1",                 # 4 engines -> 1
+    "generators.max_new_tokens=8", "generators.max_model_len=512", "generators.prompts_per_request=2",
+    "generators.kv_cache_gib=0.0625",
+    "generators.check_weight_sync_tol=0.001",   # fp32: the tight tolerance (the recipe's is for bf16)
+    "algorithm.samples_per_prompt=4", "algorithm.prompts_per_step=2",
+    "tasks.0.reward=tests.plugins:char_parity",   # random weights never solve GSM8K: a 50/50 reward
+    "run.num_steps=3", "async.timeout_s=300",   # 3: the first batch after a push is batch 3
+    "eval.num_prompts=4", "eval.samples=1",
+]
+
+
+def test_smoke_recipe_without_model_source_stops_naming_the_key():
+    from megatron_rlhf.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"model\.source.*existing local Hugging Face model folder"):
+        load_config(REPO / SMOKE)
+
+
+@pytest.mark.skipif(os.environ.get("MRLHF_SMOKE_REHEARSAL") != "1",
+                    reason="passed once (278 s at load ~30); gated to keep issue 21 inside its CI budget "
+                           "(the plain-checkout ci_tiny test covers item 1): MRLHF_SMOKE_REHEARSAL=1 runs it")
+@pytest.mark.timeout(420)
+def test_smoke_1n8g_recipe_scaled_runs_from_a_plain_checkout_with_tp2_broadcast_and_probe_check(tiny_llama_dir,
+                                                                                                 tmp_path):
+    """The smoke recipe, scaled by overrides only (SMOKE_SCALE), run the way its header says
+    (``python train.py`` on one node, no SLURM) from a copy of the repository that no Python can
+    import the package from (issue 21 item 1: ``tests.test_cli_args._uninstalled_checkout``: the
+    venv's base interpreter, only the venv's site-packages on PYTHONPATH, its own ``ray``). The Ray
+    workers import the package only through the PYTHONPATH ``setup.init_ray`` gives them (without
+    it: ``Failed to execute the setup hook method ... No module named 'megatron_rlhf'``,
+    ``LearnerDiedError`` at start-up). Proves: exit 0; TP=2 learner (2 ranks) with sequence
+    parallelism and the distributed optimizer; staleness 0, 1, 1; a broadcast push with bytes and
+    its probe check within the fp32 tolerance on batch 3; the checkpoint at the end; the eval
+    before step 1 and after step 3. README "Cluster runs" quotes this run's output lines."""
+    from tests.test_cli_args import _uninstalled_checkout
+
+    copy, env, py = _uninstalled_checkout(tmp_path)
+    for mod, ok in (("megatron_rlhf", False), ("ray", True)):   # the set-up holds
+        res = subprocess.run([py, "-c", f"import {mod}"], cwd="/", env=env, capture_output=True, text=True,
+                             timeout=120)
+        assert (res.returncode == 0) == ok, (mod, res.stderr[-2000:])
+    out = tmp_path / "runs"
+    t0 = time.monotonic()
+    res = subprocess.run([py, "train.py", "--config", SMOKE, f"model.source={tiny_llama_dir}",
+                          f"run.output_dir={out}", *SMOKE_SCALE], cwd=copy, env=env, capture_output=True,
+                         text=True, timeout=400)
+    text = res.stdout + res.stderr
+    (tmp_path / "smoke.log").write_text(text)
+    print(f"smoke rehearsal: {time.monotonic() - t0:.0f} s; log {tmp_path / 'smoke.log'}")
+    assert res.returncode == 0, text[-6000:]
+    assert "setup hook" not in text, text[-6000:]
+    run_dir = out / "smoke-1n8g"
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert cfg["learner"]["tensor_parallel"] == 2 and cfg["learner"]["sequence_parallel"] is True
+    assert cfg["learner"]["distributed_optimizer"] is True and cfg["generators"]["transport"] == "broadcast"
+    assert cfg["generators"]["check_weight_sync"] is True
+    rows = _rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3], rows
+    assert [r["staleness/max"] for r in rows] == [0, 1, 1], rows
+    assert rows[2]["sync/bytes"] > 0 and rows[2]["sync/GBps"] > 0, rows[2]
+    checks = {k: v for k, v in rows[2].items() if k.startswith("sync/check") and "diff" in k}
+    assert checks and all(0 <= v < 1e-3 for v in checks.values()), rows[2]   # the probe check ran on it
+    assert (run_dir / "checkpoints" / "step_3").is_dir()
+    assert rows[0]["eval/step"] == 0 and rows[2]["eval/step"] == 3, (rows[0], rows[2])

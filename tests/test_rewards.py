@@ -114,3 +114,23 @@ def test_registry_and_argument_errors():
     with pytest.raises(ValueError, match="one gold answer per completion"):
         r(["1", "2"], ["1"])
     r.close()
+
+
+@pytest.mark.timeout(30)
+def test_math_verify_pool_size_follows_the_driver_cores_unless_configured(monkeypatch):
+    """Issue 21 item 8: ``rewards.math_verify_workers`` (0 = from the driver node's cores:
+    min(32, cores - 1), at least 1); a negative value is refused naming the key."""
+    from pathlib import Path
+
+    from megatron_rlhf.config import ConfigError, load_config
+    from megatron_rlhf.rewards.math_verify import default_num_workers
+
+    assert [default_num_workers(0, cores=c) for c in (1, 2, 3, 16, 33, 64, 192)] == [1, 1, 2, 15, 32, 32, 32]
+    assert default_num_workers(6, cores=2) == 6
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(12)))
+    assert default_num_workers(0) == 11
+    demo = Path(__file__).resolve().parents[1] / "configs" / "cpu_demo.yaml"
+    assert load_config(demo).rewards.math_verify_workers == 0
+    assert load_config(demo, ["rewards.math_verify_workers=4"]).rewards.math_verify_workers == 4
+    with pytest.raises(ConfigError, match="rewards.math_verify_workers"):
+        load_config(demo, ["rewards.math_verify_workers=-1"])

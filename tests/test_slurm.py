@@ -242,3 +242,49 @@ def test_sbatch_whole_step_sigterm_checkpoints_exits_0_and_resubmit_resumes(slur
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", info
     assert metrics_steps(run) == list(range(1, num_steps + 1))
     assert checkpoint_steps(run)[-1] == num_steps
+
+
+@pytest.mark.timeout(120)
+def test_ray_cluster_preflight_fails_in_seconds_naming_the_node_that_cannot_import_the_package(tmp_path):
+    """Issue 21 item 1: before any Ray node starts, ``ray_cluster.sh`` runs ``$PY -c "import
+    megatron_rlhf"`` from ``/`` on every node of the allocation; the node that cannot import it
+    fails the job at once, by name (exit 2, no ``ray start``). ``srun``/``scontrol`` are stand-ins
+    on ``PATH`` (no SLURM needed): the fake srun runs the step once per ``-w`` node with
+    ``SLURMD_NODENAME`` set and, on node ``gpu-b``, without ``PYTHONPATH`` (a node where the
+    checkout is not on the path). The good node's line shows the folder the package came from:
+    this checkout, through the ``PYTHONPATH`` the script exports (not the working directory)."""
+    import sys
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text('#!/bin/sh\n[ "$1 $2" = "show hostnames" ] && printf "gpu-a\\ngpu-b\\n"\n')
+    (bin_dir / "srun").write_text(r'''#!/usr/bin/env bash
+nodes=; chdir=.
+while [ $# -gt 0 ]; do case $1 in -w) nodes=$2; shift 2;; --chdir=*) chdir=${1#--chdir=}; shift;;
+  -*) shift;; *) break;; esac; done
+echo "srun $*" >> "$FAKE_SRUN_LOG"
+case $1 in *ray|*python*) [ "$2" = "-m" ] && exit 0;; esac   # a `ray start` step: must not be reached
+for n in ${nodes//,/ }; do
+  if [ "$n" = gpu-b ]; then (cd "$chdir" && env -u PYTHONPATH SLURMD_NODENAME=$n "$@")
+  else (cd "$chdir" && SLURMD_NODENAME=$n "$@"); fi
+done
+''')
+    for f in ("srun", "scontrol"):
+        (bin_dir / f).chmod(0o755)
+    py = getattr(sys, "_base_executable", sys.executable)   # cannot import the project on its own
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RAY_ADDRESS")}
+    import site
+
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", SLURM_JOB_NODELIST="gpu-[a-b]", SLURM_JOB_ID="77",
+               MRLHF_PYTHON=py, PYTHONPATH=site.getsitepackages()[0], FAKE_SRUN_LOG=str(tmp_path / "srun.log"),
+               MRLHF_GPUS_PER_NODE="0", MRLHF_CPUS_PER_NODE="2", MRLHF_SHARE_NODES="0", MRLHF_RAY_HEAD_IP="127.0.0.1")
+    t0 = time.monotonic()
+    res = subprocess.run(["bash", "slurm/ray_cluster.sh", "configs/ci_tiny.yaml", f"run.output_dir={tmp_path}"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=100)
+    text = res.stdout + res.stderr
+    assert res.returncode == 2, text
+    assert f"pre-flight gpu-a: ok, megatron_rlhf from {REPO}" in text, text
+    assert "pre-flight gpu-b: FAILED" in text and "No module named 'megatron_rlhf'" in text, text
+    assert "ray_cluster.sh: pre-flight failed on gpu-b: the package" in text, text
+    assert "start" not in (tmp_path / "srun.log").read_text(), "a Ray node was started after a failed pre-flight"
+    assert time.monotonic() - t0 < 60

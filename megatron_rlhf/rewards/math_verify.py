@@ -45,7 +45,7 @@ import sys
 import time
 from concurrent.futures.process import BrokenProcessPool
 
-__all__ = ["MathVerifyReward", "extract_answer_text", "score_one"]
+__all__ = ["MathVerifyReward", "default_num_workers", "extract_answer_text", "score_one"]
 
 
 _NUMBER = re.compile(r"(?<![A-Za-z])-?\d+(?:,\d{3})*(?:\.\d+)?")
@@ -123,6 +123,21 @@ def score_one(completion: str, answer: str, timeout_s: float | None = None) -> t
             signal.signal(signal.SIGALRM, old)
 
 
+def default_num_workers(configured: int = 0, cores: int | None = None) -> int:
+    """Pool size for ``rewards.math_verify_workers = configured``: ``configured`` when > 0, else
+    ``min(32, cores - 1)``, at least 1, with ``cores`` the cores this process may run on
+    (``os.sched_getaffinity``, which a SLURM step or container narrows; ``os.cpu_count()`` where
+    the OS has no affinity). One core is left for the driver, which also runs the rollout
+    producer; 32 bounds the sympy import each worker pays at start (~1-2 s, ~100 MiB each). About
+    4k completions a step at ~5 ms each take ~20 s on one worker (gpu-path-review C4) and under a
+    second on 32. ``bench/rewards.py`` measures the scaling."""
+    if configured > 0:
+        return int(configured)
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(32, int(cores) - 1))
+
+
 def _ready(hold_s: float) -> int:
     time.sleep(hold_s)
     return os.getpid()
@@ -141,6 +156,11 @@ def _worker_init() -> None:
 
 class MathVerifyReward:
     """Binary math-verify reward scored in a pool of worker processes.
+
+    One item is in flight per worker (submitted = started), so each item's deadline measures its
+    own scoring; the cost is one IPC round trip per item between two items of a worker, which
+    ``bench/rewards.py`` measures against in-process scoring (``pool/in-process`` row). The run
+    sizes the pool with :func:`default_num_workers` (``rewards.math_verify_workers``).
 
     Args:
         num_workers: worker processes (>= 1); each costs one sympy import (~1-2 s at start).

@@ -32,7 +32,7 @@ from megatron_rlhf.trainer.rollout import RolloutProducer, WeightChannel
 from megatron_rlhf.trainer.run import RunResult, learner_guard
 from megatron_rlhf.trainer.watchdog import HangWatchdog, dump_actor_stacks
 
-__all__ = ["prepare", "start", "resolve_model_dir", "init_ray", "load_prompts", "resolve_reward_models",
+__all__ = ["prepare", "start", "resolve_model_dir", "init_ray", "worker_pythonpath", "load_prompts", "resolve_reward_models",
            "build_reward_models", "reward_fns", "build_actors", "build_generators"]
 
 
@@ -93,12 +93,13 @@ def start(run, generators: list | None) -> None:
     import ray
 
     from megatron_rlhf.rewards import MathVerifyReward
+    from megatron_rlhf.rewards.math_verify import default_num_workers
     from megatron_rlhf.rollout.pairs import select_pair
     from megatron_rlhf.trainer.nodes import actor_nodes, write_actor_nodes
 
     cfg, timeout = run.cfg, run.timeout
     if any(t.kind == "math_verify" for t in cfg.tasks):
-        run.reward = MathVerifyReward(num_workers=1)
+        run.reward = MathVerifyReward(num_workers=default_num_workers(cfg.rewards.math_verify_workers))
     run.stacks_dir = run.run_dir / "logs" / f"stacks-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     run.ray_head = init_ray(cfg, run.run_dir, run.stacks_dir,
                               extra_cpus=len(set(run.reward_models.values())))
@@ -227,11 +228,30 @@ def resolve_model_dir(model_cfg) -> Path:
     return out
 
 
+def worker_pythonpath(environ: dict | None = None) -> str:
+    """``PYTHONPATH`` for every Ray worker of the run: the folder this driver imported
+    ``megatron_rlhf`` from (a plain checkout needs no ``pip install``), then the driver's own
+    ``PYTHONPATH``. Ray imports the ``worker_process_setup_hook`` (``trainer.watchdog``) before
+    the driver's directory reaches the worker's ``sys.path`` (``default_worker.py`` runs the hook
+    before ``main_loop``; the job's code paths arrive with the first task), so without this every
+    actor dies at start with ``No module named 'megatron_rlhf'`` (issue 21 item 1). A package
+    installed into site-packages adds nothing (that folder is on every worker's path already)."""
+    import megatron_rlhf
+
+    environ = os.environ if environ is None else environ
+    root = str(Path(megatron_rlhf.__file__).resolve().parents[1])
+    parts = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if Path(root).name not in ("site-packages", "dist-packages") and root not in parts:
+        parts.insert(0, root)
+    return os.pathsep.join(parts)
+
+
 def init_ray(cfg: Config, run_dir: Path, stacks_dir: Path, extra_cpus: int = 0):
     """Connect to Ray: the cluster at ``RAY_ADDRESS`` (slurm/ray_cluster.sh), the one this process
     already joined (tests), or a local head started here in its own session (``LocalRayHead``), so
     that a signal to the driver's process group does not stop Ray under the final checkpoint.
-    Every worker of the run registers a stack dump into ``stacks_dir`` (the hang watchdog).
+    Every worker of the run registers a stack dump into ``stacks_dir`` (the hang watchdog) and
+    imports the package from where the driver did (:func:`worker_pythonpath`).
 
     Returns:
         ``None``: this process had already joined a cluster (left as it is); ``False``: connected
@@ -246,7 +266,7 @@ def init_ray(cfg: Config, run_dir: Path, stacks_dir: Path, extra_cpus: int = 0):
         return None
     from megatron_rlhf.trainer.watchdog import STACKS_ENV
 
-    env = {**process_env(), STACKS_ENV: str(stacks_dir)}
+    env = {**process_env(), STACKS_ENV: str(stacks_dir), "PYTHONPATH": worker_pythonpath()}
     kw = dict(log_to_driver=True, logging_level="WARNING", runtime_env={
         "env_vars": env, "worker_process_setup_hook": "megatron_rlhf.trainer.watchdog.register_stack_dump"})
     address = os.environ.get("RAY_ADDRESS")
