@@ -65,7 +65,9 @@ def train(cfg: Config, *, quiet: bool = False, generators: list | None = None) -
     The stop handler is installed first (a SIGTERM during start-up stops it cleanly: the result has
     ``stopped_before_step``), then the run folder is locked for the rest of this call.
     """
-    with _StopFlag() as stop, hold_run_folder(cfg.run_dir):
+    from megatron_rlhf.trainer.preflight import check_output_folder
+
+    with _StopFlag() as stop, hold_run_folder(cfg.run_dir, explain=lambda: check_output_folder(cfg)):
         try:
             run = Run.open(cfg, quiet=quiet, generators=generators, stop=stop)
         except StoppedBeforeStart as e:

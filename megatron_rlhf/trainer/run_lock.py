@@ -136,12 +136,15 @@ class RunLock:
 
 
 @contextlib.contextmanager
-def hold_run_folder(run_dir: str | os.PathLike):
+def hold_run_folder(run_dir: str | os.PathLike, explain=None):
     """Hold :class:`RunLock` of ``run_dir`` for the block (the whole driver run).
 
     A :class:`~megatron_rlhf.config.ConfigError` out of the block (a refused start) removes what the
     lock created (the lock file, an empty run folder), so the folder is left as it was.
 
+    Args:
+        explain: called when the lock cannot be created, to raise the precise ``ConfigError``
+            (``preflight.check_output_folder``: which key, which file is in the way).
     Raises:
         RunLockedError: another live process holds it.
         ConfigError: the run folder or its lock file cannot be created (a file in the way, an
@@ -153,6 +156,8 @@ def hold_run_folder(run_dir: str | os.PathLike):
     try:
         lock.acquire()
     except OSError as e:
+        if explain is not None:
+            explain()
         raise ConfigError(f"config key 'run.name': cannot create the run folder {lock.run_dir} or its lock "
                           f"{lock.path}: {e.strerror or e} ({e.filename or lock.path}); move what is in the "
                           "way, or choose another run.name / a writable run.output_dir") from e
