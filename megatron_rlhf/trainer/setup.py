@@ -263,9 +263,15 @@ def start(run, generators: list | None, stop=None) -> None:
     run.transport = make_transport(cfg.generators, run.run_dir, cfg.async_.timeout_s)
     run.probe = (probe_tokens(run.sampler, cfg.generators.max_model_len)
                   if cfg.generators.check_weight_sync else None)
+    with learner_guard("start-up", run.ckpts):   # polls the stop flag; names what it waits for
+        actors = {"the learner": run.learner, **{f"generator {i}": g for i, g in enumerate(run.generators)},
+                  **{f"the reward model of task {t}": a for t, a in run.rm_actors.items()}}
+        wait_ready(actors, timeout, "start-up", stop, run.start_step + 1)
+        if live and hasattr(run.transport, "setup"):   # broadcast: form the groups
+            run.transport.setup(run.learner, run.generators, timeout)
+    check_stop(run, stop)
     run.version, rng_state, producer_state = 0, None, None
     path, state = run.resume_from
-    check_stop(run, stop)
     if path is not None:
         run.version = load_learner(run, path)
         states = run.resume_states or state   # resume_states: the pending batches are regenerated
@@ -273,14 +279,12 @@ def start(run, generators: list | None, stop=None) -> None:
         run.say(f"resuming from {path.name} (step {run.start_step}, weight version {run.version}"
                  f"{pending_note(run.pending)})")
     accept_resume(run)
-    with learner_guard("start-up", run.ckpts):
-        actors = {"the learner": run.learner, **{f"generator {i}": g for i, g in enumerate(run.generators)},
-                  **{f"the reward model of task {t}": a for t, a in run.rm_actors.items()}}
-        wait_ready(actors, timeout, "start-up", stop, run.start_step + 1)
-        if live and hasattr(run.transport, "setup"):   # broadcast: form the groups
-            run.transport.setup(run.learner, run.generators, timeout)
     check_stop(run, stop)
-    write_actor_nodes(run.run_dir, actor_nodes(run.learner, run.generators, run.rm_actors, timeout))
+    try:
+        write_actor_nodes(run.run_dir, actor_nodes(run.learner, run.generators, run.rm_actors, timeout))
+    except ray.exceptions.GetTimeoutError as e:
+        raise StartupTimeoutError(f"start-up: the learner, generator and reward-model actors did not report "
+                                  f"their nodes within async.timeout_s={timeout:.0f} s") from e
     run.channel = WeightChannel(PublishedWeights(version=0))
     check_stop(run, stop)
     run.batches = queue.Queue(maxsize=1)
