@@ -50,7 +50,7 @@ def test_nonfinite_updates_are_skipped_counted_and_stop_the_run_after_max_skippe
 
 # ------------------------------------------------------------------------- metrics after a crash (failure 2)
 # and damaged checkpoints (issue 25)
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(600)
 def test_damaged_newer_checkpoints_fall_back_to_the_intact_one_and_leave_one_row_per_step(
         generator, tiny_llama_dir, tmp_path, capsys):
     """After 3 steps (checkpoints step_1..3), step_3's policy shard is truncated and step_2's

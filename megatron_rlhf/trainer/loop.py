@@ -184,6 +184,11 @@ class _StopFlag:
                 self._old[sig] = signal.signal(sig, self._handle)
         return self
 
+    def reinstall(self):
+        """Take the signals back after ``ray.init``, which installs Ray's fatal-signal handler."""
+        for sig in self._old:
+            signal.signal(sig, self._handle)
+
     def _handle(self, signum, frame):
         if self.requested and signum == signal.SIGINT:
             raise KeyboardInterrupt

@@ -253,6 +253,9 @@ def start(run, generators: list | None, stop=None) -> None:
     run.stacks_dir = run.run_dir / "logs" / f"stacks-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     run.ray_head = init_ray(cfg, run.run_dir, run.stacks_dir,
                               extra_cpus=len(set(run.reward_models.values())))
+    if stop is not None and hasattr(stop, "reinstall"):
+        stop.reinstall()   # ray.init installs Ray's own SIGTERM handler (a dump, then abort: rc 134)
+    check_stop(run, stop)
     run.shared_generators = list(generators or [])
     run.placement = reserve_placement(cfg, len(set(run.reward_models.values())), timeout)
     run.rm_actors = build_reward_models(cfg, run.reward_models, run.placement)
