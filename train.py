@@ -8,8 +8,10 @@
     # cluster: slurm/*.sbatch start Ray and run this same script with RAY_ADDRESS set.
 
 Writes ``<run.output_dir>/<run.name>/`` (config.yaml, metrics.jsonl, checkpoints/, hf_final/,
-summary.json). Starting again on the same run folder resumes from its latest complete checkpoint.
-SIGTERM (SLURM's warning signal) finishes the current step, writes a checkpoint and exits 0.
+summary.json). Starting again on the same run folder resumes from its newest verified checkpoint
+(one driver per run folder: a second one stops at once naming the PID and host holding it).
+SIGTERM (SLURM's warning signal) finishes the current step, writes a checkpoint and exits 0; during
+start-up it stops the start-up and exits 0 ("stopped before step N").
 """
 
 from __future__ import annotations
@@ -43,12 +45,20 @@ def main(argv: list[str] | None = None) -> int:
 
     apply_process_env()
     from megatron_rlhf.trainer.loop import train
+    from megatron_rlhf.trainer.run_lock import RunLockedError
+    from megatron_rlhf.trainer.setup import ResumeRefusedError
 
     try:
         res = train(cfg)
+    except ResumeRefusedError as e:
+        print(f"resume refused: {e}", file=sys.stderr)
+        return 2
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    except RunLockedError as e:
+        print(f"run folder in use: {e}", file=sys.stderr)
+        return 3
     print(format_summary(res), flush=True)
     return 0
 
@@ -58,6 +68,10 @@ def format_summary(res: dict) -> str:
     f = lambda v, p=3: "n/a" if v is None or v != v else f"{v:.{p}f}"  # noqa: E731 (NaN-safe)
     lines = [f"run folder: {res['run_dir']}"] + ([f"report: {res['report']}"] if res.get("report") else []) + (
         [f"tensorboard: tensorboard --logdir {res['tensorboard']}"] if res.get("tensorboard") else [])
+    if res.get("stopped_before_step"):
+        lines.append(f"stopped before step {res['stopped_before_step']}: nothing trained in this session "
+                     "(start again to run it)")
+        return "\n".join(lines)
     if res.get("already_complete"):
         lines.append("(already complete: this is the summary of the earlier run; nothing was trained now)")
     if res.get("steps", 0) == 0:

@@ -81,6 +81,10 @@ class RunConfig:
     save_rollouts: bool = False
     """``train``: also save every batch to ``<run>/rollouts/`` (a later ``train_only`` replay of
     them reproduces this run's losses). ``rollout_only`` always saves."""
+    restart: bool = False
+    """Start afresh in a run folder that holds an earlier run: its contents are first moved to
+    ``<run.name>.old-<UTC time>/`` beside it (nothing is deleted). Without it, a used run folder
+    resumes (``checkpoint.resume: true``) or is refused (``checkpoint.resume: false``)."""
 
     def __post_init__(self):
         _check(_is_plain_folder_name(self.name), "run.name", self.name,
@@ -726,7 +730,9 @@ class CheckpointConfig:
     keep_last: int = 2
     """Complete checkpoints kept (older ones deleted after a new one is complete)."""
     resume: bool = True
-    """Resume from the latest complete checkpoint in the run folder, if any."""
+    """Resume from the newest checkpoint of the run folder whose manifest verifies, if any. ``false``
+    on a run folder that already holds a run is refused (set ``run.restart: true`` to move the old
+    run aside and start fresh, or pick another ``run.name``)."""
     export_hf: bool = True
     """Write an HF folder of the final policy to ``<run>/hf_final``."""
 
@@ -1099,5 +1105,11 @@ def config_to_dict(cfg: Any) -> dict:
 
 
 def save_config(cfg: Config, path: str | os.PathLike) -> None:
-    """Write the resolved config as YAML (loadable again with :func:`load_config`)."""
-    Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    """Write the resolved config as YAML (loadable again with :func:`load_config`), atomically.
+
+    Raises:
+        AtomicWriteError: names the path and the cause.
+    """
+    from megatron_rlhf.utils.atomic import write_text
+
+    write_text(path, yaml.safe_dump(config_to_dict(cfg), sort_keys=False))

@@ -444,3 +444,260 @@ def test_preflight_names_logging_tensorboard_when_the_package_is_missing(tiny_ll
     with pytest.raises(ConfigError, match=r"'logging\.tensorboard'.*pip install tensorboard.*logging\.tensorboard=false"):
         Run.open(cfg, quiet=True)
     assert not ray.is_initialized()
+
+
+# ------------------------------------------------------------------------- one run, one folder (issue 25)
+def _hold_lock_in_subprocess(run_dir: Path):
+    """A second process holding ``run_dir``'s lock (it prints ``held`` once it has it)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, time; from megatron_rlhf.trainer.run_lock import RunLock; "
+            f"RunLock({str(run_dir)!r}).acquire(); print('held', flush=True); time.sleep(120)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+@pytest.mark.timeout(60)
+def test_two_drivers_on_one_folder_the_second_stops_at_once_naming_pid_and_host(tiny_llama_dir, tmp_path):
+    import socket
+    import time
+
+    from megatron_rlhf.trainer.loop import train
+    from megatron_rlhf.trainer.run_lock import RunLock, RunLockedError
+
+    cfg = load_config(REPO / "configs" / "ci_tiny.yaml", [
+        f"model.source={tiny_llama_dir}", f"run.output_dir={tmp_path}", "run.name=shared",
+        "tasks.0.reward=tests.plugins:char_parity", "logging.progress=false"])
+    holder = _hold_lock_in_subprocess(cfg.run_dir)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RunLockedError, match=rf"in use by another driver \(pid {holder.pid} host "
+                                                 rf"{socket.gethostname()} since .*run\.name"):
+            train(cfg, quiet=True)
+        assert time.monotonic() - t0 < 5   # at once: before the model, the prompts or Ray
+        assert sorted(p.name for p in cfg.run_dir.iterdir()) == ["run.lock"]   # nothing else written
+    finally:
+        holder.kill()   # SIGKILL: the kernel releases its lock
+        holder.wait()
+    with RunLock(cfg.run_dir) as lock:   # a dead holder's lock never blocks
+        assert f"pid {__import__('os').getpid()} " in lock.path.read_text()
+    assert lock.path.read_text() == ""   # released: no holder recorded
+
+
+def test_the_run_lock_is_not_kept_by_forked_children(tmp_path):
+    """A process pool forked by the driver (math-verify) must not keep the folder locked after
+    the driver is gone (flock locks belong to the open file, which a fork would share)."""
+    import os
+    import signal
+
+    from megatron_rlhf.trainer.run_lock import RunLock
+
+    lock = RunLock(tmp_path / "run").acquire()
+    r, w = os.pipe()
+    child = os.fork()
+    if child == 0:   # the fork hooks ran before os.fork returned here
+        os.write(w, b"x")
+        signal.pause()
+        os._exit(0)
+    try:
+        assert os.read(r, 1) == b"x"
+        lock.release()
+        RunLock(tmp_path / "run").acquire().release()   # the child does not hold it
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+
+
+def _ckpt_writer(big: bool):
+    def write(tmp):
+        (tmp / "learner" / "policy").mkdir(parents=True)
+        (tmp / "learner" / "learner_state.pt").write_bytes(b"s" * 1000)
+        size = (17 * 2**20) if big else 4096   # above / below FULL_HASH_MAX_BYTES
+        (tmp / "learner" / "policy" / "__0_0.distcp").write_bytes(bytes(range(256)) * (size // 256))
+    return write
+
+
+def _truncate(p: Path):
+    p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+
+
+def _flip_last_byte(p: Path):
+    data = bytearray(p.read_bytes())
+    data[-1] ^= 0xFF
+    p.write_bytes(bytes(data))
+
+
+DAMAGE = [  # (file of step_2, damage, shard above 16 MiB, what the reason must say)
+    ("trainer_state.json", _truncate, False, r"trainer_state\.json is unreadable \(JSONDecodeError"),
+    ("learner/policy/__0_0.distcp", _truncate, False, r"__0_0\.distcp is 2048 bytes, the manifest says 4096"),
+    ("learner/policy/__0_0.distcp", _truncate, True, r"__0_0\.distcp is 8912896 bytes.*truncated"),
+    ("learner/policy/__0_0.distcp", _flip_last_byte, False, r"__0_0\.distcp has other bytes"),
+    ("learner/policy/__0_0.distcp", _flip_last_byte, True, r"__0_0\.distcp has other bytes"),
+    ("learner/learner_state.pt", Path.unlink, False, r"learner_state\.pt is missing"),
+    ("learner/extra.pt", lambda p: p.write_bytes(b"x"), False, r"extra\.pt is not in the manifest"),
+    ("MANIFEST.json", _truncate, False, r"MANIFEST\.json is unreadable"),
+]
+
+
+@pytest.mark.parametrize("rel, damage, big, reason", DAMAGE, ids=[f"{d[0]}-{d[1].__name__}-{'big' if d[2] else 'small'}"
+                                                                 for d in DAMAGE])
+def test_a_damaged_checkpoint_falls_back_to_the_previous_and_is_moved_aside(tmp_path, rel, damage, big, reason):
+    from megatron_rlhf.trainer.checkpoint import CheckpointManager
+
+    m = CheckpointManager(tmp_path / "checkpoints", keep_last=3)
+    for step in (1, 2):
+        m.save(step, {"step": step}, _ckpt_writer(big))
+    damage(tmp_path / "checkpoints" / "step_2" / rel)
+    found = m.resumable()
+    assert found.path.name == "step_1" and found.state == {"step": 1} and found.verified
+    ((path, why),) = found.damaged
+    assert path.name == "step_2" and __import__("re").search(reason, why), why
+    before = {p.relative_to(path): p.read_bytes() for p in path.rglob("*") if p.is_file()}
+    aside = m.move_aside(path)
+    assert aside.name.startswith("step_2.damaged-") and not path.exists()   # moved, never deleted
+    assert {p.relative_to(aside): p.read_bytes() for p in aside.rglob("*") if p.is_file()} == before
+    assert [s for s, _ in m.complete_checkpoints()] == [1] and m.resumable().damaged == []
+
+
+def test_a_checkpoint_without_manifest_is_trusted_unverified(tmp_path):
+    """Written before manifests: trusted (its folder was completed by the atomic rename), flagged."""
+    from megatron_rlhf.trainer.checkpoint import MANIFEST, CheckpointManager
+
+    m = CheckpointManager(tmp_path / "checkpoints")
+    m.save(1, {"step": 1}, _ckpt_writer(False))
+    (tmp_path / "checkpoints" / "step_1" / MANIFEST).unlink()
+    found = m.resumable()
+    assert found.path.name == "step_1" and not found.verified and found.damaged == []
+
+
+def _folder_bytes(folder: Path) -> dict:
+    import hashlib
+
+    return {str(p.relative_to(folder)): (hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir")
+            for p in sorted(folder.rglob("*"))}
+
+
+@pytest.fixture
+def used_run_folder(tiny_llama_dir, tmp_path):
+    """A run folder holding an earlier run of 3 steps stopped at step 1: config.yaml, one metrics
+    row, and checkpoint step_1 (a stand-in learner file, the real data-sampler position)."""
+    from megatron_rlhf.config import save_config
+    from megatron_rlhf.trainer import setup
+    from megatron_rlhf.trainer.checkpoint import CheckpointManager
+    from megatron_rlhf.trainer.run import Run
+
+    def cfg(*extra):
+        return load_config(REPO / "configs" / "ci_tiny.yaml", [
+            f"model.source={tiny_llama_dir}", f"run.output_dir={tmp_path}", "run.name=used",
+            "tasks.0.reward=tests.plugins:char_parity", "logging.progress=false", *extra])
+
+    run = Run(cfg(), lambda *a: None)
+    assert setup.prepare(run) is None
+    save_config(run.cfg, run.run_dir / "config.yaml")
+    (run.run_dir / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.5}) + "\n")
+    CheckpointManager(run.run_dir / "checkpoints").save(
+        1, {"step": 1, "weight_version": 1, "sampler_state": run.sampler.state_dict(), "rng_state": None,
+            "producer_state": None, "pending_batches": []}, _ckpt_writer(False))
+    return run.run_dir, cfg
+
+
+REFUSED = [  # (overrides of the second start, what the refusal must say)
+    (["eval.num_prompts=8"], r"cannot resume from .*step_1: the training prompts differ from the checkpoint's "
+                             r"because eval\.num_prompts: 16 -> 8"),
+    (["checkpoint.resume=false"], r"checkpoint\.resume=false, but the run folder .*used already holds a run "
+                                  r"\(checkpoints/step_1, config\.yaml, metrics\.jsonl\).*another run\.name, "
+                                  r"or set run\.restart=true"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", REFUSED, ids=[r[0][0] for r in REFUSED])
+def test_a_refused_resume_leaves_the_run_folder_byte_for_byte_unchanged(used_run_folder, overrides, message):
+    from megatron_rlhf.trainer.loop import train
+
+    run_dir, cfg = used_run_folder
+    before = _folder_bytes(run_dir)
+    with pytest.raises(ConfigError, match=message) as err:
+        train(cfg(*overrides), quiet=True)
+    assert "tokenizer" not in str(err.value) and "tasks[math].data" not in str(err.value)
+    assert _folder_bytes(run_dir) == before
+
+
+def test_run_restart_moves_the_old_run_aside_and_starts_fresh(used_run_folder):
+    from megatron_rlhf.trainer import setup
+    from megatron_rlhf.trainer.run import Run
+
+    run_dir, cfg = used_run_folder
+    before = _folder_bytes(run_dir)
+    run = Run(cfg("checkpoint.resume=false", "run.restart=true"), lambda *a: None)
+    assert setup.prepare(run) is None and run.resume_from == (None, None)
+    (aside,) = run_dir.parent.glob("used.old-*")
+    assert _folder_bytes(aside) == before and list(run_dir.iterdir()) == []
+
+
+def test_a_pending_batch_of_another_loss_is_regenerated_not_trained(tmp_path):
+    """A checkpoint's untrained batch was built for online_dpo (pairs); resumed with grpo it is
+    dropped and counted, and generation restarts from the position before it."""
+    from megatron_rlhf.trainer.batch_io import algorithm_tag, save_batch
+    from megatron_rlhf.trainer.setup import load_pending
+    from tests.test_batch_io import _batch
+
+    dpo = AlgorithmConfig(loss="online_dpo", samples_per_prompt=4)
+    grpo = AlgorithmConfig(loss="grpo", samples_per_prompt=4)
+    before = {"sampler_state": {"at": "trained batch"}, "rng_state": None, "producer_state": None}
+    state = {"step": 3, "pending_batches": [3], "before_pending": before}
+    save_batch(_batch(3), tmp_path / "batches", algorithm=algorithm_tag(dpo))
+    assert load_pending(tmp_path, state, grpo) == ([], before, 1)
+    assert load_pending(tmp_path, state, AlgorithmConfig(loss="online_dpo", samples_per_prompt=8))[2] == 1  # K
+    pending, states, regenerated = load_pending(tmp_path, state, dpo)
+    assert [b.index for b in pending] == [3] and states is None and regenerated == 0
+    save_batch(_batch(3), tmp_path / "batches")   # untagged (written before the tag): trained as before
+    assert load_pending(tmp_path, state, grpo)[2] == 0
+
+
+WRITE_FAILURES = [  # (errno raised while writing, what the error must say)
+    (28, r"cannot write .*summary\.json: no space left on device"),
+    (30, r"cannot write .*summary\.json: read-only file system"),
+    (13, r"cannot write .*summary\.json: permission denied"),
+]
+
+
+@pytest.mark.parametrize("code, message", WRITE_FAILURES, ids=[str(c) for c, _ in WRITE_FAILURES])
+def test_a_failed_atomic_write_names_path_and_cause_and_leaves_the_old_file_and_no_temp(
+        tmp_path, monkeypatch, code, message):
+    import os
+
+    from megatron_rlhf.utils import atomic
+
+    path = atomic.write_json(tmp_path / "summary.json", {"old": 1})
+
+    def fail(fd):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(atomic.os, "fsync", fail)
+    with pytest.raises(atomic.AtomicWriteError, match=message):
+        atomic.write_json(path, {"new": 2})
+    assert json.loads(path.read_text()) == {"old": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+
+
+def test_run_folder_writers_all_go_through_the_atomic_helper():
+    """A grep, as the issue asks: no raw file writer in the trainer's run-folder code (exceptions:
+    the metrics.jsonl row append and the watchdog's stack-dump log, both append-only logs)."""
+    import re
+
+    pattern = re.compile(r"\.write_text\(|\.write_bytes\(|\bopen\([^)]*[\"'](w|wb|wt|a|ab)[\"']|json\.dump\(|"
+                         r"torch\.save\(|os\.rename\(|os\.replace\(")
+    allowed = {("trainer/metrics.py", 'with open(self.path, "a") as f:'),
+               ("trainer/watchdog.py", '_stack_file = open(Path(folder) / f"{socket.gethostname()}-{os.getpid()}.txt", "a")'),
+               ("trainer/batch_io.py", "json.dump(doc, f)"),            # into atomic_open
+               ("trainer/checkpoint.py", "os.rename(tmp, final)"),       # the checkpoint folder
+               ("trainer/checkpoint.py", "os.rename(path, dest)"),       # moving a damaged one aside
+               ("trainer/run.py", "os.rename(final, old)"), ("trainer/run.py", "os.rename(tmp, final)"),  # hf_final
+               ("trainer/setup.py", "os.rename(p, run.restart_aside / p.name)")}
+    pkg = REPO / "megatron_rlhf"
+    found = {(str(f.relative_to(pkg)), line.strip()) for f in [*(pkg / "trainer").glob("*.py"), pkg / "config.py"]
+             for line in f.read_text().splitlines() if pattern.search(line) and not line.strip().startswith("#")}
+    assert found - allowed == set()

@@ -4,6 +4,9 @@ and one Ray cluster for the module (``train(..., generators=[...])``, as in test
 * non-finite updates are skipped and counted, and the run stops after learner.max_skipped_steps;
 * metrics.jsonl, and the TensorBoard event files beside it, hold one row per step after a crash
   between a row and its checkpoint (failure 2);
+* damaged newer checkpoints (a truncated shard, a truncated state file) fall back to the intact
+  one, moved aside and named (issue 25), a checkpoint the learner refuses is one line, and a
+  start-up wait names its actors and async.timeout_s;
 * a dead learner is reported with the last complete checkpoint in every learner call (failure 4);
 * the train/inference mismatch metrics stay flat with unchanged weights (failure 9).
 """
@@ -12,7 +15,7 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -46,31 +49,96 @@ def test_nonfinite_updates_are_skipped_counted_and_stop_the_run_after_max_skippe
 
 
 # ------------------------------------------------------------------------- metrics after a crash (failure 2)
-@pytest.mark.timeout(400)
-def test_rerun_after_crash_between_row_and_checkpoint_leaves_one_row_per_step(generator, tiny_llama_dir,
-                                                                               tmp_path):
-    """The driver died after writing row 2 but before checkpoint step_2 was complete (the folder
-    is removed, as a crash mid-save leaves it); the re-run resumes from step_1, moves the old row
-    2 aside and writes its own: rows 1, 2 once each, and the summary covers both."""
+# and damaged checkpoints (issue 25)
+@pytest.mark.timeout(600)
+def test_damaged_newer_checkpoints_fall_back_to_the_intact_one_and_leave_one_row_per_step(
+        generator, tiny_llama_dir, tmp_path, capsys):
+    """After 3 steps (checkpoints step_1..3), step_3's policy shard is truncated and step_2's
+    trainer_state.json cut in half (a full disk, a killed copy). The re-run moves both aside
+    (named, never deleted), resumes from step_1, moves the first run's rows 2 and 3 aside and
+    writes its own: rows 1..3 once each, and the summary covers them."""
     from megatron_rlhf.trainer.loop import train
 
     cfg = _cfg(tiny_llama_dir, tmp_path, "crash", "algorithm.loss=online_dpo", "checkpoint.interval=1",
-               "run.num_steps=2")
+               "checkpoint.keep_last=3", "run.num_steps=3")
     train(cfg, quiet=True, generators=[generator])
-    run_dir = tmp_path / "crash"
+    run_dir, ck = tmp_path / "crash", tmp_path / "crash" / "checkpoints"
     first = _rows(run_dir)
-    shutil.rmtree(run_dir / "checkpoints" / "step_2")
-    (run_dir / "summary.json").unlink()
-    res = train(cfg, quiet=True, generators=[generator])
+    shard = sorted((ck / "step_3" / "learner" / "policy").rglob("*.distcp"))[0]
+    state = ck / "step_2" / "trainer_state.json"
+    for f in (shard, state):
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    capsys.readouterr()
+    res = train(cfg, quiet=False, generators=[generator])   # summary.json of 3 steps is there: not "complete"
+    out = capsys.readouterr().out
+    assert re.search(rf"checkpoint step_3 is damaged \(learner/policy/{shard.name} is \d+ bytes, the manifest "
+                     r"says \d+ \(truncated or replaced\)\): moved aside to .*step_3\.damaged-", out), out
+    assert re.search(r"checkpoint step_2 is damaged \(.*trainer_state\.json is unreadable.*\): moved aside", out)
+    assert "falling back to step_1" in out
+    assert sorted(p.name.split(".")[0] for p in ck.glob("step_*.damaged-*")) == ["step_2", "step_3"]
     rows = _rows(run_dir)
-    assert [r["step"] for r in rows] == [1, 2] and res["resumed_from_step"] == 1
+    assert [r["step"] for r in rows] == [1, 2, 3] and res["resumed_from_step"] == 1
     assert rows[0] == first[0]
     (aside,) = run_dir.glob("metrics.crash-resumed_at_step_1-*.jsonl")
-    assert [json.loads(x)["step"] for x in aside.read_text().splitlines()] == [2]
+    assert [json.loads(x)["step"] for x in aside.read_text().splitlines()] == [2, 3]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 2 and summary["first_step"] == 1 and summary["last_step"] == 2
+    assert summary["steps"] == 3 and summary["first_step"] == 1 and summary["last_step"] == 3
     assert res["tensorboard"] == str(run_dir / "tensorboard")   # and its event files agree after the resume:
     assert_tensorboard_matches_jsonl(run_dir)
+
+
+# ------------------------------------------------------------------------- start-up waits (issue 25)
+class _SlowToStart:
+    def __init__(self):
+        import time
+
+        time.sleep(60)
+
+
+@pytest.mark.timeout(60)
+def test_a_start_up_wait_names_the_actors_and_async_timeout_s_and_polls_the_stop_flag(ray_cluster):
+    import ray
+
+    from megatron_rlhf.trainer.setup import StartupTimeoutError, StoppedBeforeStart, wait_ready
+
+    slow = ray.remote(num_cpus=0)(_SlowToStart).remote()
+    try:
+        with pytest.raises(StartupTimeoutError, match=r"^start-up: generator 0 not ready within "
+                                                      r"async\.timeout_s=1 s \(0 of 1 actors ready\): raise async\.timeout_s"):
+            wait_ready({"generator 0": slow}, 1.0, "start-up")
+        with pytest.raises(StoppedBeforeStart, match="stopped before step 4"):
+            wait_ready({"generator 0": slow}, 30.0, "start-up", SimpleNamespace(requested=True), next_step=4)
+    finally:
+        ray.kill(slow)
+
+
+class _RefusingLearner:
+    def load_checkpoint(self, path):
+        raise KeyError("policy/decoder.layers.0.mlp.linear_fc1.weight missing in the checkpoint\n(more lines)")
+
+
+@pytest.mark.timeout(60)
+def test_a_checkpoint_the_learner_refuses_stops_naming_the_folder_and_cause_in_one_line(ray_cluster, tmp_path):
+    import ray
+
+    from megatron_rlhf.config import load_config
+    from megatron_rlhf.trainer.checkpoint import CheckpointManager
+    from megatron_rlhf.trainer.run import Run
+    from megatron_rlhf.trainer.setup import ResumeRefusedError, load_learner
+
+    run = Run(load_config(REPO / "configs" / "ci_tiny.yaml", [f"run.output_dir={tmp_path}"]), lambda *a: None)
+    run.ckpts = CheckpointManager(tmp_path / "checkpoints")
+    run.learner = ray.remote(num_cpus=0)(_RefusingLearner).remote()
+    try:
+        with pytest.raises(ResumeRefusedError) as err:
+            load_learner(run, tmp_path / "checkpoints" / "step_4")
+    finally:
+        ray.kill(run.learner)
+    assert re.fullmatch(r"cannot resume from .*step_4: the learner cannot load it \(KeyError: 'policy/decoder"
+                        r"\.layers\.0\.mlp\.linear_fc1\.weight missing in the checkpoint.*\); resume with the "
+                        r"config the checkpoint was written with \(config\.yaml\), or start fresh: another "
+                        r"run\.name, or run\.restart=true", str(err.value)), str(err.value)
+    assert "\n" not in str(err.value) and err.value.__cause__ is None
 
 
 # ------------------------------------------------------------------------- dead learner (failure 4)

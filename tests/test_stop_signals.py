@@ -152,6 +152,31 @@ def test_group_sigterm_then_sigint_each_checkpoint_exit_0_and_leave_no_process(t
     assert_tensorboard_matches_jsonl(run)   # three sessions, one TensorBoard value per step
 
 
+@pytest.mark.timeout(300)
+def test_sigterm_during_start_up_exits_0_stopped_before_step_1_and_leaves_no_process(tiny_llama_dir, tmp_path):
+    """SIGTERM to the group while the actors start (the stop handler is installed before anything
+    starts): start-up stops, every actor and the Ray head are stopped, exit 0, no report error."""
+    from megatron_rlhf.runtime import session_pids
+
+    log = tmp_path / "train.log"
+    proc = _train(tiny_llama_dir, tmp_path, log, "run.name=startup", "run.num_steps=2")
+    deadline = time.monotonic() + 180
+    while not re.search(r"local Ray head pid (\d+)", log.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+        time.sleep(0.2)
+    time.sleep(1.0)   # the actors are starting
+    helpers = set(session_pids(int(re.findall(r"local Ray head pid (\d+)", log.read_text())[-1]))) | _descendants(proc.pid)
+    os.killpg(proc.pid, signal.SIGTERM)
+    rc = _finish(proc, log, timeout_s=180)
+    text = log.read_text()
+    assert rc == 0, text[-4000:]
+    assert "signal SIGTERM" in text and "stopped before step 1: nothing trained" in text, text[-3000:]
+    assert "Traceback" not in text and "could not write the run report" not in text, text[-3000:]
+    assert metrics_steps(tmp_path / "startup") == [] and checkpoint_steps(tmp_path / "startup") == []
+    time.sleep(2)
+    assert not _alive(helpers), f"left behind: {_alive(helpers)}"
+
+
 def test_math_verify_pool_workers_outlive_sigterm_and_sigint():
     """The pool's workers ignore a signal to the driver's group (the driver stops them itself)."""
     import psutil

@@ -120,7 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     text = json.dumps(res, indent=1)
     print(text)
     if args.out:
-        args.out.write_text(text + "\n")
+        from megatron_rlhf.utils.atomic import write_text
+
+        write_text(args.out, text + "\n")
     return 0
 
 

@@ -92,9 +92,10 @@ def _row(kind: str, wording: str, a: int, b: int) -> dict:
 
 def write_jsonl(rows: list[dict], path: str | Path) -> Path:
     """Write ``rows`` as JSONL (one object per line, keys in insertion order); returns the path."""
+    from megatron_rlhf.utils.atomic import write_text
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
     return path
 
 

@@ -11,7 +11,15 @@ The same encoding of groups (:func:`group_to_dict` / :func:`group_from_dict`) ho
 producer carries between batches (surplus groups, parked partial requests: ``rollout.carry``)
 inside ``producer_state``, so a checkpoint keeps them too.
 
-Writes are atomic (temporary file + rename): a crash never leaves a half-written batch.
+Writes are atomic (temporary file + fsync + rename, :mod:`megatron_rlhf.utils.atomic`): a crash
+never leaves a half-written batch.
+
+A batch is built for one algorithm: a pair per prompt (online_dpo), a group of K
+(the policy-gradient losses, group_dpo) or the best completion (best_of_k_sft), with rewards shaped
+for it. :func:`save_batch` records that as the document's ``algorithm`` tag
+(:func:`algorithm_tag`: loss, K = samples_per_prompt, unit); a resumed run regenerates a pending
+batch whose tag differs from its config instead of training it as the wrong kind
+(``trainer.setup.load_pending``).
 """
 
 from __future__ import annotations
@@ -23,9 +31,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+from megatron_rlhf.utils.atomic import atomic_open
+
 __all__ = ["FORMAT_VERSION", "batch_to_dict", "batch_from_dict", "save_batch", "load_batch",
            "batch_path", "list_batches", "group_to_dict", "group_from_dict", "prompt_from_dict",
-           "completion_from_dict"]
+           "completion_from_dict", "algorithm_tag"]
 
 FORMAT_VERSION = 1
 
@@ -120,28 +130,41 @@ def batch_path(folder: str | os.PathLike, index: int) -> Path:
     return Path(folder) / f"batch_{index:06d}.json.gz"
 
 
-def save_batch(batch, folder: str | os.PathLike) -> Path:
-    """Write ``batch`` to :func:`batch_path` ``(folder, batch.index)`` atomically; returns the path."""
+def algorithm_tag(algorithm_cfg) -> dict:
+    """What a batch was built for: ``{"loss", "samples_per_prompt" (K), "unit"}`` (unit: ``pair``,
+    ``group`` or ``best``, ``AlgorithmConfig.unit``)."""
+    return {"loss": algorithm_cfg.loss, "samples_per_prompt": algorithm_cfg.samples_per_prompt,
+            "unit": algorithm_cfg.unit}
+
+
+def save_batch(batch, folder: str | os.PathLike, algorithm: dict | None = None) -> Path:
+    """Write ``batch`` to :func:`batch_path` ``(folder, batch.index)`` atomically, tagged with the
+    ``algorithm`` it was built for (:func:`algorithm_tag`); returns the path.
+
+    Raises:
+        AtomicWriteError: names the path and the cause (no temporary file is left).
+    """
     path = batch_path(folder, batch.index)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with gzip.open(tmp, "wt", encoding="utf-8") as f:
-        json.dump(batch_to_dict(batch), f)
-    os.replace(tmp, path)
+    doc = {**batch_to_dict(batch), **({"algorithm": algorithm} if algorithm is not None else {})}
+    with atomic_open(path, "wt", opener=gzip.open, encoding="utf-8") as f:
+        json.dump(doc, f)
     return path
 
 
-def load_batch(path: str | os.PathLike):
-    """Read a batch written by :func:`save_batch`.
+def load_batch(path: str | os.PathLike, *, with_algorithm: bool = False):
+    """Read a batch written by :func:`save_batch`; with ``with_algorithm`` ``(batch, tag)``, the tag
+    None for a file written before batches were tagged.
 
     Raises:
         ValueError: the file is not a readable rollout batch (names the path).
     """
     try:
         with gzip.open(path, "rt", encoding="utf-8") as f:
-            return batch_from_dict(json.load(f))
+            doc = json.load(f)
+        batch = batch_from_dict(doc)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path}: not a readable rollout batch ({type(e).__name__}: {e})") from e
+    return (batch, doc.get("algorithm")) if with_algorithm else batch
 
 
 def list_batches(folder: str | os.PathLike) -> list[Path]:

@@ -17,29 +17,58 @@ Layout of one checkpoint::
 
     step_N/
       learner/            # written by MegatronLearner.save_checkpoint (models, optimizer, RNG, version)
+      batches/            # the untrained (pending) batches, trainer.batch_io format
       trainer_state.json  # step, weight_version, data sampler + pair RNG position, run stats
       COMPLETE
+      MANIFEST.json       # written last: size and checksum of every other file (verify_manifest)
     reference_vK/         # the frozen reference, saved once per reference version K and shared:
                           # a step's learner/reference.json names the one it uses; rotation
                           # deletes a reference_vK only when no kept checkpoint names it
+
+Verified before trusted (:meth:`CheckpointManager.resumable`): on start the newest checkpoint
+whose manifest verifies is used; a damaged newer one (a file missing, truncated, changed or not
+listed; an unreadable ``trainer_state.json``) is moved aside to ``step_N.damaged-<UTC time>`` (never
+deleted) and named. The manifest holds each file's size and SHA-256, the whole file up to
+``FULL_HASH_MAX_BYTES`` (16 MiB: ``trainer_state.json``, ``learner_state*.pt``, dist_checkpointing's
+``.metadata``/``common.pt``, batches), and for larger files (the model and optimizer shards) the
+SHA-256 of their first and last MiB. Why not a full hash: SHA-256 runs at about 0.5-1 GB/s per
+core, so a 1 TB checkpoint would take 20-30 min to verify on every start; the size catches a
+truncation (the usual damage: a full disk, a killed copy or rsync), the head and tail hashes a torn
+or overwritten header or end, at 2 MiB of reads per shard. Bit rot inside a large shard is left to
+the storage's own checksums. Anchors: torch.distributed.checkpoint and Megatron's
+dist_checkpointing write their ``.metadata`` / ``metadata.json`` last as the completion marker but
+check no sizes; NeMo-RL and torchtitan rely on a rename of a ``tmp_step_N`` folder as here; Orbax
+writes a ``commit_success`` file. None of them verifies the bytes before loading.
+
+Checkpoints written before manifests existed (``COMPLETE`` without ``MANIFEST.json``) are trusted
+unverified, with a note (they were completed by the same atomic rename; refusing them would stop
+every earlier run's resume); only their ``trainer_state.json`` is checked to parse.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
+import hashlib
 import json
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Callable
 
 from megatron_rlhf.testing.faults import kill_point
+from megatron_rlhf.utils.atomic import fsync_dir, fsync_file, write_json, write_text
 
-__all__ = ["CheckpointManager", "CheckpointError"]
+__all__ = ["CheckpointManager", "CheckpointError", "Resumable", "MANIFEST", "write_manifest",
+           "verify_manifest", "FULL_HASH_MAX_BYTES"]
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _LOW_DISK_BYTES = 64 * 2**20
+MANIFEST = "MANIFEST.json"
+FULL_HASH_MAX_BYTES = 16 * 2**20
+_EDGE_BYTES = 2**20
 
 
 class CheckpointError(RuntimeError):
@@ -51,8 +80,11 @@ class CheckpointManager:
     """Saves, finds and rotates checkpoints under ``root``.
 
     Args:
-        root: the run's ``checkpoints`` folder (created).
+        root: the run's ``checkpoints`` folder (created by the first :meth:`save`, so that a run
+            refused at start leaves the run folder as it was).
         keep_last: complete checkpoints to keep (>= 1).
+    Raises:
+        CheckpointError: a file is where ``root`` or a folder above it must go.
     """
 
     def __init__(self, root: str | os.PathLike, keep_last: int = 2):
@@ -60,6 +92,13 @@ class CheckpointManager:
             raise ValueError(f"checkpoint.keep_last must be >= 1, got {keep_last}")
         self.root = Path(root)
         self.keep_last = keep_last
+        blocker = next((p for p in (self.root, *self.root.parents) if p.exists()), None)
+        if blocker is not None and not blocker.is_dir():
+            raise CheckpointError(f"cannot create the checkpoint folder {self.root}: Not a directory "
+                                  f"({blocker}); a file is in the way: move it, or set another "
+                                  "run.output_dir / run.name")
+
+    def _create(self) -> None:
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except (FileExistsError, NotADirectoryError) as e:
@@ -72,6 +111,8 @@ class CheckpointManager:
     def complete_checkpoints(self) -> list[tuple[int, Path]]:
         """All complete checkpoints as ``(step, path)``, oldest first."""
         out = []
+        if not self.root.is_dir():
+            return out
         for p in self.root.iterdir():
             m = _STEP_RE.match(p.name)
             if m and (p / "COMPLETE").is_file() and (p / "trainer_state.json").is_file():
@@ -79,12 +120,14 @@ class CheckpointManager:
         return sorted(out)
 
     def latest(self) -> tuple[Path, dict] | None:
-        """The newest complete checkpoint and its trainer state, or ``None``."""
-        ckpts = self.complete_checkpoints()
-        if not ckpts:
-            return None
-        path = ckpts[-1][1]
-        return path, json.loads((path / "trainer_state.json").read_text())
+        """The newest complete checkpoint whose trainer state reads, and that state, or ``None``
+        (not verified against its manifest: :meth:`resumable` does that)."""
+        for _, path in reversed(self.complete_checkpoints()):
+            try:
+                return path, _read_state(path)
+            except ValueError:
+                continue
+        return None
 
     def save(self, step: int, trainer_state: dict, write_fn: Callable[[Path], None], *,
              passthrough: tuple[type[BaseException], ...] = ()) -> Path:
@@ -104,6 +147,7 @@ class CheckpointManager:
                 for a full disk; the original error is the ``__cause__``); the temporary folder
                 is removed and no checkpoint changes.
         """
+        self._create()
         for stale in self.root.glob(".tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
         tmp = self.root / f".tmp-step_{step}-{os.getpid()}"
@@ -120,13 +164,13 @@ class CheckpointManager:
             _test_delay()
             write_fn(tmp)
             kill_point("save", step)
-            (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
-            (tmp / "COMPLETE").write_text(f"step {step}\n")
-            _fsync_dir(tmp)
+            write_json(tmp / "trainer_state.json", trainer_state, indent=1)
+            write_text(tmp / "COMPLETE", f"step {step}\n")
+            write_manifest(tmp, step)   # last: covers every file above
             if final.exists():  # a previous incomplete or superseded save of the same step
                 shutil.rmtree(final)
             os.rename(tmp, final)
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
         except passthrough:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -153,6 +197,133 @@ class CheckpointManager:
         for ref in self.root.glob("reference_v*"):
             if ref.is_dir() and ref.resolve() not in used:
                 shutil.rmtree(ref, ignore_errors=True)
+
+    # ----- verification before use (issue 25) -----------------------------------------------------
+    def resumable(self) -> "Resumable":
+        """The newest checkpoint whose manifest verifies, and the damaged newer ones.
+
+        Reads every checkpoint's ``trainer_state.json`` and verifies its manifest, newest first,
+        until one passes. Changes nothing on disk (:meth:`move_aside` does, once the run is
+        accepted).
+
+        Returns:
+            :class:`Resumable` (``path`` None when no checkpoint verifies).
+        """
+        damaged = []
+        for _, path in reversed(self.complete_checkpoints()):
+            try:
+                state = _read_state(path)
+            except ValueError as e:
+                damaged.append((path, str(e)))
+                continue
+            if not (path / MANIFEST).is_file():
+                return Resumable(path, state, damaged, verified=False)
+            problem = verify_manifest(path)
+            if problem is None:
+                return Resumable(path, state, damaged, verified=True)
+            damaged.append((path, problem))
+        return Resumable(None, None, damaged, verified=False)
+
+    def move_aside(self, path: Path) -> Path:
+        """Rename a damaged checkpoint ``step_N`` to ``step_N.damaged-<UTC time>`` in the same folder
+        (never deleted; no longer a checkpoint for resume or rotation); returns the new path."""
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        dest = path.with_name(f"{path.name}.damaged-{stamp}")
+        n = 1
+        while dest.exists():
+            n += 1
+            dest = path.with_name(f"{path.name}.damaged-{stamp}-{n}")
+        os.rename(path, dest)
+        fsync_dir(self.root)
+        return dest
+
+
+@dataclasses.dataclass(frozen=True)
+class Resumable:
+    """What :meth:`CheckpointManager.resumable` found.
+
+    Attributes:
+        path / state: the newest usable checkpoint and its trainer state (None / None: none).
+        damaged: ``[(path, reason)]``, the newer checkpoints that failed (newest first).
+        verified: the manifest of ``path`` verified (False: an old checkpoint without one).
+    """
+
+    path: Path | None
+    state: dict | None
+    damaged: list
+    verified: bool
+
+
+def _read_state(path: Path) -> dict:
+    """``trainer_state.json`` of checkpoint ``path``.
+
+    Raises:
+        ValueError: unreadable or not a JSON object with ``step`` (names the file and the cause).
+    """
+    f = path / "trainer_state.json"
+    try:
+        state = json.loads(f.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{f} is unreadable ({type(e).__name__}: {e})") from e
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise ValueError(f"{f} holds no step number")
+    return state
+
+
+def _digest(path: Path, size: int) -> dict:
+    """Size and SHA-256 (whole file up to FULL_HASH_MAX_BYTES, else its first and last MiB)."""
+    with open(path, "rb") as f:
+        if size <= FULL_HASH_MAX_BYTES:
+            return {"size": size, "sha256": hashlib.sha256(f.read()).hexdigest()}
+        head = hashlib.sha256(f.read(_EDGE_BYTES)).hexdigest()
+        f.seek(size - _EDGE_BYTES)
+        tail = hashlib.sha256(f.read(_EDGE_BYTES)).hexdigest()
+    return {"size": size, "head_sha256": head, "tail_sha256": tail}
+
+
+def _files(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
+                  if p.is_file() and p.name != MANIFEST)
+
+
+def write_manifest(folder: Path, step: int) -> Path:
+    """Write ``folder/MANIFEST.json`` (module doc) over every other file of ``folder``, fsyncing each
+    file first (the learner's writers do not), so the manifest is durable after what it lists."""
+    files = {}
+    for rel in _files(folder):
+        p = folder / rel
+        fsync_file(p)
+        files[rel] = _digest(p, p.stat().st_size)
+    for d in {p.parent for p in folder.rglob("*") if p.is_file()}:
+        fsync_dir(d)
+    return write_json(folder / MANIFEST, {"format": 1, "step": step, "files": files}, indent=0)
+
+
+def verify_manifest(folder: Path) -> str | None:
+    """None when every file of checkpoint ``folder`` matches its ``MANIFEST.json``, else the first
+    problem in words (a file missing, truncated, changed, or not listed; an unreadable manifest)."""
+    try:
+        listed = json.loads((folder / MANIFEST).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"its {MANIFEST} is unreadable ({type(e).__name__})"
+    for rel, want in listed.items():
+        p = folder / rel
+        try:
+            size = p.stat().st_size
+        except OSError:
+            return f"{rel} is missing"
+        if size != want.get("size"):
+            return f"{rel} is {size} bytes, the manifest says {want.get('size')} (truncated or replaced)"
+        try:
+            got = _digest(p, size)
+        except OSError as e:
+            return f"{rel} is unreadable ({e.strerror or e})"
+        if got != want:
+            return f"{rel} has other bytes than when it was saved (checksum differs)"
+    extra = [rel for rel in _files(folder) if rel not in listed]
+    if extra:
+        return f"{extra[0]} is not in the manifest (written after the checkpoint was completed)"
+    return None
 
 
 def _test_delay() -> None:
@@ -183,15 +354,3 @@ def _cause(err: BaseException, root: Path) -> str:
     first = str(err).strip().splitlines()[0] if str(err).strip() else ""
     return f"{type(err).__name__}: {first}"
 
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

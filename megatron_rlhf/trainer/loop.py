@@ -28,7 +28,8 @@ import time
 from megatron_rlhf.config import Config
 from megatron_rlhf.trainer.evaluate import PendingRows, eval_due
 from megatron_rlhf.trainer.run import LearnerDiedError, Run, RunResult
-from megatron_rlhf.trainer.setup import resolve_model_dir
+from megatron_rlhf.trainer.run_lock import hold_run_folder
+from megatron_rlhf.trainer.setup import StoppedBeforeStart, resolve_model_dir
 from megatron_rlhf.testing.faults import kill_point
 from megatron_rlhf.trainer.staleness import split_by_staleness
 from megatron_rlhf.types import LearnerBatch
@@ -58,13 +59,24 @@ def train(cfg: Config, *, quiet: bool = False, generators: list | None = None) -
             non-finite loss or gradient.
         CheckpointError: a checkpoint could not be written (path and cause named; the last
             complete one is intact).
-        TimeoutError: a remote wait exceeded ``async.timeout_s``.
+        TimeoutError: a remote wait exceeded ``async.timeout_s`` (names the wait and the key).
+        RunLockedError: another driver holds the run folder (names its PID and host).
+
+    The stop handler is installed first (a SIGTERM during start-up stops it cleanly: the result has
+    ``stopped_before_step``), then the run folder is locked for the rest of this call.
     """
-    run = Run.open(cfg, quiet=quiet, generators=generators)
-    if isinstance(run, RunResult):   # the run folder already holds the finished run
-        return run
-    with run, _StopFlag() as stop:
-        return _loop(run, stop, quiet)
+    from megatron_rlhf.trainer.preflight import check_output_folder
+
+    with _StopFlag() as stop, hold_run_folder(cfg.run_dir, explain=lambda: check_output_folder(cfg)):
+        try:
+            run = Run.open(cfg, quiet=quiet, generators=generators, stop=stop)
+        except StoppedBeforeStart as e:
+            return RunResult(run_dir=str(cfg.run_dir), steps=0, stopped_early=True,
+                             stopped_before_step=e.next_step, report=None)
+        if isinstance(run, RunResult):   # the run folder already holds the finished run
+            return run
+        with run:
+            return _loop(run, stop, quiet)
 
 
 def _loop(run: Run, stop: "_StopFlag", quiet: bool) -> RunResult:
@@ -171,6 +183,11 @@ class _StopFlag:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._old[sig] = signal.signal(sig, self._handle)
         return self
+
+    def reinstall(self):
+        """Take the signals back after ``ray.init``, which installs Ray's fatal-signal handler."""
+        for sig in self._old:
+            signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
         if self.requested and signum == signal.SIGINT:

@@ -201,8 +201,10 @@ def wandb_run_id(run_dir: str | os.PathLike) -> str:
         return path.read_text().strip()
     import uuid
 
+    from megatron_rlhf.utils.atomic import write_text
+
     run_id = uuid.uuid4().hex[:16]
-    path.write_text(run_id + "\n")
+    write_text(path, run_id + "\n")
     return run_id
 
 
@@ -239,11 +241,11 @@ def adopt_rows(path: Path, resume_step: int) -> tuple[list[dict], Path | None]:
         return rows, None
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     aside = path.with_name(f"metrics.crash-resumed_at_step_{resume_step}-{stamp}.jsonl")
-    with open(aside, "a", encoding="utf-8", errors="surrogateescape") as f:
-        f.write("".join(m + "\n" for m in moved))
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    os.replace(tmp, path)
+    from megatron_rlhf.utils.atomic import write_bytes, write_text
+
+    earlier = aside.read_bytes() if aside.is_file() else b""   # same second: one file, appended
+    write_bytes(aside, earlier + "".join(m + "\n" for m in moved).encode("utf-8", "surrogateescape"))
+    write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
     return rows, aside
 
 

@@ -63,6 +63,7 @@ def write_actor_nodes(run_dir: Path, record: dict) -> Path:
     job = os.environ.get("MRLHF_SLURM_JOB_ID", "local")
     restart = os.environ.get("MRLHF_SLURM_RESTART_COUNT", "0")
     path = Path(run_dir) / "logs" / f"actor_nodes-{job}-r{restart}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    from megatron_rlhf.utils.atomic import write_text
+
+    write_text(path, json.dumps(record, indent=1, sort_keys=True) + "\n")
     return path

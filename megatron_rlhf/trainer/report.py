@@ -236,5 +236,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
             "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 8px}</style></head><body>"
             + "\n".join(body) + "</body></html>\n")
     out = Path(out) if out is not None else run_dir / "report.html"
-    out.write_text(page)
+    from megatron_rlhf.utils.atomic import write_text
+
+    write_text(out, page)
     return out

@@ -10,7 +10,6 @@ remote-call error handling in one place.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import queue
 import sys
@@ -22,6 +21,7 @@ from megatron_rlhf.config import Config
 from megatron_rlhf.trainer.checkpoint import CheckpointManager
 from megatron_rlhf.trainer.metrics import summarize, time_breakdown
 from megatron_rlhf.trainer.rollout import ProducerError, RewardError
+from megatron_rlhf.utils.atomic import fsync_dir, write_json
 
 __all__ = ["Run", "RunResult", "LearnerDiedError", "NonFiniteTrainingError", "learner_guard"]
 
@@ -83,13 +83,19 @@ class Run:
             self.phase_s[name] = self.phase_s.get(name, 0.0) + time.perf_counter() - t0
 
     @classmethod
-    def open(cls, cfg: Config, *, quiet: bool = False, generators: list | None = None) -> "Run | RunResult":
+    def open(cls, cfg: Config, *, quiet: bool = False, generators: list | None = None,
+             stop=None) -> "Run | RunResult":
         """Set the run up; a run folder that already holds the finished run returns its saved
         :class:`RunResult` instead (nothing is started).
 
+        Args:
+            stop: the stop flag (``.requested``), polled during start-up.
         Raises:
-            ConfigError: a bad config or model folder, before any actor starts.
-            LearnerDiedError / TimeoutError: an actor failed while starting.
+            ConfigError: a bad config or model folder, or a refused resume, before any actor starts
+                (``setup.ResumeRefusedError``: the learner cannot load the checkpoint).
+            LearnerDiedError / TimeoutError: an actor failed while starting (the timeout names the
+                actors and ``async.timeout_s``).
+            setup.StoppedBeforeStart: ``stop`` was requested during start-up (all is stopped).
         """
         say = (lambda *a: None) if quiet else _say
         run = cls(cfg, say)
@@ -100,7 +106,7 @@ class Run:
             return done
         try:
             with run.phase("start", "starting Ray, the learner, the generators and the reward models..."):
-                setup.start(run, generators)
+                setup.start(run, generators, stop)
         except BaseException:
             run.close()
             raise
@@ -166,7 +172,9 @@ class Run:
             from megatron_rlhf.trainer.batch_io import save_batch
             from megatron_rlhf.trainer.replay import ROLLOUTS_DIR
 
-            save_batch(batch, self.run_dir / ROLLOUTS_DIR)
+            from megatron_rlhf.trainer.batch_io import algorithm_tag
+
+            save_batch(batch, self.run_dir / ROLLOUTS_DIR, algorithm=algorithm_tag(self.cfg.algorithm))
 
     def publish(self, version: int, *, generation: bool = True, eval_step: int | None = None):
         """Export the learner's weights of ``version`` through the transport and publish them to
@@ -208,16 +216,20 @@ class Run:
         state (data-sampler position, pair RNG, normaliser) after the last of them (after ``batch``,
         the one just trained, when none is pending). A resumed run trains the pending batches first,
         then generates from that position: what the uninterrupted run would have trained."""
-        from megatron_rlhf.trainer.batch_io import save_batch
+        from megatron_rlhf.trainer.batch_io import algorithm_tag, save_batch
 
         last = pending[-1] if pending else batch
         state = {"step": step, "weight_version": version, "sampler_state": last.sampler_state,
                  "rng_state": last.rng_state, "producer_state": last.producer_state,
                  "pending_batches": [b.index for b in pending], "time": time.time()}
+        if pending:   # where to generate from instead, when a resume regenerates them (setup.load_pending)
+            state["before_pending"] = {"sampler_state": batch.sampler_state, "rng_state": batch.rng_state,
+                                       "producer_state": batch.producer_state}
+        tag = algorithm_tag(self.cfg.algorithm)
 
         def write(tmp: Path) -> None:
             for b in pending:
-                save_batch(b, tmp / "batches")
+                save_batch(b, tmp / "batches", algorithm=tag)
             self.call(self.learner.save_checkpoint.remote(str(tmp / "learner"), str(self.ckpts.root)),
                       f"checkpoint save of step {step}")
 
@@ -247,6 +259,9 @@ class Run:
         self.thread.join(timeout=5)
         self.metrics.close()
         cfg, run_dir = self.cfg, self.run_dir
+        if stopped_early and done == self.start_step:   # a stop before this session's first step
+            return RunResult(run_dir=str(run_dir), steps=0, stopped_early=True,
+                             stopped_before_step=done + 1, resumed_from_step=self.start_step, report=None)
         if not stopped_early and cfg.checkpoint.export_hf and self.trains and (done > self.start_step or not (
                 run_dir / "hf_final" / "config.json").is_file()):
             with self.phase("export"):
@@ -259,7 +274,8 @@ class Run:
                       generator_restarts=self.pool.restarts if self.pool else 0,
                       report=str(run_dir / "report.html"),
                       tensorboard=str(self.metrics.tensorboard_dir) if self.metrics.tensorboard_dir else None)
-        (run_dir / "summary.json").write_text(json.dumps(result, indent=1, default=str))
+        result["pending_regenerated"] = getattr(self, "pending_regenerated", 0)
+        write_json(run_dir / "summary.json", result, indent=1, default=str)
         _report(run_dir, result)
         return result
 
@@ -313,12 +329,17 @@ def _learner_call(ref, what: str, timeout: float, ckpts: CheckpointManager):
 
     Raises:
         LearnerDiedError: the learner actor died (killed, OOM); names the last complete checkpoint.
-        ray.exceptions.GetTimeoutError: no answer within ``async.timeout_s``.
+        TimeoutError: no answer within ``async.timeout_s`` (names the call and the key).
     """
     import ray
+    from ray.exceptions import GetTimeoutError
 
     with learner_guard(what, ckpts):
-        return ray.get(ref, timeout=timeout)
+        try:
+            return ray.get(ref, timeout=timeout)
+        except GetTimeoutError as e:
+            raise TimeoutError(f"the learner did not answer {what} within async.timeout_s={timeout:.0f} s "
+                               "(raise async.timeout_s for a slow file system or a large model)") from e
 
 
 @contextlib.contextmanager
@@ -399,9 +420,16 @@ def _export_final(run: "Run", run_dir: Path, model_dir: Path) -> None:
     import shutil
 
     final, tmp = run_dir / "hf_final", run_dir / f".hf_final.tmp-{os.getpid()}"
+    old = run_dir / f".hf_final.old-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    run.call(run.learner.export_hf.remote(str(tmp), str(model_dir)), "the final HF export")
-    if final.exists():
-        shutil.rmtree(final)
+    try:
+        run.call(run.learner.export_hf.remote(str(tmp), str(model_dir)), "the final HF export")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)   # no stray temporary folder; the old export stays
+        raise
+    if final.exists():   # swap: a crash in between leaves the old export (as .hf_final.old-<pid>)
+        os.rename(final, old)
     os.rename(tmp, final)
+    fsync_dir(run_dir)
+    shutil.rmtree(old, ignore_errors=True)
 

@@ -36,9 +36,30 @@ __all__ = ["prepare", "start", "resolve_model_dir", "init_ray", "worker_pythonpa
            "build_reward_models", "reward_fns", "build_actors", "build_generators"]
 
 
+class StoppedBeforeStart(Exception):
+    """A stop signal arrived during start-up: the run stops before its first step (exit 0)."""
+
+    def __init__(self, next_step: int):
+        super().__init__(f"stopped before step {next_step}")
+        self.next_step = next_step
+
+
+class ResumeRefusedError(ConfigError):
+    """The run folder's checkpoint cannot be resumed with this config (a layout change, a missing
+    key): the message names the folder and the cause, in one line; nothing was changed."""
+
+
+class StartupTimeoutError(TimeoutError):
+    """A start-up wait exceeded ``async.timeout_s``; the message names the actors and the key."""
+
+
 def prepare(run) -> "RunResult | None":
-    """Everything before any actor starts: model, pre-flight checks, data, plug-ins, folder.
-    A config error leaves no empty run folder behind (one this call created)."""
+    """Everything before any actor starts: model, pre-flight checks, data, plug-ins, and every
+    resume check (the checkpoint to resume from, verified; its data position and pending batches
+    against this config; ``checkpoint.resume=false`` on a used folder). Nothing in the run folder
+    is changed until all of them passed (then :func:`_accept_folder`; the config is written after
+    the learner loaded the checkpoint, :func:`accept_resume`). A config error leaves no empty run
+    folder behind (one this call created)."""
     existed = run.run_dir.exists()
     try:
         return _prepare_checked(run)
@@ -65,7 +86,20 @@ def _prepare_checked(run) -> "RunResult | None":
         f"{t} {c.get('kept')} to train, {c.get('eval_prompts', 0)} held out" for t, c in run.data_counts.items()))
     run.too_long = sum(c.get("too_long", 0) for c in run.data_counts.values())
     run.ckpts = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep_last)
-    done_before = completed_run(cfg, run.ckpts, run_dir)
+    run.restart_aside = None
+    used = used_run_folder(run_dir)
+    if used and cfg.run.restart:
+        run.restart_aside = run_dir.with_name(f"{run_dir.name}.old-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
+    elif used and not cfg.checkpoint.resume:
+        raise ConfigError(
+            f"checkpoint.resume=false, but the run folder {run_dir} already holds a run ({used}): "
+            "training there afresh would mix two runs. Pick another run.name, or set run.restart=true "
+            f"to move the old run aside to {run_dir.name}.old-<UTC time>/ (nothing is deleted) and "
+            "start fresh")
+    found = run.ckpts.resumable() if cfg.checkpoint.resume and run.restart_aside is None else None
+    run.resume_from = (found.path, found.state) if found is not None else (None, None)
+    run.damaged = found.damaged if found is not None else []
+    done_before = completed_run(cfg, run.resume_from, run_dir)
     if done_before is not None:
         say(f"run already complete at step {cfg.run.num_steps}: nothing to train (raise run.num_steps "
             "to continue it, or pick another run.name for a new run)")
@@ -74,22 +108,141 @@ def _prepare_checked(run) -> "RunResult | None":
             say(f"note: this config differs from the one the run used ({run_dir / 'config.yaml'}); "
                 f"it was not applied: {'; '.join(changes)}")
         return done_before
+    path, state = run.resume_from
+    run.pending, run.pending_regenerated, run.resume_states = collections.deque(), 0, None
+    if path is not None:
+        if not found.verified:
+            say(f"note: checkpoint {path.name} has no manifest (written before checkpoints were "
+                "verified): resuming from it unverified")
+        pending, run.resume_states, run.pending_regenerated = load_pending(path, state, cfg.algorithm, say)
+        run.pending.extend(pending)
+        check_sampler_position(run, path, run.resume_states or state)
     with run.phase("reward_model"):   # trains the demo reward model on first use (it says so)
         run.reward_models = resolve_reward_models(cfg)
     for task, folder in run.reward_models.items():
         say(f"task {task}: reward model {folder}{rm_accuracy(folder)}")
-    changes = config_changes(cfg, run_dir / "config.yaml")
-    if changes:
-        say(f"warning: resuming {run_dir} with a changed config (config.yaml is rewritten, the new "
-            f"values apply from here on): {'; '.join(changes)}")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
+    _accept_folder(run)
     return None
 
 
-def start(run, generators: list | None) -> None:
-    """Start the actors, resume the learner from the latest checkpoint, hand the generators
-    the starting weights, and build the pool, the producer and the metrics logger."""
+def used_run_folder(run_dir: Path) -> str:
+    """What of an earlier run ``run_dir`` holds, in words (``""``: nothing; the lock file, ``logs/``
+    and an empty ``checkpoints/`` do not count)."""
+    if not run_dir.is_dir():
+        return ""
+    from megatron_rlhf.trainer.run_lock import LOCK_FILE
+
+    found = []
+    ckpt = run_dir / "checkpoints"
+    steps = sorted(p.name for p in ckpt.iterdir()) if ckpt.is_dir() else []
+    if steps:
+        found.append(f"checkpoints/{', '.join(steps[-3:])}")
+    for p in sorted(run_dir.iterdir()):
+        if p.name not in (LOCK_FILE, "logs", "checkpoints") and not p.name.startswith(".write-test-"):
+            found.append(p.name + ("/" if p.is_dir() else ""))
+    return ", ".join(found[:6]) + (", ..." if len(found) > 6 else "")
+
+
+def _accept_folder(run) -> None:
+    """The first changes to the run folder, once every check of :func:`prepare` passed:
+    ``run.restart=true`` moves the old run aside; damaged checkpoints are moved aside (never
+    deleted), each named in one line, and the fallback is printed."""
+    say, run_dir = run.say, run.run_dir
+    if run.restart_aside is not None:
+        from megatron_rlhf.trainer.run_lock import LOCK_FILE
+
+        run.restart_aside.mkdir()
+        for p in list(run_dir.iterdir()):
+            if p.name != LOCK_FILE:
+                os.rename(p, run.restart_aside / p.name)
+        say(f"run.restart=true: the earlier run of this folder was moved to {run.restart_aside}; starting fresh")
+    for path, why in run.damaged:
+        dest = run.ckpts.move_aside(path)
+        say(f"checkpoint {path.name} is damaged ({why}): moved aside to {dest}")
+    if run.damaged:
+        path = run.resume_from[0]
+        say(f"falling back to {path.name}" if path is not None else
+            "no intact checkpoint is left: starting from step 0")
+
+
+def accept_resume(run) -> None:
+    """The run is accepted (the learner loaded its checkpoint): write the resolved config
+    (``config.yaml``), noting what changed."""
+    changes = config_changes(run.cfg, run.run_dir / "config.yaml")
+    if changes:
+        run.say(f"warning: resuming {run.run_dir} with a changed config (config.yaml is rewritten, the new "
+                f"values apply from here on): {'; '.join(changes)}")
+    save_config(run.cfg, run.run_dir / "config.yaml")
+
+
+_PROMPT_KEYS = ("tasks", "eval.", "generators.max_model_len", "generators.max_new_tokens", "model.", "run.seed")
+
+
+def check_sampler_position(run, path: Path, state: dict) -> None:
+    """Restore the data sampler's position from checkpoint ``path``'s ``state``.
+
+    Raises:
+        ConfigError: it does not fit this config's prompts; names the changed keys that change the
+            training prompts (``eval.num_prompts`` takes held-out prompts out of training, so it
+            changes them too), else the sampler's own reason.
+    """
+    try:
+        run.sampler.load_state_dict(state["sampler_state"])
+    except (ValueError, KeyError, TypeError) as e:
+        changed = [c for c in config_changes(run.cfg, run.run_dir / "config.yaml") if c.startswith(_PROMPT_KEYS)]
+        if changed:
+            raise ConfigError(
+                f"cannot resume from {path}: the training prompts differ from the checkpoint's because "
+                f"{'; '.join(changed)} (held-out eval prompts are taken out of training, so eval.* changes "
+                "the training set too); resume with the values in config.yaml, or start fresh: another "
+                "run.name, or run.restart=true") from e
+        raise ConfigError(f"cannot resume from {path}: its data-sampler position does not fit "
+                          f"this config's tasks ({e}); resume with the same tasks[] and run.seed, "
+                          "or start a new run (another run.name, or run.restart=true)") from e
+
+
+def wait_ready(actors: dict, timeout: float, what: str, stop=None, next_step: int = 1) -> None:
+    """Wait until every actor of ``actors`` (name -> handle) has started, polling a stop signal.
+
+    Raises:
+        StartupTimeoutError: some are not ready within ``async.timeout_s`` (names them and the key).
+        StoppedBeforeStart: ``stop.requested`` (a SIGTERM/SIGINT during start-up).
+        ray.exceptions.RayActorError: an actor died while starting.
+    """
+    import ray
+
+    refs = {a.__ray_ready__.remote(): name for name, a in actors.items()}
+    pending, deadline = list(refs), time.monotonic() + timeout
+    while pending:
+        if stop is not None and stop.requested:
+            raise StoppedBeforeStart(next_step)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            names = ", ".join(refs[r] for r in pending)
+            raise StartupTimeoutError(
+                f"{what}: {names} not ready within async.timeout_s={timeout:.0f} s ({len(refs) - len(pending)} "
+                f"of {len(refs)} actors ready): raise async.timeout_s (a slow first model load or vLLM "
+                "start), or check the Ray cluster's resources (ray status)")
+        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=min(1.0, left))
+        ray.get(ready)   # an actor that died while starting raises here
+
+
+def check_stop(run, stop) -> None:
+    """Raise :class:`StoppedBeforeStart` when a stop was requested (between start-up phases)."""
+    if stop is not None and stop.requested:
+        raise StoppedBeforeStart(run.start_step + 1)
+
+
+def start(run, generators: list | None, stop=None) -> None:
+    """Start the actors, resume the learner from the checkpoint :func:`prepare` chose, hand the
+    generators the starting weights, and build the pool, the producer and the metrics logger.
+
+    Raises:
+        StoppedBeforeStart: ``stop`` was requested (checked between the phases and while waiting
+            for the actors).
+        ResumeRefusedError: the learner cannot load the checkpoint (folder and cause in one line).
+        StartupTimeoutError / TimeoutError: a start-up wait exceeded ``async.timeout_s`` (names it).
+    """
     import ray
 
     from megatron_rlhf.rewards import MathVerifyReward
@@ -98,11 +251,16 @@ def start(run, generators: list | None) -> None:
     from megatron_rlhf.trainer.nodes import actor_nodes, write_actor_nodes
 
     cfg, timeout = run.cfg, run.timeout
+    run.start_step = (run.resume_from[1] or {}).get("step", 0)
+    check_stop(run, stop)
     if any(t.kind == "math_verify" for t in cfg.tasks):
         run.reward = MathVerifyReward(num_workers=default_num_workers(cfg.rewards.math_verify_workers))
     run.stacks_dir = run.run_dir / "logs" / f"stacks-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     run.ray_head = init_ray(cfg, run.run_dir, run.stacks_dir,
                               extra_cpus=len(set(run.reward_models.values())))
+    if stop is not None and hasattr(stop, "reinstall"):
+        stop.reinstall()   # ray.init installs Ray's own SIGTERM handler (a dump, then abort: rc 134)
+    check_stop(run, stop)
     run.shared_generators = list(generators or [])
     run.placement = reserve_placement(cfg, len(set(run.reward_models.values())), timeout)
     run.rm_actors = build_reward_models(cfg, run.reward_models, run.placement)
@@ -113,31 +271,30 @@ def start(run, generators: list | None) -> None:
     run.transport = make_transport(cfg.generators, run.run_dir, cfg.async_.timeout_s)
     run.probe = (probe_tokens(run.sampler, cfg.generators.max_model_len)
                   if cfg.generators.check_weight_sync else None)
-    run.start_step, run.version, rng_state, producer_state = 0, 0, None, None
-    run.pending = collections.deque()
-    latest = run.ckpts.latest() if cfg.checkpoint.resume else None
-    if latest is not None:
-        path, state = latest
-        run.version = run.call(run.learner.load_checkpoint.remote(str(path / "learner")),
-                                 f"loading checkpoint {path.name}")
-        run.start_step, rng_state = state["step"], state["rng_state"]
-        producer_state = state.get("producer_state")
-        run.pending.extend(load_pending(path, state))
-        try:
-            run.sampler.load_state_dict(state["sampler_state"])
-        except (ValueError, KeyError, TypeError) as e:
-            raise ConfigError(f"cannot resume from {path}: its data-sampler position does not fit "
-                              f"this config's tasks ({e}); resume with the same tasks[] and run.seed, "
-                              "or start a new run (another run.name)") from e
-        run.say(f"resuming from {path.name} (step {run.start_step}, weight version {run.version}"
-                 f"{pending_note(run.pending)})")
-    with learner_guard("start-up", run.ckpts):
-        ray.get([a.__ray_ready__.remote() for a in (run.learner, *run.generators, *run.rm_actors.values())],
-                timeout=timeout)
+    with learner_guard("start-up", run.ckpts):   # polls the stop flag; names what it waits for
+        actors = {"the learner": run.learner, **{f"generator {i}": g for i, g in enumerate(run.generators)},
+                  **{f"the reward model of task {t}": a for t, a in run.rm_actors.items()}}
+        wait_ready(actors, timeout, "start-up", stop, run.start_step + 1)
         if live and hasattr(run.transport, "setup"):   # broadcast: form the groups
             run.transport.setup(run.learner, run.generators, timeout)
-    write_actor_nodes(run.run_dir, actor_nodes(run.learner, run.generators, run.rm_actors, timeout))
+    check_stop(run, stop)
+    run.version, rng_state, producer_state = 0, None, None
+    path, state = run.resume_from
+    if path is not None:
+        run.version = load_learner(run, path)
+        states = run.resume_states or state   # resume_states: the pending batches are regenerated
+        rng_state, producer_state = states["rng_state"], states.get("producer_state")
+        run.say(f"resuming from {path.name} (step {run.start_step}, weight version {run.version}"
+                 f"{pending_note(run.pending)})")
+    accept_resume(run)
+    check_stop(run, stop)
+    try:
+        write_actor_nodes(run.run_dir, actor_nodes(run.learner, run.generators, run.rm_actors, timeout))
+    except ray.exceptions.GetTimeoutError as e:
+        raise StartupTimeoutError(f"start-up: the learner, generator and reward-model actors did not report "
+                                  f"their nodes within async.timeout_s={timeout:.0f} s") from e
     run.channel = WeightChannel(PublishedWeights(version=0))
+    check_stop(run, stop)
     run.batches = queue.Queue(maxsize=1)
     if not live:
         from megatron_rlhf.trainer.replay import ReplayProducer, check_replay_dir
@@ -157,7 +314,12 @@ def start(run, generators: list | None) -> None:
     elif run.shared_generators:  # reused actors hold an earlier run's weights: reset to version 0
         with learner_guard("the export of the starting weights", run.ckpts):
             start = run.transport.publish(run.learner, 0, timeout, None)
-        ray.get([run.transport.push(g, start) for g in run.shared_generators], timeout=timeout)
+        try:
+            ray.get([run.transport.push(g, start) for g in run.shared_generators], timeout=timeout)
+        except ray.exceptions.GetTimeoutError as e:
+            raise StartupTimeoutError(f"start-up: the push of the starting weights to {len(run.shared_generators)} "
+                                      f"generators took over async.timeout_s={timeout:.0f} s") from e
+    check_stop(run, stop)
     run.pool = GeneratorPool(run.generators, transport=run.transport, generator_cfg=cfg.generators,
                               timeout_s=timeout, probe=run.probe,
                               log=lambda m: print(m, file=sys.stderr, flush=True),
@@ -422,12 +584,12 @@ def eval_service(cfg: Config, pool, eval_by_task: dict, reward_fns: dict, log=No
                                  cfg.eval, cfg.generators.temperature, log=log))
 
 
-def completed_run(cfg: Config, ckpts: CheckpointManager, run_dir: Path) -> RunResult | None:
+def completed_run(cfg: Config, latest: tuple, run_dir: Path) -> RunResult | None:
     """The saved summary when the run folder already holds a finished run of ``run.num_steps``
-    steps (final checkpoint, HF export if asked for, summary), so a re-run is a cheap no-op."""
-    latest = ckpts.latest() if cfg.checkpoint.resume else None
+    steps (``latest`` = ``(path, trainer state)`` of the verified final checkpoint, HF export if
+    asked for, summary), so a re-run is a cheap no-op."""
     summary = run_dir / "summary.json"
-    if latest is None or latest[1]["step"] < cfg.run.num_steps or not summary.is_file():
+    if latest[0] is None or latest[1]["step"] < cfg.run.num_steps or not summary.is_file():
         return None
     if cfg.checkpoint.export_hf and not (run_dir / "hf_final" / "config.json").is_file():
         return None
@@ -522,22 +684,58 @@ def reward_fns(cfg: Config, math_reward, rm_actors: dict, plugins: dict, timeout
     return fns
 
 
-def load_pending(path: Path, state: dict) -> list:
-    """The untrained batches checkpoint ``path`` keeps (``trainer_state["pending_batches"]``).
+def load_learner(run, path: Path) -> int:
+    """Load checkpoint ``path`` into the learner; returns its weight version.
 
+    Raises:
+        ResumeRefusedError: the learner refused it (a layout change, a missing key, another model):
+            the folder and the cause in one line, not the actor's traceback.
+        LearnerDiedError / TimeoutError: the learner died / did not answer within async.timeout_s.
+    """
+    from ray.exceptions import RayTaskError
+
+    try:
+        return run.call(run.learner.load_checkpoint.remote(str(path / "learner")), f"loading checkpoint {path.name}")
+    except RayTaskError as e:
+        cause = e.cause if getattr(e, "cause", None) is not None else e
+        text = str(cause).strip().splitlines()
+        line = text[0] if text else ""
+        raise ResumeRefusedError(
+            f"cannot resume from {path}: the learner cannot load it ({type(cause).__name__}: {line[:400]}); "
+            "resume with the config the checkpoint was written with (config.yaml), or start fresh: "
+            "another run.name, or run.restart=true") from None
+
+
+def load_pending(path: Path, state: dict, algorithm_cfg, say=lambda *a: None) -> tuple[list, dict | None, int]:
+    """The untrained batches checkpoint ``path`` keeps (``trainer_state["pending_batches"]``), when
+    they were built for this config's algorithm (loss, K, pairing: ``batch_io.algorithm_tag``).
+
+    Batches built for another one are regenerated, never trained as the wrong kind: none is
+    returned, and the producer starts from the position before them (``state["before_pending"]``;
+    a checkpoint written before that was kept starts after them: their prompts are skipped). An
+    untagged batch (written before the tag) is taken as built for this algorithm.
+
+    Returns:
+        ``(batches, producer states to start from or None for the checkpoint's own, regenerated count)``.
     Raises:
         ConfigError: a listed batch file is missing or unreadable (names it).
     """
-    from megatron_rlhf.trainer.batch_io import batch_path, load_batch
+    from megatron_rlhf.trainer.batch_io import algorithm_tag, batch_path, load_batch
 
-    out = []
+    out, want = [], algorithm_tag(algorithm_cfg)
     for index in state.get("pending_batches", []):
         try:
-            out.append(load_batch(batch_path(path / "batches", index)))
+            out.append(load_batch(batch_path(path / "batches", index), with_algorithm=True))
         except (OSError, ValueError) as e:
             raise ConfigError(f"cannot resume from {path}: its untrained batch {index} is unreadable ({e}); "
-                              "delete this checkpoint folder to resume from the one before") from e
-    return out
+                              "move this checkpoint folder aside to resume from the one before") from e
+    wrong = [(b, tag) for b, tag in out if tag is not None and tag != want]
+    if not wrong:
+        return [b for b, _ in out], None, 0
+    b, tag = wrong[0]
+    say(f"checkpoint {path.name}: its {len(out)} untrained batches were built for {tag} and this run "
+        f"trains {want}: they are regenerated (pending_regenerated = {len(out)})")
+    return [], state.get("before_pending"), len(out)
 
 
 def pending_note(pending) -> str:
