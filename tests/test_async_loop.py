@@ -47,7 +47,9 @@ def test_async_run_staleness_is_0_then_1(ray_cluster, tiny_llama_dir, tmp_path):
     assert rows[2]["time/sync_s"] > 0 and rows[2]["sync/bytes"] > 0   # batch 3 came after the push of v1
     run = Path(res["run_dir"])
     assert (run / "config.yaml").is_file() and (run / "hf_final" / "config.json").is_file()
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2", "step_3"]  # keep_last 2
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*")) == ["step_2", "step_3"]  # keep_last 2
+    # the frozen reference is saved once (version 0, never synced here), shared by both checkpoints
+    assert sorted(p.name for p in (run / "checkpoints").glob("reference_v*")) == ["reference_v00000000"]
     assert res["steps"] == 3 and res["async_speedup"] > 0
 
 
