@@ -2,7 +2,7 @@
 metric thresholds; prime-rl's reverse-text in 15 steps).
 
 A tiny random Llama learns the synthetic vowel-rate reward (``rewards/synthetic.py:letter_rate``,
-the reward of ``bench/offpolicy_sweep.py``: about 0.25 at the start) on real MAWPS prompts in the
+about 0.25 at the start) on real MAWPS prompts in the
 real loop (vLLM generator + Megatron learner as Ray actors), for online_dpo and grpo, on-policy
 (``async.sync: true``) and one-step async. Each run must reach :data:`THRESHOLD` (mean
 ``reward/mean`` of the last :data:`TAIL` steps) within :data:`STEPS` steps; the same runs with
