@@ -171,7 +171,8 @@ def overrides(cell: Cell, lr: float, args, model_dir: str) -> list[str]:
     if cell.pilot:   # validation slice of the training rows: the task without its eval_data
         task = dict(DRY_TASK if args.dry_run else _recipe_task())
         task.pop("eval_data", None)
-        out += ["tasks=" + json.dumps([task]), f"eval.num_prompts={args.pilot_eval_prompts}"]
+        out += ["tasks=" + json.dumps([task]), f"eval.num_prompts={args.pilot_eval_prompts}",
+                "eval.holdout_frac=0.34"]   # 64 of mul1.jsonl's 196 rows (floor(0.34 x 196) = 66 >= 64)
     return out + list(args.override)
 
 
@@ -247,7 +248,7 @@ def cell_result(cell: Cell, lr: float, ov: list[str], summary: dict, rows: list[
         "reward_first": summary.get("reward_first"), "reward_last": summary.get("reward_last"),
         "steps": summary["steps"], "loop_wall_s": summary["wall_s"], "call_wall_s": call_wall_s,
         "gen_s_mean": summary.get("gen_s_mean"), "train_s_mean": summary.get("train_s_mean"),
-        "async_speedup": summary.get("async_speedup"), "load": load_avg,
+        "async_speedup": summary.get("async_speedup"), "load": load_avg, "data": summary.get("data"),
         "per_step": per_step,
         "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": _commit(),
     }
@@ -520,8 +521,12 @@ def run_cell(cell: Cell, lr: float, args, model_dir: str, gen) -> dict:
     return res
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the selected cells that are not finished yet, then write the table and plots."""
+def main(argv: list[str] | None = None, *, generator=None, model_dir: str | None = None) -> int:
+    """Run the selected cells that are not finished yet, then write the table and plots.
+
+    ``generator`` / ``model_dir``: an already started ``VLLMGenerator`` actor of the HF folder
+    ``model_dir`` in a Ray cluster this process joined (tests share theirs); None starts both.
+    """
     class Fmt(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
         pass
 
@@ -563,15 +568,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{c.name:24} {'done' if c.name in results or c.alias in results else '-'}")
         return 0
     if not args.table:
-        run_cells(args, cells, todo, results, pilot_lrs)
+        run_cells(args, cells, todo, results, pilot_lrs, generator=generator, model_dir=model_dir)
     text = write_tables(args.out, read_results(args.out), cells, pilot_lrs, dry_run=args.dry_run,
                         steps=args.steps, pilot_steps=args.pilot_steps)
     print(text)
     return 0
 
 
-def run_cells(args, cells: list[Cell], todo: list[Cell], results: dict, pilot_lrs) -> None:
-    """Run every cell of ``todo`` not finished yet (a B cell's missing pilots first)."""
+def run_cells(args, cells: list[Cell], todo: list[Cell], results: dict, pilot_lrs, *, generator=None,
+              model_dir: str | None = None) -> None:
+    """Run every cell of ``todo`` not finished yet (a B cell's missing pilots first), on
+    ``generator`` when given (see :func:`main`), else on a Ray cluster and generator started here."""
     plan: list[Cell] = []
     for c in todo:
         if c.alias or c.name in results:
@@ -591,21 +598,25 @@ def run_cells(args, cells: list[Cell], todo: list[Cell], results: dict, pilot_lr
     from megatron_rlhf.trainer.setup import build_generators, resolve_model_dir
 
     apply_process_env()
-    if args.dry_run:
+    own = generator is None
+    if own and args.dry_run:
         from megatron_rlhf.testing.tiny import make_tiny_model
 
         model_dir = str(make_tiny_model(Path(args.runs) / "tiny_model", "llama"))
-    else:
+    elif own:
         from megatron_rlhf.config import load_config
 
         model_dir = str(resolve_model_dir(load_config(RECIPE, []).model))   # converts SmolLM2 on first use
-    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": process_env()},
-             logging_level="WARNING")
+    if own:
+        ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": process_env()},
+                 logging_level="WARNING")
     t_all = time.perf_counter()
     try:
-        base, _ = load(args, plan[0], DPO_LR, model_dir)
-        gen = build_generators(base, Path(model_dir))[0]
-        ray.get(gen.__ray_ready__.remote(), timeout=900)
+        gen = generator
+        if own:
+            base, _ = load(args, plan[0], DPO_LR, model_dir)
+            gen = build_generators(base, Path(model_dir))[0]
+            ray.get(gen.__ray_ready__.remote(), timeout=900)
         for c in plan:
             lr = c.lr
             if lr is None:
@@ -615,9 +626,11 @@ def run_cells(args, cells: list[Cell], todo: list[Cell], results: dict, pilot_lr
             results[c.name] = run_cell(c, lr, args, model_dir, gen)
             write_tables(args.out, read_results(args.out), cells, pilot_lrs, dry_run=args.dry_run,
                          steps=args.steps, pilot_steps=args.pilot_steps)
-        ray.kill(gen)
+        if own:
+            ray.kill(gen)
     finally:
-        ray.shutdown()
+        if own:
+            ray.shutdown()
         if args.dry_run:
             shutil.rmtree(args.runs, ignore_errors=True)
     print(f"[seeds_repro] {len(plan)} run(s) in {time.perf_counter() - t_all:.0f} s", flush=True)
