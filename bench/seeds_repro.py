@@ -538,7 +538,7 @@ def main(argv: list[str] | None = None, *, generator=None, model_dir: str | None
     ap.add_argument("--steps", type=int, default=None, help="learner steps per grid run (16; dry run 2)")
     ap.add_argument("--pilot-steps", type=int, default=None, help="steps per pilot run (8; dry run 2)")
     ap.add_argument("--pilot-lrs", default=",".join(f"{x:g}" for x in PILOT_LRS), help="pilot lr grid")
-    ap.add_argument("--pilot-eval-prompts", type=int, default=64, help="validation rows of a pilot")
+    ap.add_argument("--pilot-eval-prompts", type=int, default=None, help="validation rows of a pilot (64; dry run 8)")
     ap.add_argument("--out", type=Path, default=None,
                     help="results folder (bench/results/seeds_repro; dry run: runs/seeds_repro_dry)")
     ap.add_argument("--min-free-gib", type=float, default=None,
@@ -553,6 +553,8 @@ def main(argv: list[str] | None = None, *, generator=None, model_dir: str | None
         args.steps = 2 if args.dry_run else 16
     if args.pilot_steps is None:
         args.pilot_steps = 2 if args.dry_run else 8
+    if args.pilot_eval_prompts is None:
+        args.pilot_eval_prompts = 8 if args.dry_run else 64
     if args.min_free_gib is None:
         args.min_free_gib = 0.0 if args.dry_run else 7.0
     if args.out is None:
