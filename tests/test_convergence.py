@@ -2,7 +2,7 @@
 metric thresholds; prime-rl's reverse-text in 15 steps).
 
 A tiny random Llama learns the synthetic vowel-rate reward (``rewards/synthetic.py:letter_rate``,
-the reward of ``bench/offpolicy_sweep.py``: about 0.25 at the start) on real MAWPS prompts in the
+about 0.25 at the start) on real MAWPS prompts in the
 real loop (vLLM generator + Megatron learner as Ray actors), for online_dpo and grpo, on-policy
 (``async.sync: true``) and one-step async. Each run must reach :data:`THRESHOLD` (mean
 ``reward/mean`` of the last :data:`TAIL` steps) within :data:`STEPS` steps; the same runs with
@@ -82,3 +82,36 @@ def test_reward_reaches_threshold_and_not_at_lr_1e_30(generator, tiny_llama_dir,
                               "learner.optimizer.lr=1e-30")
     assert final >= THRESHOLD > first, (loss, mode, first, final)
     assert frozen < THRESHOLD, (loss, mode, frozen)
+
+
+@pytest.mark.timeout(300)
+def test_seeds_repro_dry_run_end_to_end_and_resume(generator, tiny_llama_dir, tmp_path, capsys):
+    """``bench/seeds_repro.py --dry-run`` (tiny random Llama, 2 steps per cell) on the module's
+    generator: a B cell whose loss's pilot runs first (the pilot's lr carried over), one JSON per
+    run with the per-step mismatch and TIS keys, the table and the plots; a second call skips every
+    finished cell. The harness the issue-22 grid runs with, so it cannot rot."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "bench"))
+    import seeds_repro
+
+    argv = ["--dry-run", "--out", str(tmp_path), "--only", "B_grpo_N4", "--pilot-lrs", "1e-3"]
+    assert seeds_repro.main(argv, generator=generator, model_dir=str(tiny_llama_dir)) == 0
+    out = capsys.readouterr().out
+    assert "2 run(s) to do: P_grpo_lr1e-3 B_grpo_N4" in out and "grpo: lr 0.001 chosen by its pilot" in out
+    assert "B_grpo_N4: reward_mean" in out and "loop wall" in out and "load avg" in out
+    for name in ("P_grpo_lr1e-3", "B_grpo_N4"):
+        r = json.loads((tmp_path / f"{name}.json").read_text())
+        assert r["steps"] == 2 and r["load"]["samples"] >= 2 and r["loop_wall_s"] > 0
+        assert len(r["per_step"]) == 2 and "logprobs/token_mult_prob_error" in r["per_step"][-1]
+        assert "tis/weight_mean" in r["per_step"][-1] and r["before_se"] is not None
+    b = json.loads((tmp_path / "B_grpo_N4.json").read_text())
+    assert b["staleness_max"] == 1 and b["lr"] == 1e-3   # N=4: batch 2 from version 0, learner at 1
+    assert "async.sync_interval=4" in b["overrides"] and "async.max_staleness=4" in b["overrides"]
+    p = json.loads((tmp_path / "P_grpo_lr1e-3.json").read_text())
+    assert any(o.startswith("tasks=") and "eval_data" not in o for o in p["overrides"])  # validation slice
+    table = (tmp_path / "results.md").read_text()
+    assert "| grpo | 4 | 0.001 |" in table and "| grpo | 0.001 |" in table
+    assert (tmp_path / "gain_vs_N.png").stat().st_size > 1000
+    assert seeds_repro.main(argv, generator=generator, model_dir=str(tiny_llama_dir)) == 0
+    assert "every selected cell is finished" in capsys.readouterr().out

@@ -1,4 +1,5 @@
-"""tools/plot_run.py and the sweep's plotting: tables and PNGs from metric rows."""
+"""tools/plot_run.py and bench/seeds_repro.py: tables and PNGs from metric rows (the grid's
+``--dry-run`` end to end is in tests/test_convergence.py, which has a Ray cluster and engine)."""
 
 from __future__ import annotations
 
@@ -44,13 +45,56 @@ def test_plot_run_missing_folder_is_a_clear_error(tmp_path, capsys):
     assert "metrics.jsonl not found" in capsys.readouterr().err
 
 
-def test_sweep_plot_and_tail_mean(tmp_path):
-    sys.path.insert(0, str(REPO / "bench"))
-    import offpolicy_sweep
+def _cell_json(out: Path, name: str, gain: float, lr: float = 3e-6, wall: float = 600.0, after_se=0.04):
+    d = {"cell": {"name": name}, "lr": lr, "metric": "pass@1", "before": 0.6, "before_se": 0.04,
+         "after": 0.6 + gain, "after_se": after_se, "gain": gain, "gain_se": 0.05, "z": gain / 0.05,
+         "mean@k": None, "kl_k1": 0.01, "staleness_mean": 1.0, "token_mult_prob_error_mean": 1.01,
+         "tis_weight_mean": 0.99, "tis_capped_frac": 0.0, "loop_wall_s": wall,
+         "load": {"mean": 20.0, "max": 30.0, "nproc": 2}}
+    (out / f"{name}.json").write_text(json.dumps(d))
 
-    rows = [{"reward/mean": float(i), "kl/ref_k1": None if i == 3 else 0.1} for i in range(5)]
-    assert offpolicy_sweep._tail_mean(rows, "reward/mean", 2) == pytest.approx(3.5)
-    assert offpolicy_sweep._tail_mean(rows, "kl/ref_k1", 2) == pytest.approx(0.1)
-    res = [{"loss": l, "N": n, "reward": 0.1 * n, "kl": 0.01 * n} for l in ("online_dpo", "ppo") for n in (1, 2)]
-    offpolicy_sweep._plot(res, tmp_path / "p.png")
-    assert (tmp_path / "p.png").stat().st_size > 1000
+
+def test_seeds_repro_grid_pilot_choice_and_async_difference(tmp_path):
+    """The grid's cells and --only groups; the pilot picks the largest validation gain (ties: the
+    smaller lr); async - sync per seed is after_async - after_sync with the two ses combined, and
+    over seeds the mean with std/sqrt(n); the table lists every missing cell and the plots exist."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import seeds_repro as sr
+
+    cells = sr.grid()
+    names = [c.name for c in cells]
+    assert names[:2] == ["A_sync_s0", "A_async_s0"] and "B_rloo_N16" in names and "P_grpo_lr1e-5" in names
+    assert {c.name for c in sr.select(cells, ["A"])} == {f"A_{m}_s{s}" for m in ("sync", "async") for s in (0, 1, 2)}
+    assert all(c.group != "ppo" for c in sr.select(cells, None))
+    assert [c.name for c in sr.select(cells, ["B_grpo_N4", "P"])][-1] == "B_grpo_N4"
+    with pytest.raises(SystemExit, match="unknown"):
+        sr.select(cells, ["B_grpo_N3"])
+    assert next(c for c in cells if c.name == "B_online_dpo_N1").alias == "A_async_s0"
+
+    for lr, gain in ((1e-6, 0.02), (3e-6, 0.10), (1e-5, 0.10)):
+        _cell_json(tmp_path, f"P_grpo_lr{sr.lr_tag(lr)}", gain, lr=lr)
+    _cell_json(tmp_path, "P_rloo_lr1e-6", 0.3, lr=1e-6)
+    res = sr.read_results(tmp_path)
+    assert sr.pilot_choice(res, "grpo", sr.PILOT_LRS)[0] == 3e-6       # tie 3e-6 / 1e-5: the smaller
+    assert sr.pilot_choice(res, "rloo", sr.PILOT_LRS)[0] is None       # 2 of 3 pilots missing
+
+    _cell_json(tmp_path, "A_sync_s0", 0.10, wall=900.0, after_se=0.03)
+    _cell_json(tmp_path, "A_async_s0", 0.14, wall=600.0, after_se=0.04)
+    one = sr.async_vs_sync(sr.read_results(tmp_path))
+    assert one["n"] == 1 and one["diff_mean"] == pytest.approx(0.04) and one["diff_se"] == pytest.approx(0.05)
+    _cell_json(tmp_path, "A_sync_s1", 0.10, wall=1000.0)
+    _cell_json(tmp_path, "A_async_s1", 0.08, wall=500.0)
+    two = sr.async_vs_sync(sr.read_results(tmp_path))
+    assert two["diff_mean"] == pytest.approx(0.01) and two["diff_se"] == pytest.approx(0.03)   # std 0.0424/sqrt 2
+    assert two["wall_ratio_mean"] == pytest.approx((600 / 900 + 0.5) / 2)
+
+    text = sr.write_tables(tmp_path, sr.read_results(tmp_path), cells, sr.PILOT_LRS, dry_run=False,
+                           steps=16, pilot_steps=8)
+    assert "| A_async_s0 | 0 | async N=1 | 0.600 ± 0.040 -> 0.740 ± 0.040 | +0.140 ± 0.050 (2.8)" in text
+    assert "2 seed(s): gain async - sync = +0.010 ± 0.030" in text
+    assert "| grpo | 3e-06 |" in text and "**yes**" in text
+    missing = text.split("## Not run yet")[1].split("PPO (if")[0].split()
+    assert "A_sync_s2" in missing and "B_grpo_N1" in missing and "A_sync_s0" not in missing
+    assert "B_online_dpo_N1" not in missing and "B_ppo_N1" not in missing   # read from A_async_s0; optional
+    for png in ("gain_vs_N.png", "gain_vs_wall.png"):
+        assert (tmp_path / png).stat().st_size > 1000

@@ -1,4 +1,4 @@
-"""Synthetic rewards for controlled experiments (``bench/offpolicy_sweep.py`` on tiny models).
+"""Synthetic rewards for controlled experiments (``bench/seeds_repro.py --dry-run``, tests on tiny models).
 
 A tiny random model cannot solve math or please a reward model, but it can learn to shift its
 token distribution. These rewards are smooth functions of the completion text that a policy
