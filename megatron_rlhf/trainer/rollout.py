@@ -598,6 +598,9 @@ class RolloutProducer:
             mine = [g for g in chosen if g.prompt.task == t]
             pre = f"task/{t}/"
             n_t, m_t, s_t = self.normalizer.stats(t)
+            if not st["rewards"] and mine:   # every unit of the task was carried in: report what trains
+                st = {**st, "rewards": [r.reward for g in mine for r in g.rollouts],
+                      "lens": [len(r.completion.token_ids) for g in mine for r in g.rollouts]}
             stats.update({
                 pre + "units": len(mine), pre + "quota": quotas[t], pre + "drawn": st["drawn"],
                 pre + "skipped": st["skipped"], pre + "surplus": st["surplus"] + st["dropped_stale"],
