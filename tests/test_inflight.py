@@ -281,6 +281,10 @@ def test_aborted_requests_are_parked_and_continue_under_new_weights_with_tokens_
     hf.load_state_dict(new)
     v1 = PublishedWeights(version=1, payload=ray.put([new]), probe_ref=ray.put([_hf_logprobs(hf, probe)]))
     hf.load_state_dict(base)
+    from megatron_rlhf.generator.weight_sync import ObjectStoreTransport
+
+    # the module's engine may hold an earlier test's version 1: back to the base weights at version 0
+    ray.get(ObjectStoreTransport().push(handle, PublishedWeights(version=0, payload=ray.put([base]))), timeout=300)
     pool = _pool([handle], cfg, probe)
     steps0 = ray.get(handle.stats.remote())["generator/steps"]
     parked: list = []

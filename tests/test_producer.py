@@ -338,6 +338,7 @@ class VersionedPool:
 
 def _carry_producer(pool, *, first=0, num_batches=3, bound=100, state=None, ppr=None, max_num_seqs=256,
                     partial=False, prompts_per_step=2, **algo):
+    algo.setdefault("carry_surplus", True)   # the carry under test (off by default, config.py says why)
     sampler = MultiTaskSampler({"math": _prompts("math", 200)}, {"math": 1.0}, seed=0)
     if state is not None:
         sampler.load_state_dict(state["sampler"])

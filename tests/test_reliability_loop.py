@@ -148,7 +148,7 @@ class _Learner:
     def train_step(self, batch):
         return {}
 
-    def save_checkpoint(self, path):
+    def save_checkpoint(self, path, reference_root=None):
         Path(path).mkdir(parents=True)
 
     def export_weights(self):
