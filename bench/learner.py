@@ -17,16 +17,8 @@ work; ``--max-tokens N``: micro-batches under a token budget instead of ``--mbs`
 result reports ``padding_fraction_rows`` / ``padding_fraction_token_budget``: the same batches
 planned both ways): a reference forward, a policy forward + backward, one Adam step.
 
-Model FLOPs (what MFU counts; recomputation and padding are not useful work), per the PaLM
-convention (Chowdhery et al. 2022, appendix B; the same matmul count as Narayanan et al. 2021,
-sec. 5.1): a forward pass over a token in a sequence of length T costs
-
-    F(T) = 2 * N + 4 * L * H * Q * T
-
-with N = L * (h*Q*(H + 2G) + H*Q*h + 3*h*f) + h*V the matmul parameters (QKV with G KV groups,
-output projection, SwiGLU gate/up/down, LM head; the embedding lookup is free), L layers, H query
-heads of size Q, hidden h, FFN f, vocab V; 4*L*H*Q*T is QK^T plus AV (full, not halved for the
-causal mask). A DPO step counts, for every real token of every row, 3*F(T) for the policy
+Model FLOPs (what MFU counts): F(T) per token, derived in ``megatron_rlhf.learner.flops``.
+A DPO step counts, for every real token of every row, 3*F(T) for the policy
 (forward + backward = 2x forward) plus F(T) for the reference forward, with T the row's real
 length (``megatron_rlhf.learner.flops.model_flops_per_token``, which the learner's ``perf/*``
 metrics use too). MFU = model FLOPs per second / (peak FLOPs per device * devices). Peak:
