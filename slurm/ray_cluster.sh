@@ -170,7 +170,7 @@ PREFLIGHT_SH='node=${SLURMD_NODENAME:-$(hostname -s)}
 if out=$(timeout 120 "$0" -c "import os, megatron_rlhf; print(os.path.dirname(megatron_rlhf.__path__[0]))" 2>&1)
 then echo "pre-flight $node: ok, megatron_rlhf from $out"
 else echo "pre-flight $node: FAILED: $0 cannot import megatron_rlhf (PYTHONPATH=${PYTHONPATH:-}): $(printf "%s" "$out" | tail -n 1)"; fi'
-PREFLIGHT=$(srun --overlap --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 \
+PREFLIGHT=$(srun --overlap --job-name=mrlhf-preflight --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 \
   -w "$(IFS=,; echo "${NODES[*]}")" --chdir=/ --kill-on-bad-exit=0 bash -c "$PREFLIGHT_SH" "$PY" 2>&1)
 echo "$PREFLIGHT"
 if grep -q 'FAILED' <<<"$PREFLIGHT" || [ "$(grep -c ': ok, ' <<<"$PREFLIGHT")" -ne "$NNODES" ]; then
@@ -180,9 +180,10 @@ if grep -q 'FAILED' <<<"$PREFLIGHT" || [ "$(grep -c ': ok, ' <<<"$PREFLIGHT")" -
 fi
 
 SRUN_PIDS=()
+# Step names (`squeue -s`, `sacct`): mrlhf-preflight, ray-head, ray-worker.
 # `setsid`: the srun clients live in a session of their own, so a signal to the whole batch step
 # (`scancel --full`) does not reach them (srun ends its step on SIGTERM: "forcing job termination")
-setsid srun --overlap --nodes=1 --ntasks=1 -w "$HEAD" "${GPU_STEP[@]}" --kill-on-bad-exit=0 \
+setsid srun --overlap --job-name=ray-head --nodes=1 --ntasks=1 -w "$HEAD" "${GPU_STEP[@]}" --kill-on-bad-exit=0 \
      --output="$LOG_DIR/ray-$HEAD-$JOB.log" --open-mode=append \
   "$PY" -m megatron_rlhf.runtime guard -- "$RAY_BIN" start --head --block --node-ip-address="$HEAD_IP" --port="$PORT" \
      --num-cpus="$CPUS" --num-gpus="$GPUS" --resources="$(role_resources 0)" \
@@ -194,7 +195,7 @@ SRUN_PIDS+=($!)
 # supported"); 1 is Ray's own default on Linux. The head keeps the caller's value: with 0 a
 # loopback MRLHF_RAY_HEAD_IP stays 127.0.0.1 instead of being replaced by the node's external address.
 for ((i = 1; i < NNODES; i++)); do
-  setsid srun --overlap --nodes=1 --ntasks=1 -w "${NODES[$i]}" "${GPU_STEP[@]}" --kill-on-bad-exit=0 \
+  setsid srun --overlap --job-name=ray-worker --nodes=1 --ntasks=1 -w "${NODES[$i]}" "${GPU_STEP[@]}" --kill-on-bad-exit=0 \
        --output="$LOG_DIR/ray-${NODES[$i]}-$JOB.log" --open-mode=append \
     env RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1 \
     "$PY" -m megatron_rlhf.runtime guard -- "$RAY_BIN" start --block --address="$JOIN_ADDRESS" --num-cpus="$CPUS" --num-gpus="$GPUS" \

@@ -44,7 +44,7 @@ CLUSTER = {  # recipe -> its model
     "online-dpo-llama3.1-70b-8n8g-tp8pp2.yaml": "llama3.1-70b",
     "online-dpo-qwen2.5-7b-math-chat-2n8g.yaml": "qwen2.5-7b",
 }
-CPU_RECIPES = ("cpu_demo.yaml", "ci_tiny.yaml", "ci_slurm.yaml")
+CPU_RECIPES = ("cpu_demo.yaml", "repro_math.yaml", "ci_tiny.yaml", "ci_slurm.yaml")
 GPU_COMMON = {"dtype": "bfloat16", "seed": 0, "max_model_len": 2048, "max_num_seqs": 128,
               "max_num_batched_tokens": 8192, "enable_prefix_caching": True,
               "logprobs_mode": "processed_logprobs", "use_tqdm_on_load": False, "gpu_memory_utilization": 0.9, "enforce_eager": False}
@@ -63,6 +63,7 @@ EXPECTED = {  # recipe -> exact LLM(...) keyword arguments of each engine (model
                      "kv_cache_memory_bytes": GiB // 16},
 }
 EXPECTED["ci_slurm.yaml"] = EXPECTED["ci_tiny.yaml"]
+EXPECTED["repro_math.yaml"] = EXPECTED["cpu_demo.yaml"]   # the demo, math only
 EXPECTED["smoke-1n8g.yaml"] = {**GPU_COMMON, "max_model_len": 1024, "tensor_parallel_size": 1}
 
 

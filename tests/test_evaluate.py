@@ -296,6 +296,38 @@ def test_a_failed_eval_still_writes_its_row_and_every_later_row_then_raises():
 
 
 @pytest.mark.timeout(30)
+def test_a_one_step_run_keeps_the_eval_before_step_1_apart_from_the_final_eval(tmp_path):
+    """``run.num_steps=1``: row 1 gets both evals. The final eval's fields are the row's own, the one
+    before step 1 is kept under ``eval/earlier``, and the summary's first/last and the time table's
+    first/last eval are those two evals (they were both the final one)."""
+    import queue
+    from concurrent.futures import Future
+
+    from megatron_rlhf.config import LoggingConfig
+    from megatron_rlhf.trainer.evaluate import EARLIER_EVALS, PendingRows
+    from megatron_rlhf.trainer.metrics import MetricsLogger, eval_records, summarize_evals, time_breakdown
+
+    log = MetricsLogger(tmp_path, LoggingConfig(tensorboard=False), {})
+    before, final = Future(), Future()
+    before.set_result({"eval/step": 0, "eval/math/pass@1": 0.25, "eval/math/pass@1/se": 0.1, "time/eval_s": 3.0})
+    final.set_result({"eval/step": 1, "eval/math/pass@1": 0.5, "eval/math/pass@1/se": 0.1, "time/eval_s": 5.0})
+    rows = PendingRows(log.log, threading.Thread(target=lambda: None), queue.Queue(), timeout=5.0)
+    row = {"step": 1, "weight_version": 1, "loss/total": 0.1, "reward/mean": 0.0, "pairs/count": 1,
+           "pairs/skipped_prompts": 0, "time/gen_s": 1.0, "time/train_s": 1.0, "time/sync_s": 0.0}
+    from megatron_rlhf.trainer.metrics import REQUIRED_KEYS
+    row.update({k: 0.0 for k in REQUIRED_KEYS if k not in row})
+    rows.add(row, [before, final])
+    written = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(written) == 1 and written[0]["eval/step"] == 1 and written[0]["eval/math/pass@1"] == 0.5
+    assert written[0][EARLIER_EVALS][0]["eval/step"] == 0 and written[0]["time/eval_s"] == 8.0
+    assert [(e["eval/step"], e["time/eval_s"]) for e in eval_records(written)] == [(0, 3.0), (1, 5.0)]
+    s = summarize_evals(written)["math"]["pass@1"]
+    assert (s["first"], s["first_step"], s["last"], s["last_step"]) == (0.25, 0, 0.5, 1)
+    t = time_breakdown(written, {}, loop_s=10.0, total_s=20.0)
+    assert (t["time/eval_first_s"], t["time/eval_last_s"], t["time/eval_total_s"]) == (3.0, 5.0, 8.0)
+
+
+@pytest.mark.timeout(30)
 def test_the_trained_steps_are_checkpointed_before_a_failed_end_of_run_eval_is_raised():
     from megatron_rlhf.trainer.loop import _flush_and_save
 

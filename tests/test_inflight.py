@@ -240,7 +240,7 @@ def test_producer_fills_a_batch_from_the_free_engine_while_the_other_is_held(ray
     prod = RolloutProducer(
         pool=pool, sampler=MultiTaskSampler({"t": _prompts(20)}, {"t": 1.0}, seed=0), reward_fns={"t": reward},
         pair_fn=select_pair, channel=WeightChannel(PublishedWeights(version=0)), out_queue=out,
-        algorithm_cfg=AlgorithmConfig(samples_per_prompt=2, prompts_per_step=2),
+        algorithm_cfg=AlgorithmConfig(samples_per_prompt=2, prompts_per_step=2, carry_surplus=True),
         generator_cfg=GeneratorConfig(prompts_per_request=1), staleness_bound=1, first_batch=0,
         num_batches=1, min_version=0, seed=0, timeout_s=60)
     prod.run()

@@ -125,6 +125,15 @@ def _job(env, jid: str) -> dict:
     return dict(re.findall(r"(\w+)=(\S*)", out))
 
 
+def _step(env, jid: str, name: str) -> str:
+    """The id (JOB.STEP) of the job's running step named ``name`` (ray_cluster.sh names its steps)."""
+    out = subprocess.run(["squeue", "-h", "-s", "-j", jid, "-o", "%i %j"], env=env, capture_output=True,
+                         text=True, check=True).stdout
+    ids = [i for i, n in (line.split(None, 1) for line in out.splitlines() if line.strip()) if n.strip() == name]
+    assert len(ids) == 1, f"want one step named {name} in job {jid}, squeue -s says:\n{out}"
+    return ids[0]
+
+
 def _wait(env, jid: str, states: set[str], timeout_s: float, log: Path | None = None) -> dict:
     deadline = time.time() + timeout_s
     while time.time() < deadline:
@@ -207,8 +216,8 @@ def test_sbatch_runs_ci_config_to_the_end_and_resumes_after_term_and_requeue(slu
 @pytest.mark.timeout(1500)
 def test_sbatch_whole_step_sigterm_checkpoints_exits_0_and_resubmit_resumes(slurm_env, tiny_llama_dir, tmp_path):
     """``scancel --signal=TERM --full`` (every process of the batch step: the batch shell, train.py,
-    the log's tee, the srun clients) and ``scancel --signal=TERM JOB.0`` (the step running the Ray
-    head). The Ray step ignores it (its guard), the srun clients never see it (own session), train.py finishes its step and writes a checkpoint (made slow here, 20 s, by the test
+    the log's tee, the srun clients) and ``scancel --signal=TERM JOB.S`` (S: the step named ray-head, which runs the Ray
+    head; step 0 is the pre-flight). The Ray step ignores it (its guard), the srun clients never see it (own session), train.py finishes its step and writes a checkpoint (made slow here, 20 s, by the test
     hook), the job exits 0 with no Ray process left, and a resubmitted job resumes and finishes."""
     env = dict(slurm_env, MRLHF_TEST_SLOW_SAVE_S="20")
     runs = tmp_path / "runs"
@@ -225,7 +234,7 @@ def test_sbatch_whole_step_sigterm_checkpoints_exits_0_and_resubmit_resumes(slur
         assert _job(env, jid).get("JobState") not in DONE_STATES, log.read_text()[-3000:]
         time.sleep(0.2)
     subprocess.run(["scancel", "--signal=TERM", "--full", jid], env=env, check=True)
-    subprocess.run(["scancel", "--signal=TERM", f"{jid}.0"], env=env, check=True)   # step 0: the Ray head
+    subprocess.run(["scancel", "--signal=TERM", _step(env, jid, "ray-head")], env=env, check=True)
     info = _wait(env, jid, DONE_STATES, 600, log)
     driver_log = (run / "logs" / f"driver-{jid}.log").read_text()
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, driver_log[-3000:])

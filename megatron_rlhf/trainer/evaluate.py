@@ -404,11 +404,19 @@ def eval_due(eval_cfg, num_steps: int, done: int, published: bool) -> bool:
     return bool(eval_cfg.interval) and done % eval_cfg.interval == 0 and published
 
 
+EARLIER_EVALS = "eval/earlier"
+"""Row key for the evals a row holds besides its own: a list of their field dicts, oldest first. Only
+a run whose first row also ends it (``run.num_steps=1``) has one: row 1 holds the eval before step 1
+here and the final eval in its ``eval/*`` fields (:func:`megatron_rlhf.trainer.metrics.eval_records`
+reads both)."""
+
+
 class PendingRows:
     """Metrics rows waiting for their evals (served on the producer thread), logged in step order.
 
-    A row is written once every eval future attached to it has resolved (its fields merged into
-    the row, ``time/eval_s`` = their seconds, 0 without an eval); :meth:`add` writes every leading
+    A row is written once every eval future attached to it has resolved (the last one's fields
+    merged into the row, any earlier one's kept under :data:`EARLIER_EVALS`, ``time/eval_s`` = their
+    seconds, 0 without an eval); :meth:`add` writes every leading
     row that is ready without waiting, :meth:`flush` waits for all (before a checkpoint, at the end).
 
     Args:
@@ -447,16 +455,19 @@ class PendingRows:
             raise error
 
     def _write(self, row: dict, futures: list) -> None:
-        eval_s, error = 0.0, None
-        for fut in futures:   # in order: a later eval's keys win (only when one row gets two)
+        error, results = None, []
+        for fut in futures:   # in order: the eval before step 1, then this step's
             try:
                 res = self._result(fut)
             except Exception as e:   # noqa: BLE001 - the row is written first, then this is raised
                 error, res = error or e, None
             if res:
-                eval_s += res["time/eval_s"]
-                row.update(res)
-        row["time/eval_s"] = eval_s
+                results.append(res)
+        for res in results:   # the row's own eval fields are the last eval's
+            row.update(res)
+        if len(results) > 1:   # a 1-step run: row 1 holds the eval before step 1 and the final one
+            row[EARLIER_EVALS] = [dict(r) for r in results[:-1]]
+        row["time/eval_s"] = sum(r["time/eval_s"] for r in results)
         self.log(row)
         if error is not None:
             raise error

@@ -59,6 +59,10 @@ REQUIRED_KEYS = ("step", "weight_version", "staleness/max", "reward/mean", "pair
 
 
 def _plain(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
     if hasattr(v, "item"):
         v = v.item()
     if isinstance(v, float) and not math.isfinite(v):
@@ -317,11 +321,28 @@ def task_names(rows: list[dict]) -> list[str]:
     return list(out)
 
 
+def eval_records(rows: list[dict]) -> list[dict]:
+    """Every eval of the run, oldest first, as a dict of its ``eval/*`` fields and ``time/eval_s``.
+
+    A row with ``eval/step`` is one eval; a row that also holds earlier evals
+    (``eval/earlier``, written by ``trainer.evaluate.PendingRows``: the eval before step 1 of a
+    1-step run) gives those first, and its own record's ``time/eval_s`` is its own eval's seconds."""
+    out = []
+    for r in rows:
+        earlier = r.get("eval/earlier") or []
+        out += earlier
+        if r.get("eval/step") is not None:
+            own = r if not earlier else {**r, "time/eval_s": (r.get("time/eval_s") or 0.0)
+                                         - sum(e.get("time/eval_s") or 0.0 for e in earlier)}
+            out.append(own)
+    return out
+
+
 def summarize_evals(rows: list[dict]) -> dict:
     """First and last eval of the run per task: ``{task: {metric: {"first", "first_se",
     "first_step", "last", "last_se", "last_step"}}}`` for the eval values present
-    (:func:`is_eval_metric`) (rows with an ``eval/step`` key; ``first_step`` is 0 for the eval before step 1)."""
-    evals = [r for r in rows if r.get("eval/step") is not None]
+    (:func:`is_eval_metric`) (:func:`eval_records`; ``first_step`` is 0 for the eval before step 1)."""
+    evals = eval_records(rows)
     out: dict = {}
     if not evals:
         return out
@@ -357,7 +378,7 @@ def time_breakdown(rows: list[dict], phases: dict[str, float], *, loop_s: float,
         checkpoint, summary); ``time/total_s``.
     """
     out = {f"time/{k}_s": float(v) for k, v in phases.items()}
-    evals = [r.get("time/eval_s") or 0.0 for r in rows if r.get("eval/step") is not None]
+    evals = [r.get("time/eval_s") or 0.0 for r in eval_records(rows)]
     if evals:
         out["time/eval_first_s"] = evals[0]
         if len(evals) > 1:

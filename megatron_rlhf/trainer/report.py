@@ -102,9 +102,9 @@ def _lines(rows, keys, title, ylabel, labels=None):
 def _eval_plot(rows):
     import matplotlib.pyplot as plt
 
-    evals = [r for r in rows if r.get("eval/step") is not None]
-    from megatron_rlhf.trainer.metrics import is_eval_metric
+    from megatron_rlhf.trainer.metrics import eval_records, is_eval_metric
 
+    evals = eval_records(rows)
     keys = [k for k in _keys(evals, "eval/", "") if k.count("/") == 2
             and is_eval_metric(k.rsplit("/", 1)[1]) and not k.endswith("/len_mean_tokens")]
     fig, ax = plt.subplots(figsize=(7, 3.6))
