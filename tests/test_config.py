@@ -141,6 +141,27 @@ def test_tensor_parallel_suggestions_divide_every_split_dimension():
         check_divisible(model, tensor_parallel=1, pipeline_parallel=3)
 
 
+@pytest.mark.timeout(120)
+def test_a_bad_tensor_parallel_for_smollm2_is_refused_before_its_cold_conversion(tmp_path, monkeypatch):
+    """``model.source=smollm2`` with an empty cache: ``learner.tensor_parallel=2`` (SmolLM2 has 9
+    heads) is refused from the GGUF header, naming the key and the divisors, before the minute-long
+    conversion starts (it is never called)."""
+    from megatron_rlhf.trainer import setup
+    from megatron_rlhf.trainer.run import Run
+
+    def no_conversion(model_cfg):
+        raise AssertionError("the model was converted before the layout was checked")
+
+    monkeypatch.setattr(setup, "resolve_model_dir", no_conversion)
+    cfg = load_config(REPO / "configs" / "cpu_demo.yaml", [f"model.cache_dir={tmp_path / 'cache'}",
+                                                           f"run.output_dir={tmp_path / 'runs'}",
+                                                           "learner.tensor_parallel=2"])
+    with pytest.raises(ConfigError, match=r"num_attention_heads=9 is not divisible by learner\.tensor_parallel=2.*"
+                                          r"one of \[1, 3\]"):
+        setup.prepare(Run(cfg, lambda *a: None))
+    assert not (tmp_path / "cache" / "SmolLM2-135M-Instruct-hf").exists()
+
+
 def test_a_budget_that_cannot_fill_a_batch_at_the_minimum_yield_is_refused_with_the_numbers():
     """The cluster recipes' former budget: 64 prompts per step, 512 at most; at a pair yield of 5%
     a batch needs 1280 prompts (issue 23); and a fixed burst whose first wave spends the budget."""

@@ -181,6 +181,25 @@ def test_smoke_recipe_without_model_source_stops_naming_the_key():
         load_config(REPO / SMOKE)
 
 
+@pytest.mark.timeout(60)
+def test_smoke_recipe_on_a_machine_without_a_gpu_is_refused_before_anything_starts(tiny_llama_dir, tmp_path):
+    """The smoke recipe as its header says to run it, on a machine that sees no CUDA device: refused
+    at once naming model.dtype and the CPU rehearsal (it used to start on CPU in bf16 and fail
+    minutes later in the weight-sync probe check); nothing is written to the run folder."""
+    import torch
+
+    from megatron_rlhf.config import ConfigError, load_config
+    from megatron_rlhf.trainer import setup
+    from megatron_rlhf.trainer.run import Run
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    cfg = load_config(REPO / SMOKE, [f"model.source={tiny_llama_dir}", f"run.output_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"'model\.dtype' = 'bfloat16' on a machine without a GPU.*SMOKE_SCALE"):
+        setup.prepare(Run(cfg, lambda *a: None))
+    assert not (tmp_path / "smoke-1n8g").exists()
+
+
 @pytest.mark.skipif(os.environ.get("MRLHF_SMOKE_REHEARSAL") != "1",
                     reason="passed once (278 s at load ~30); gated to keep issue 21 inside its CI budget "
                            "(the plain-checkout ci_tiny test covers item 1): MRLHF_SMOKE_REHEARSAL=1 runs it")

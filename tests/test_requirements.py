@@ -5,6 +5,7 @@ to the version the learner is tested with (the same as the CPU stack's). No GPU 
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -204,3 +205,19 @@ def test_setup_gpu_installs_gpu_txt_then_te_without_build_isolation_writes_freez
                          timeout=30)
     assert res.returncode == 0 and "up to date" in res.stderr, res.stderr
     assert len(log.read_text().splitlines()) == n, "a second run with unchanged requirements installed again"
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("script", ["tools/setup_cpu.sh", "tools/setup_gpu.sh"])
+def test_setup_scripts_print_help_and_refuse_unknown_arguments_without_installing(script, tmp_path):
+    """``--help`` prints the script's header and exits 0; an unknown argument exits 2 naming it;
+    neither creates a venv (``--help`` used to start the install)."""
+    import subprocess
+
+    env = dict(os.environ, VENV=str(tmp_path / "venv"))
+    help_ = subprocess.run(["bash", script, "--help"], cwd=REPO, env=env, capture_output=True, text=True, timeout=20)
+    assert help_.returncode == 0 and "environment" in help_.stdout.lower(), help_.stdout + help_.stderr
+    assert not help_.stdout.startswith("#") and "set -euo" not in help_.stdout
+    bad = subprocess.run(["bash", script, "--venv", "x"], cwd=REPO, env=env, capture_output=True, text=True, timeout=20)
+    assert bad.returncode == 2 and "unknown argument '--venv'" in bad.stderr, bad.stderr
+    assert not (tmp_path / "venv").exists() and not (REPO / ".venv-gpu").exists()

@@ -200,3 +200,35 @@ def test_math_verify_pool_workers_outlive_sigterm_and_sigint():
         assert reward.num_restarts == 0
     time.sleep(0.5)
     assert not _alive(workers)
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_during_model_conversion_stops_at_once_not_after_it(tiny_llama_dir, tmp_path, monkeypatch):
+    """A cold start spends minutes in work that polls nothing (GGUF conversion, reward-model
+    training): a SIGTERM there interrupts it at once (``_StopFlag.interrupting``) and the run
+    returns "stopped before step 1" with nothing trained, instead of acting after the work ends."""
+    import threading
+
+    from megatron_rlhf.config import load_config
+    from megatron_rlhf.trainer import setup
+    from megatron_rlhf.trainer.loop import train
+
+    started = threading.Event()
+
+    def slow_conversion(model_cfg):   # a conversion that would take 120 s
+        started.set()
+        t_end = time.monotonic() + 120
+        while time.monotonic() < t_end:
+            sum(range(10_000))
+        raise AssertionError("the stop signal did not interrupt the conversion")
+
+    monkeypatch.setattr(setup, "resolve_model_dir", slow_conversion)
+    cfg = load_config(REPO / "configs" / "ci_tiny.yaml", [
+        f"model.source={tiny_llama_dir}", f"run.output_dir={tmp_path}", "run.name=cold",
+        "tasks.0.reward=tests.plugins:char_parity", "logging.progress=false"])
+    threading.Thread(target=lambda: started.wait(30) and os.kill(os.getpid(), signal.SIGTERM), daemon=True).start()
+    t0 = time.monotonic()
+    res = train(cfg, quiet=True)
+    assert time.monotonic() - t0 < 20
+    assert res["stopped_early"] and res["stopped_before_step"] == 1 and res["steps"] == 0
+    assert metrics_steps(tmp_path / "cold") == []

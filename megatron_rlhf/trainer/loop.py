@@ -21,6 +21,7 @@ batch may use and is unblocked by :meth:`Run.publish`.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
@@ -177,6 +178,7 @@ class _StopFlag:
     def __init__(self):
         self.requested = False
         self._old = {}
+        self._next_step = None   # inside interrupting(): a signal raises StoppedBeforeStart
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -189,10 +191,27 @@ class _StopFlag:
         for sig in self._old:
             signal.signal(sig, self._handle)
 
+    @contextlib.contextmanager
+    def interrupting(self, next_step):
+        """While inside, a stop signal raises :class:`StoppedBeforeStart` (``next_step()``) at once:
+        for start-up work that polls nothing (GGUF conversion, reward-model training; each
+        publishes its cache folder by an atomic rename, so nothing half-written is left)."""
+        if self.requested:
+            raise StoppedBeforeStart(next_step())
+        self._next_step = next_step
+        try:
+            yield
+        finally:
+            self._next_step = None
+
     def _handle(self, signum, frame):
         if self.requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.requested = True
+        if self._next_step is not None:
+            print(f"\n[megatron-rlhf] signal {signal.Signals(signum).name} during start-up: stopping", flush=True)
+            next_step, self._next_step = self._next_step, None
+            raise StoppedBeforeStart(next_step())
         print(f"\n[megatron-rlhf] signal {signal.Signals(signum).name}: finishing this step, "
               "then checkpointing and exiting", flush=True)
 

@@ -29,8 +29,8 @@ from pathlib import Path
 
 from megatron_rlhf.config import Config, ConfigError
 
-__all__ = ["check_model_source", "preflight", "check_model_folder", "check_output_folder",
-           "import_plugins", "check_logging"]
+__all__ = ["check_model_source", "check_device", "check_layout_before_conversion", "preflight", "check_model_folder",
+           "check_output_folder", "import_plugins", "check_logging"]
 
 
 def check_model_source(model_cfg) -> None:
@@ -60,6 +60,58 @@ def check_model_source(model_cfg) -> None:
     raise ConfigError(f"{key}: {src} has no config.json, so it is no Hugging Face model folder "
                       "(config.json, *.safetensors, tokenizer files), and no Megatron checkpoint "
                       "either; point model.source at one of those, or use 'smollm2'")
+
+
+def check_device(cfg: Config) -> None:
+    """A GPU recipe started on a machine without a GPU is refused before anything starts.
+
+    ``model.dtype: bfloat16`` is what the GPU recipes train in (``base_cluster.yaml``,
+    ``smoke-1n8g.yaml``); a run on this machine (``placement.gpus_per_node: 0``: no SLURM placement)
+    that sees no CUDA device would otherwise start on CPU in bf16 and stop minutes later in the
+    weight-sync probe check. On a SLURM cluster (``gpus_per_node > 0``) the driver may run on a
+    node without GPUs, so nothing is checked there.
+
+    Raises:
+        ConfigError: names ``model.dtype``, the recipe's needs and the CPU rehearsal overrides.
+    """
+    if cfg.model.dtype != "bfloat16" or cfg.placement.gpus_per_node > 0:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            "config key 'model.dtype' = 'bfloat16' on a machine without a GPU (torch.cuda.is_available() "
+            "is False): this is a GPU recipe (its learners and vLLM engines train and sample in bf16 on "
+            "CUDA devices). Run it on a GPU node (bash tools/setup_gpu.sh, then .venv-gpu/bin/python "
+            "train.py ...), or, to rehearse it on CPU, set model.dtype=float32 and scale it down "
+            "(tests/test_recipe_rehearsal.py, SMOKE_SCALE, shows the overrides)")
+
+
+def check_layout_before_conversion(cfg: Config) -> None:
+    """The learner layout against ``model.source=smollm2`` before its first (cold) conversion: the
+    architecture is read from the GGUF header (seconds) so that a bad ``learner.tensor_parallel`` /
+    ``pipeline_parallel`` is refused before the ~1 minute conversion, not after it. A no-op for
+    other sources and once the converted folder is cached (:func:`check_model_folder` checks it).
+
+    Raises:
+        ConfigError: names the model field, the learner key and the divisors to choose from.
+    """
+    if cfg.model.source != "smollm2":
+        return
+    from megatron_rlhf.convert.gguf import smollm2_cached, smollm2_gguf_architecture
+    from megatron_rlhf.learner.model import check_divisible
+
+    if smollm2_cached(cfg.model.cache_dir):
+        return
+    try:
+        arch = smollm2_gguf_architecture()
+    except FileNotFoundError as e:
+        raise ConfigError(f"config key 'model.source' = 'smollm2': {e}") from e
+    try:
+        check_divisible(arch, tensor_parallel=cfg.learner.tensor_parallel,
+                        pipeline_parallel=cfg.learner.pipeline_parallel)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
 
 
 def preflight(cfg: Config, model_dir: Path) -> dict:

@@ -64,6 +64,7 @@ class Run:
         self.generators: list = []
         self.shared_generators: list = []
         self.ray_head = None   # see setup.init_ray
+        self.resume_from = (None, None)   # (checkpoint path, its state): set by setup.prepare
         self._calls: dict[str, float] = {}   # learner calls in flight -> start (monotonic s)
         self.stacks_dir = self.watchdog = None
         self.skipped_in_row = 0
@@ -101,7 +102,11 @@ class Run:
         run = cls(cfg, say)
         from megatron_rlhf.trainer import setup
 
-        done = setup.prepare(run)
+        # model conversion and reward-model training poll nothing: a stop signal interrupts them
+        interrupting = getattr(stop, "interrupting", None)
+        with (interrupting(lambda: (run.resume_from[1] or {}).get("step", 0) + 1) if interrupting
+              else contextlib.nullcontext()):
+            done = setup.prepare(run)
         if done is not None:
             return done
         try:

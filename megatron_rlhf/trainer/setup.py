@@ -27,7 +27,8 @@ from megatron_rlhf.generator.pool import GeneratorPool
 from megatron_rlhf.generator.weight_sync import PublishedWeights, make_transport
 from megatron_rlhf.trainer.checkpoint import CheckpointManager
 from megatron_rlhf.trainer.metrics import MetricsLogger
-from megatron_rlhf.trainer.preflight import check_model_source, preflight
+from megatron_rlhf.trainer.preflight import (check_device, check_layout_before_conversion, check_model_source,
+                                             preflight)
 from megatron_rlhf.trainer.rollout import RolloutProducer, WeightChannel
 from megatron_rlhf.trainer.run import RunResult, learner_guard
 from megatron_rlhf.trainer.watchdog import HangWatchdog, dump_actor_stacks
@@ -74,6 +75,8 @@ def _prepare_checked(run) -> "RunResult | None":
     cfg, say, run_dir = run.cfg, run.say, run.run_dir
     say(f"run folder {run_dir}")
     check_model_source(cfg.model)
+    check_device(cfg)
+    check_layout_before_conversion(cfg)   # a cold smollm2 conversion takes a minute: refuse a bad layout first
     with run.phase("model", f"model {cfg.model.source}: preparing the Hugging Face folder (a GGUF or "
                    "Megatron source is converted once and cached)..."):
         run.model_dir = resolve_model_dir(cfg.model)
