@@ -400,6 +400,18 @@ def write_tables(out: Path, results: dict[str, dict], cells: list[Cell], pilot_l
     return text
 
 
+def _save(fig, ax, title: str, path: Path) -> None:
+    """Title, legend (when anything is labelled), tight layout; write ``path`` (PNG) and close."""
+    import matplotlib.pyplot as plt
+
+    ax.set_title(title)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _plot(out: Path, results: dict[str, dict], cells: list[Cell]) -> None:
     """``gain_vs_N.png`` (per loss, error bars = se) and ``gain_vs_wall.png`` (grid A)."""
     import matplotlib
@@ -423,12 +435,7 @@ def _plot(out: Path, results: dict[str, dict], cells: list[Cell]) -> None:
     ax.set_xticks(list(N_VALUES), [str(n) for n in N_VALUES])
     ax.set_xlabel("N = async.sync_interval = max_staleness (16 = never synced)")
     ax.set_ylabel("held-out gain (after - before), ± se")
-    ax.set_title("Held-out gain vs off-policyness N (seed 0)")
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "gain_vs_N.png", dpi=110)
-    plt.close(fig)
+    _save(fig, ax, "Held-out gain vs off-policyness N (seed 0)", out / "gain_vs_N.png")
 
     fig, ax = plt.subplots(figsize=(6, 4.2))
     for mode, marker in (("sync", "s"), ("async", "o")):
@@ -442,12 +449,7 @@ def _plot(out: Path, results: dict[str, dict], cells: list[Cell]) -> None:
     ax.axhline(0, color="grey", lw=0.8)
     ax.set_xlabel("loop wall time (min; under the load average recorded in results.md)")
     ax.set_ylabel("held-out gain, ± se")
-    ax.set_title("Gain vs wall time: sync vs one-step async")
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "gain_vs_wall.png", dpi=110)
-    plt.close(fig)
+    _save(fig, ax, "Gain vs wall time: sync vs one-step async", out / "gain_vs_wall.png")
 
 
 # ----- running --------------------------------------------------------------------------------

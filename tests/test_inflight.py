@@ -114,6 +114,25 @@ def _hf_logprobs(model, seq):
     return [0.0] + [lp[t - 1, seq[t]].item() for t in range(1, len(seq))]
 
 
+def _version_1(hf, seed: int):
+    """Weights version 1 for the engine: the base weights + 0.05 N(0, 1) noise (``seed``), with the
+    probe's logprobs under them (transformers). Returns (base, new, probe, PublishedWeights v1);
+    ``hf`` is left holding the base weights."""
+    import ray
+    import torch
+
+    from megatron_rlhf.generator.weight_sync import PublishedWeights
+
+    base = {k: v.clone() for k, v in hf.state_dict().items()}
+    g = torch.Generator().manual_seed(seed)
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in base.items()}
+    probe = list(_prompts(1)[0].token_ids) + [20, 21, 22, 23]
+    hf.load_state_dict(new)
+    v1 = PublishedWeights(version=1, payload=ray.put([new]), probe_ref=ray.put([_hf_logprobs(hf, probe)]))
+    hf.load_state_dict(base)
+    return base, new, probe, v1
+
+
 # ----------------------------------------------------------------------------------- in-flight
 @pytest.mark.integration
 @pytest.mark.timeout(300)
@@ -124,13 +143,7 @@ def test_weights_pushed_mid_request_reach_the_running_completions(engine):
     from megatron_rlhf.generator.weight_sync import PublishedWeights
 
     handle, cfg, hf = engine
-    base = {k: v.clone() for k, v in hf.state_dict().items()}
-    g = torch.Generator().manual_seed(7)
-    new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in base.items()}
-    probe = list(_prompts(1)[0].token_ids) + [20, 21, 22, 23]
-    hf.load_state_dict(new)
-    v1 = PublishedWeights(version=1, payload=ray.put([new]), probe_ref=ray.put([_hf_logprobs(hf, probe)]))
-    hf.load_state_dict(base)
+    base, new, probe, v1 = _version_1(hf, seed=7)
     pool = _pool([handle], cfg, probe)
     steps0 = ray.get(handle.stats.remote())["generator/steps"]
 
@@ -274,13 +287,7 @@ def test_aborted_requests_are_parked_and_continue_under_new_weights_with_tokens_
     from megatron_rlhf.rollout.carry import ABORTED, Carry
 
     handle, cfg, hf = engine
-    base = {k: v.clone() for k, v in hf.state_dict().items()}
-    g = torch.Generator().manual_seed(11)
-    new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in base.items()}
-    probe = list(_prompts(1)[0].token_ids) + [20, 21, 22, 23]
-    hf.load_state_dict(new)
-    v1 = PublishedWeights(version=1, payload=ray.put([new]), probe_ref=ray.put([_hf_logprobs(hf, probe)]))
-    hf.load_state_dict(base)
+    base, new, probe, v1 = _version_1(hf, seed=11)
     from megatron_rlhf.generator.weight_sync import ObjectStoreTransport
 
     # the module's engine may hold an earlier test's version 1: back to the base weights at version 0

@@ -131,15 +131,18 @@ def _producer(scorers, loss="online_dpo", weights=(0.75, 0.25), num_batches=3, f
     return prod, out
 
 
-def _run(prod, out, n):
+def _run(prod, out, n, after_batch=None, timeout_s=120):
+    """Run the producer for ``n`` batches; ``after_batch(batch)`` is called as each is taken."""
     t = threading.Thread(target=prod.run, daemon=True)
     t.start()
     batches = []
     for _ in range(n):
-        item = out.get(timeout=120)
+        item = out.get(timeout=timeout_s)
         if isinstance(item, BaseException):
             raise item
         batches.append(item)
+        if after_batch is not None:
+            after_batch(item)
     t.join(timeout=30)
     return batches
 
@@ -360,17 +363,7 @@ def _carry_producer(pool, *, first=0, num_batches=3, bound=100, state=None, ppr=
 def _step_batches(prod, out, channel, n):
     """Run the producer for ``n`` batches, publishing version k+1 after taking batch k (as the
     learner would) and pushing it (the fake pool's version) before the next batch."""
-    t = threading.Thread(target=prod.run, daemon=True)
-    t.start()
-    got = []
-    for _ in range(n):
-        item = out.get(timeout=60)
-        if isinstance(item, BaseException):
-            raise item
-        got.append(item)
-        channel.publish(PublishedWeights(version=item.index + 1))
-    t.join(timeout=30)
-    return got
+    return _run(prod, out, n, lambda b: channel.publish(PublishedWeights(version=b.index + 1)), timeout_s=60)
 
 
 def _checkpointed(batch) -> dict:

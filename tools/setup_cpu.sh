@@ -8,11 +8,8 @@
 # (PIP_FIND_LINKS, e.g. a local folder of torch CPU wheels) are passed on to uv, which does not read
 # pip's configuration. The uv path is not yet timed or verified on a fresh machine: opt-in.
 set -euo pipefail
-case "${1:-}" in   # no arguments: settings are environment variables (the header above)
-  -h|--help) sed -n '2,/^set -euo pipefail/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-  "") ;;
-  *) echo "[setup_cpu] unknown argument '$1': this script takes none (its settings are environment variables, see: bash $0 --help)" >&2; exit 2 ;;
-esac
+# shellcheck source=tools/setup_args.sh
+source "$(dirname "$0")/setup_args.sh" "$0" "$@"   # --help; no other arguments
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then

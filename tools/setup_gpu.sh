@@ -20,11 +20,8 @@
 # Ray workers get it on PYTHONPATH from trainer/setup.py:init_ray and slurm/ray_cluster.sh), so a
 # plain checkout on the cluster's shared file system is enough.
 set -euo pipefail
-case "${1:-}" in   # no arguments: settings are environment variables (the header above)
-  -h|--help) sed -n '2,/^set -euo pipefail/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
-  "") ;;
-  *) echo "[setup_gpu] unknown argument '$1': this script takes none (its settings are environment variables, see: bash $0 --help)" >&2; exit 2 ;;
-esac
+# shellcheck source=tools/setup_args.sh
+source "$(dirname "$0")/setup_args.sh" "$0" "$@"   # --help; no other arguments
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${VENV:-.venv-gpu}

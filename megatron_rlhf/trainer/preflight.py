@@ -99,7 +99,6 @@ def check_layout_before_conversion(cfg: Config) -> None:
     if cfg.model.source != "smollm2":
         return
     from megatron_rlhf.convert.gguf import smollm2_cached, smollm2_gguf_architecture
-    from megatron_rlhf.learner.model import check_divisible
 
     if smollm2_cached(cfg.model.cache_dir):
         return
@@ -107,8 +106,15 @@ def check_layout_before_conversion(cfg: Config) -> None:
         arch = smollm2_gguf_architecture()
     except FileNotFoundError as e:
         raise ConfigError(f"config key 'model.source' = 'smollm2': {e}") from e
+    _check_learner_layout(cfg, arch)
+
+
+def _check_learner_layout(cfg: Config, hf) -> None:
+    """``learner.tensor_parallel`` / ``pipeline_parallel`` divide the model (``check_divisible``)."""
+    from megatron_rlhf.learner.model import check_divisible
+
     try:
-        check_divisible(arch, tensor_parallel=cfg.learner.tensor_parallel,
+        check_divisible(hf, tensor_parallel=cfg.learner.tensor_parallel,
                         pipeline_parallel=cfg.learner.pipeline_parallel)
     except ValueError as e:
         raise ConfigError(str(e)) from e
@@ -163,7 +169,7 @@ def check_model_folder(cfg: Config, model_dir: Path) -> None:
         ConfigError: names ``model.source`` (or the learner / generator key) and the file.
     """
     from megatron_rlhf.convert.mapping import get_arch
-    from megatron_rlhf.learner.model import check_divisible, load_hf_config
+    from megatron_rlhf.learner.model import load_hf_config
 
     key = f"config key 'model.source' = {cfg.model.source!r}"
     try:
@@ -174,11 +180,7 @@ def check_model_folder(cfg: Config, model_dir: Path) -> None:
         get_arch(hf)
     except ValueError as e:
         raise ConfigError(f"{key}: {e}") from e
-    try:
-        check_divisible(hf, tensor_parallel=cfg.learner.tensor_parallel,
-                        pipeline_parallel=cfg.learner.pipeline_parallel)
-    except ValueError as e:
-        raise ConfigError(str(e)) from e
+    _check_learner_layout(cfg, hf)
     positions = _max_positions(hf)
     if positions and cfg.generators.max_model_len > positions:
         raise ConfigError(f"config key 'generators.max_model_len' = {cfg.generators.max_model_len} is "
