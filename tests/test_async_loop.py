@@ -54,25 +54,28 @@ def test_async_run_staleness_is_0_then_1(ray_cluster, tiny_llama_dir, tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_sync_run_staleness_always_0(ray_cluster, tiny_llama_dir, tmp_path):
+def test_sync_run_staleness_always_0(generator, tiny_llama_dir, tmp_path):
     from megatron_rlhf.trainer.loop import train
 
-    res = train(_cfg(tiny_llama_dir, tmp_path, "sync3", "async.sync=true"), quiet=True)
+    res = train(_cfg(tiny_llama_dir, tmp_path, "sync3", "async.sync=true"), quiet=True, generators=[generator])
     rows = _rows(res["run_dir"])
     assert [r["staleness/max"] for r in rows] == [0, 0, 0]
     assert [r["generator/weight_version"] for r in rows] == [0, 1, 2]   # on-policy: fresh weights each batch
 
 
 @pytest.mark.timeout(1500)
-def test_stopped_run_resumes_at_next_step(ray_cluster, tiny_llama_dir, tmp_path):
+def test_stopped_run_resumes_at_next_step(generator, tiny_llama_dir, tmp_path):
+    """Stop at step 2, resume to 3, re-run the finished run (a no-op), continue to 4. The runs share
+    the module's generator (``train`` hands it the resumed weights first); the main job's own
+    generator start is test_async_run_staleness_is_0_then_1's."""
     from megatron_rlhf.trainer.loop import train
 
     first = train(_cfg(tiny_llama_dir, tmp_path, "resume", "run.num_steps=2",
-                       "checkpoint.export_hf=false"), quiet=True)
+                       "checkpoint.export_hf=false"), quiet=True, generators=[generator])
     assert first["last_step"] == 2
     state = json.loads((Path(first["run_dir"]) / "checkpoints" / "step_2" / "trainer_state.json").read_text())
     assert state["step"] == 2 and state["weight_version"] == 2
-    second = train(_cfg(tiny_llama_dir, tmp_path, "resume", "run.num_steps=3"), quiet=True)
+    second = train(_cfg(tiny_llama_dir, tmp_path, "resume", "run.num_steps=3"), quiet=True, generators=[generator])
     assert second["resumed_from_step"] == 2 and second["first_step"] == 1   # the summary covers the whole run
     rows = _rows(second["run_dir"])
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -80,12 +83,12 @@ def test_stopped_run_resumes_at_next_step(ray_cluster, tiny_llama_dir, tmp_path)
     # the generator got the resumed weights before generating step 3's batch: on-policy again
     assert rows[-1]["generator/weight_version"] == 2 and rows[-1]["staleness/max"] == 0
     # the same command again: a finished run is a no-op that reports the earlier summary
-    again = train(_cfg(tiny_llama_dir, tmp_path, "resume", "run.num_steps=3"), quiet=True)
+    again = train(_cfg(tiny_llama_dir, tmp_path, "resume", "run.num_steps=3"), quiet=True, generators=[generator])
     assert again["already_complete"] and again["last_step"] == 3
     assert len(_rows(second["run_dir"])) == 3
     # continuing a finished run: one more step, and its HF export replaces the old one
     old_export = (Path(second["run_dir"]) / "hf_final" / "model.safetensors").stat().st_mtime_ns
-    more = train(_cfg(tiny_llama_dir, tmp_path, "resume", "run.num_steps=4"), quiet=True)
+    more = train(_cfg(tiny_llama_dir, tmp_path, "resume", "run.num_steps=4"), quiet=True, generators=[generator])
     assert more["steps"] == 4 and more["last_step"] == 4 and more["resumed_from_step"] == 3
     assert (Path(more["run_dir"]) / "hf_final" / "model.safetensors").stat().st_mtime_ns != old_export
 

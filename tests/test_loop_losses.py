@@ -60,7 +60,8 @@ def _cfg(model_dir, out_dir, name, *extra):
     return load_config(REPO / "configs" / "ci_tiny.yaml", [
         f"model.source={model_dir}", f"run.output_dir={out_dir}", f"run.name={name}",
         "tasks.0.reward=tests.plugins:char_parity", "logging.progress=false",
-        "checkpoint.export_hf=false", "checkpoint.interval=0", *extra])
+        "checkpoint.export_hf=false", "checkpoint.interval=0",
+        "eval.enabled=false", *extra])   # the eval's own tests: tests/test_evaluate.py
 
 
 def _rows(run_dir):
