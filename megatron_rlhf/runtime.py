@@ -153,12 +153,18 @@ def _kill_session(sid: int, grace_s: float) -> None:
             pass
 
 
-def _free_port() -> int:
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct free loopback ports: all ``n`` sockets are bound before any is closed (one
+    socket at a time, the kernel may hand out the same port twice: seen in CI as ``ray start``'s
+    "port number ... that is used by other components")."""
+    import contextlib
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 class LocalRayHead:
@@ -170,7 +176,8 @@ class LocalRayHead:
     finishing its step and checkpoint (issue 17). Here they live in their own session, so only the
     driver stops them (:meth:`stop`); if the driver dies, the kernel sends SIGTERM to ``ray start``
     (``PR_SET_PDEATHSIG``), which stops its processes (Ray's own fate sharing kills the rest).
-    Ports are free ports picked here, and the temp folder is private (``ray start`` records its
+    Ports are distinct free ports picked here (a start that loses one to another program is retried
+    with new ones, twice), and the temp folder is private (``ray start`` records its
     address there; in the default ``/tmp/ray`` a bare ``ray.init()`` of another program on the
     machine would join this cluster).
 
@@ -187,33 +194,40 @@ class LocalRayHead:
     def __init__(self, num_cpus: int, log_path: str | os.PathLike, start_timeout_s: float = 300.0):
         import tempfile
 
-        self.temp_dir = tempfile.mkdtemp(prefix="mrlhf_ray_", dir="/tmp")  # short: socket paths <108
-        self.port = _free_port()
-        self.address = f"127.0.0.1:{self.port}"
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        ray_bin = Path(sys.executable).with_name("ray")
-        cmd = [str(ray_bin) if ray_bin.exists() else "ray", "start", "--head", "--block",
-               f"--port={self.port}", "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}",
-               "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={self.temp_dir}",
-               f"--dashboard-port={_free_port()}", f"--ray-client-server-port={_free_port()}",
-               f"--dashboard-agent-listen-port={_free_port()}",
-               f"--dashboard-agent-grpc-port={_free_port()}"]
-        env = dict(os.environ, **process_env())
-        env.pop("RAY_ADDRESS", None)
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=env, preexec_fn=_own_session_fate_shared)
-        self.sid = self.proc.pid
-        self._wait_started(start_timeout_s)
+        for attempt in range(3):   # a port taken by another program between the pick and the bind
+            self.temp_dir = tempfile.mkdtemp(prefix="mrlhf_ray_", dir="/tmp")  # short: socket paths <108
+            self.port, *other = _free_ports(5)
+            self.address = f"127.0.0.1:{self.port}"
+            ray_bin = Path(sys.executable).with_name("ray")
+            cmd = [str(ray_bin) if ray_bin.exists() else "ray", "start", "--head", "--block",
+                   f"--port={self.port}", "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}",
+                   "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={self.temp_dir}",
+                   f"--dashboard-port={other[0]}", f"--ray-client-server-port={other[1]}",
+                   f"--dashboard-agent-listen-port={other[2]}", f"--dashboard-agent-grpc-port={other[3]}"]
+            env = dict(os.environ, **process_env())
+            env.pop("RAY_ADDRESS", None)
+            start = self.log_path.stat().st_size if self.log_path.exists() else 0
+            with open(self.log_path, "ab") as log:
+                self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                             env=env, preexec_fn=_own_session_fate_shared)
+            self.sid = self.proc.pid
+            try:
+                self._wait_started(start_timeout_s, start)
+                return
+            except RuntimeError:
+                port_clash = b"is trying to use a port number" in self.log_path.read_bytes()[start:]
+                if not port_clash or attempt == 2:
+                    raise
 
-    def _wait_started(self, timeout_s: float) -> None:
+    def _wait_started(self, timeout_s: float, log_offset: int = 0) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self.stop()
                 raise RuntimeError(f"ray start --head exited with {self.proc.returncode}; see {self.log_path}")
-            if b"Ray runtime started" in self.log_path.read_bytes():
+            if b"Ray runtime started" in self.log_path.read_bytes()[log_offset:]:
                 return
             time.sleep(0.2)
         self.stop()

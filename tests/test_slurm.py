@@ -70,10 +70,6 @@ def _join_host_reason() -> str | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -85,22 +81,25 @@ def running_slurm(state: Path, nodes: int = 1):
     reason = _skip_reason() or (_join_host_reason() if nodes > 1 else None)
     if reason:
         pytest.skip(reason)
-    env = dict(os.environ, SLURM_CPUS="2", SLURM_NODES=str(nodes), SLURM_CTLD_PORT=str(_free_port()),
-               SLURM_SLURMD_PORT=",".join(str(_free_port()) for _ in range(nodes)))
+    from megatron_rlhf.runtime import _free_ports
+
+    ports = iter(_free_ports(nodes + 7))   # distinct: SLURM's and Ray's
+    env = dict(os.environ, SLURM_CPUS="2", SLURM_NODES=str(nodes), SLURM_CTLD_PORT=str(next(ports)),
+               SLURM_SLURMD_PORT=",".join(str(next(ports)) for _ in range(nodes)))
     res = subprocess.run(["bash", str(REPO / "tests/slurm/start_slurm.sh"), str(state)], env=env,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, f"start_slurm.sh failed:\n{res.stdout}\n{res.stderr}"
     ray_tmp = Path(f"/tmp/mrlhf_slurm_ray_{os.getpid()}_{nodes}")   # short: Ray's socket paths have a length limit
-    agent_ports = (f"--dashboard-agent-listen-port={_free_port()} --dashboard-agent-grpc-port={_free_port()}"
+    agent_ports = (f"--dashboard-agent-listen-port={next(ports)} --dashboard-agent-grpc-port={next(ports)}"
                    if nodes == 1 else "--dashboard-agent-listen-port=0 --dashboard-agent-grpc-port=0")
     env.update({
         "SLURM_CONF": str(state / "slurm.conf"),
         # Ray inside the job: loopback only, no token auth, its own ports and temp dir
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
-        "MRLHF_RAY_HEAD_IP": "127.0.0.1", "MRLHF_RAY_PORT": str(_free_port()),
+        "MRLHF_RAY_HEAD_IP": "127.0.0.1", "MRLHF_RAY_PORT": str(next(ports)),
         "MRLHF_RAY_TMPDIR": str(ray_tmp),
-        "MRLHF_RAY_START_ARGS": f"{agent_ports} --dashboard-port={_free_port()} "
-                                f"--ray-client-server-port={_free_port()}",
+        "MRLHF_RAY_START_ARGS": f"{agent_ports} --dashboard-port={next(ports)} "
+                                f"--ray-client-server-port={next(ports)}",
         "MRLHF_SELF_REQUEUE": "0",   # the test requeues by hand, as the scenario does
         "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
     })

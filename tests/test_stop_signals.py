@@ -234,3 +234,13 @@ def test_sigterm_during_model_conversion_stops_at_once_not_after_it(tiny_llama_d
     assert time.monotonic() - t0 < 20
     assert res["stopped_early"] and res["stopped_before_step"] == 1 and res["steps"] == 0
     assert metrics_steps(tmp_path / "cold") == []
+
+
+def test_local_ray_head_ports_are_distinct():
+    """The local Ray head's five ports are picked with every socket bound at once: distinct (picked
+    one at a time, two Ray components once got the same port and ``ray start`` exited in CI)."""
+    from megatron_rlhf.runtime import _free_ports
+
+    for _ in range(20):
+        ports = _free_ports(5)
+        assert len(set(ports)) == 5 and all(1024 <= p < 65536 for p in ports)
