@@ -95,7 +95,7 @@ def format_summary(res: dict) -> str:
         f"mean seconds per step: gen {f(res['gen_s_mean'], 1)}, train {f(res['train_s_mean'], 1)}, "
         f"sync {f(res['sync_s_mean'], 2)}",
         f"async speed-up: {f(res['async_speedup'], 2)}x (gen+train+sync {f(res['serial_s'], 0)} s "
-        f"serial vs {f(res['wall_s'], 0)} s wall)",
+        f"serial vs {f(res.get('steps_wall_s', res['wall_s']), 0)} s of steps, the eval before step 1 excluded)",
         *_time_lines(res.get("time") or {}),
         *_throughput_lines(res, f),
     ]

@@ -259,7 +259,7 @@ def summarize(rows: list[dict], wall_s: float, edge: int = 3) -> dict:
     Returns a dict: ``steps``, ``reward_first``/``reward_last`` (mean ``reward/mean`` of the first
     and last ``edge`` steps), ``pairs_formed``, ``prompts_skipped``, ``gen_s_mean``,
     ``train_s_mean``, ``sync_s_mean`` (seconds per step), ``wall_s`` and ``async_speedup`` =
-    sum(gen + train + sync seconds) / wall seconds (what a synchronous run would have spent over
+    sum(gen + train + sync seconds) / wall seconds of the steps (``wall_s`` less the eval before step 1) (what a synchronous run would have spent over
     what this run spent; > 1 means the overlap paid off), ``learner_tokens_per_s_mean``,
     ``learner_tflops_mean`` and ``mfu_mean`` (means of ``perf/learner_tokens_per_s``,
     ``perf/learner_tflops``, ``perf/mfu`` over the steps that have them; NaN when none, e.g.
@@ -276,6 +276,9 @@ def summarize(rows: list[dict], wall_s: float, edge: int = 3) -> dict:
 
     serial = sum((r.get("time/gen_s") or 0) + (r.get("time/train_s") or 0) + (r.get("time/sync_s") or 0)
                  for r in rows)
+    # the steps' wall time without the eval before step 1 (the first batch waits for it; it is no
+    # generation, training or sync, and a synchronous run waits for it too)
+    steps_wall = wall_s - sum(e.get("time/eval_s") or 0.0 for e in eval_records(rows) if e.get("eval/step") == 0)
     return {
         "steps": len(rows),
         "first_step": rows[0]["step"], "last_step": rows[-1]["step"],
@@ -291,8 +294,8 @@ def summarize(rows: list[dict], wall_s: float, edge: int = 3) -> dict:
         "train_s_mean": mean("time/train_s", rows),
         "sync_s_mean": mean("time/sync_s", rows),
         "wall_s": wall_s,
-        "serial_s": serial,
-        "async_speedup": serial / wall_s if wall_s > 0 else float("nan"),
+        "serial_s": serial, "steps_wall_s": steps_wall,
+        "async_speedup": serial / steps_wall if steps_wall > 0 else float("nan"),
         **_learner_throughput(rows, mean),
         "eval": summarize_evals(rows),
         "tasks": {t: {"reward_first": mean(f"task/{t}/reward_mean", rows[:edge]),
