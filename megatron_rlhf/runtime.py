@@ -196,18 +196,18 @@ class LocalRayHead:
 
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        ray_bin = Path(sys.executable).with_name("ray")
+        env = dict(os.environ, **process_env())
+        env.pop("RAY_ADDRESS", None)
         for attempt in range(3):   # a port taken by another program between the pick and the bind
             self.temp_dir = tempfile.mkdtemp(prefix="mrlhf_ray_", dir="/tmp")  # short: socket paths <108
             self.port, *other = _free_ports(5)
             self.address = f"127.0.0.1:{self.port}"
-            ray_bin = Path(sys.executable).with_name("ray")
             cmd = [str(ray_bin) if ray_bin.exists() else "ray", "start", "--head", "--block",
                    f"--port={self.port}", "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}",
                    "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={self.temp_dir}",
                    f"--dashboard-port={other[0]}", f"--ray-client-server-port={other[1]}",
                    f"--dashboard-agent-listen-port={other[2]}", f"--dashboard-agent-grpc-port={other[3]}"]
-            env = dict(os.environ, **process_env())
-            env.pop("RAY_ADDRESS", None)
             start = self.log_path.stat().st_size if self.log_path.exists() else 0
             with open(self.log_path, "ab") as log:
                 self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -200,6 +200,23 @@ def test_smoke_recipe_on_a_machine_without_a_gpu_is_refused_before_anything_star
     assert not (tmp_path / "smoke-1n8g").exists()
 
 
+
+def test_the_gpu_check_lets_a_bf16_recipe_through_where_cuda_is_visible(tiny_llama_dir, tmp_path, monkeypatch):
+    """The other branch of ``preflight.check_device``: a visible CUDA device (faked here) lets the
+    bf16 smoke recipe past the check; fp32 and SLURM GPU recipes (the driver may sit on a CPU node) are never refused by it."""
+    import torch
+
+    from megatron_rlhf.config import load_config
+    from megatron_rlhf.trainer.preflight import check_device
+
+    cfg = load_config(REPO / SMOKE, [f"model.source={tiny_llama_dir}", f"run.output_dir={tmp_path}"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    check_device(cfg)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    check_device(load_config(REPO / SMOKE, [f"model.source={tiny_llama_dir}", "model.dtype=float32"]))
+    check_device(load_config(REPO / "configs" / "online-dpo-llama3.1-8b-2n8g.yaml", [f"model.source={tiny_llama_dir}"]))
+
+
 @pytest.mark.skipif(os.environ.get("MRLHF_SMOKE_REHEARSAL") != "1",
                     reason="passed once (278 s at load ~30); gated to keep issue 21 inside its CI budget "
                            "(the plain-checkout ci_tiny test covers item 1): MRLHF_SMOKE_REHEARSAL=1 runs it")

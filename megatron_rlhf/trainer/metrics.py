@@ -259,8 +259,8 @@ def summarize(rows: list[dict], wall_s: float, edge: int = 3) -> dict:
     Returns a dict: ``steps``, ``reward_first``/``reward_last`` (mean ``reward/mean`` of the first
     and last ``edge`` steps), ``pairs_formed``, ``prompts_skipped``, ``gen_s_mean``,
     ``train_s_mean``, ``sync_s_mean`` (seconds per step), ``wall_s`` and ``async_speedup`` =
-    sum(gen + train + sync seconds) / wall seconds of the steps (``wall_s`` less the eval before step 1) (what a synchronous run would have spent over
-    what this run spent; > 1 means the overlap paid off), ``learner_tokens_per_s_mean``,
+    sum(gen + train + sync seconds) / ``steps_wall_s`` (``wall_s`` less the eval before step 1):
+    what a synchronous run would have spent over what this run spent; > 1 means the overlap paid off, ``learner_tokens_per_s_mean``,
     ``learner_tflops_mean`` and ``mfu_mean`` (means of ``perf/learner_tokens_per_s``,
     ``perf/learner_tflops``, ``perf/mfu`` over the steps that have them; NaN when none, e.g.
     ``perf/mfu`` on CPU), and ``tasks``: per task

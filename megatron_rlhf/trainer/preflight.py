@@ -29,8 +29,8 @@ from pathlib import Path
 
 from megatron_rlhf.config import Config, ConfigError
 
-__all__ = ["check_model_source", "check_device", "check_layout_before_conversion", "preflight", "check_model_folder",
-           "check_output_folder", "import_plugins", "check_logging"]
+__all__ = ["check_model_source", "check_device", "check_layout_before_conversion", "preflight",
+           "check_model_folder", "check_output_folder", "import_plugins", "check_logging"]
 
 
 def check_model_source(model_cfg) -> None:
@@ -74,11 +74,9 @@ def check_device(cfg: Config) -> None:
     Raises:
         ConfigError: names ``model.dtype``, the recipe's needs and the CPU rehearsal overrides.
     """
-    if cfg.model.dtype != "bfloat16" or cfg.placement.gpus_per_node > 0:
-        return
-    import torch
+    from megatron_rlhf.platform.engine_args import config_device   # cuda on SLURM GPU nodes or when visible
 
-    if not torch.cuda.is_available():
+    if cfg.model.dtype == "bfloat16" and config_device(cfg) != "cuda":
         raise ConfigError(
             "config key 'model.dtype' = 'bfloat16' on a machine without a GPU (torch.cuda.is_available() "
             "is False): this is a GPU recipe (its learners and vLLM engines train and sample in bf16 on "
