@@ -78,7 +78,8 @@ def format_summary(res: dict) -> str:
         lines.append("no steps run (already complete?)")
         return "\n".join(lines)
     lines += [
-        f"steps {res['first_step']}-{res['last_step']}"
+        (f"step {res['last_step']}" if res['first_step'] == res['last_step']
+         else f"steps {res['first_step']}-{res['last_step']}")
         + (f" (resumed after step {res['resumed_from_step']})" if res.get("resumed_from_step") else "")
         + (" STOPPED EARLY (checkpoint written; start again to resume)" if res.get("stopped_early") else ""),
         *([f"mean reward: first steps {f(res['reward_first'])} -> last steps {f(res['reward_last'])}"]

@@ -2,8 +2,8 @@
 (default 8), under ``--disk-gb`` of disk (default 10), each result printed and appended to
 ``--out`` (JSON lines) as soon as it is measured, so a crash or a time-out keeps what ran.
 
-    python bench/gpu_check.py --out gpu_check.jsonl      # one GPU (see bench/README.md for the H200 command)
-    python bench/gpu_check.py --dry-run --out x.jsonl    # CPU, tiny shapes, the same code (CI runs it)
+    python bench/gpu_check.py                   # one GPU, rows -> runs/gpu_check.jsonl (H200: bench/README.md)
+    python bench/gpu_check.py --dry-run         # CPU, tiny shapes, the same code (CI runs it); rows -> $TMPDIR
 
 Sections, in order (each in its own try/except: a failure is recorded in its row and the next
 section runs; a section whose time estimate no longer fits the budget is skipped and says so):
@@ -359,7 +359,8 @@ def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU, tiny shapes, in a subprocess where ray/vllm/transformer_engine cannot be imported")
-    ap.add_argument("--out", default="gpu_check.jsonl", help="JSON lines file the rows are appended to")
+    ap.add_argument("--out", default=None, help="JSON lines file the rows are appended to (default: "
+                    "runs/gpu_check.jsonl; --dry-run: gpu_check_dry_run.jsonl in the system temp dir)")
     ap.add_argument("--budget-min", type=float, default=8.0, help="total time budget; later sections that no "
                     "longer fit are skipped")
     ap.add_argument("--disk-gb", type=float, default=10.0, help="most disk the check may use under --workdir")
@@ -392,6 +393,10 @@ def main(argv: list[str] | None = None) -> int:
     if not a.dry_run and not torch.cuda.is_available():
         print("gpu_check: no CUDA GPU visible; run with --dry-run on CPU", file=sys.stderr)
         return 2
+    if a.out is None:   # never the working directory (a repo checkout): runs/ is git-ignored
+        a.out = (str(Path(tempfile.gettempdir()) / "gpu_check_dry_run.jsonl") if a.dry_run
+                 else str(REPO / "runs" / "gpu_check.jsonl"))
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     presets = (a.presets or ("tiny" if a.dry_run else "llama-1b,llama-3b")).split(",")
     a.pairs = a.pairs or (4 if a.dry_run else 8)
     a.seq = a.seq or (64 if a.dry_run else 1024)

@@ -43,6 +43,10 @@ def process_env(tmp_dir: str | None = None) -> dict[str, str]:
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"),
         "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
         "RAY_USAGE_STATS_ENABLED": "0",
+        # no Prometheus export (the dashboard is off; the run's metrics go to metrics.jsonl / TensorBoard /
+        # W&B): without this every Ray process prints "Failed to establish connection to the metrics
+        # exporter agent" in red. Set RAY_enable_metrics_collection=1 to have Ray's metrics back.
+        "RAY_enable_metrics_collection": os.environ.get("RAY_enable_metrics_collection", "0"),
         "RAY_DEDUP_LOGS": "0",
         # loopback unless a job named the interface (ray_cluster.sh from placement.network_interface)
         "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME") or os.environ.get("MRLHF_NET_IFNAME") or "lo",
@@ -176,8 +180,9 @@ class LocalRayHead:
     finishing its step and checkpoint (issue 17). Here they live in their own session, so only the
     driver stops them (:meth:`stop`); if the driver dies, the kernel sends SIGTERM to ``ray start``
     (``PR_SET_PDEATHSIG``), which stops its processes (Ray's own fate sharing kills the rest).
-    Ports are distinct free ports picked here (a start that loses one to another program is retried
-    with new ones, twice), and the temp folder is private (``ray start`` records its
+    Ports are distinct free ports picked here (a start that loses one to another program, or that
+    outlasts Ray's fixed 30 s raylet registration wait on an overloaded machine, is retried with
+    new ones, twice), and the temp folder is private (``ray start`` records its
     address there; in the default ``/tmp/ray`` a bare ``ray.init()`` of another program on the
     machine would join this cluster).
 
@@ -217,8 +222,10 @@ class LocalRayHead:
                 self._wait_started(start_timeout_s, start)
                 return
             except RuntimeError:
-                port_clash = b"is trying to use a port number" in self.log_path.read_bytes()[start:]
-                if not port_clash or attempt == 2:
+                out = self.log_path.read_bytes()[start:]
+                retry = (b"is trying to use a port number" in out   # a port taken meanwhile
+                         or b"timed out during startup" in out)     # Ray's fixed 30 s raylet wait, overloaded machine
+                if not retry or attempt == 2:
                     raise
 
     def _wait_started(self, timeout_s: float, log_offset: int = 0) -> None:

@@ -40,9 +40,28 @@ def pytest_configure(config):
     apply_process_env(str(tmp))
 
 
+# Under pytest-xdist (the README's ``-n 2 --dist loadfile``) a test module runs whole on one worker,
+# so its module-scoped Ray cluster and vLLM engine are built once. Longest modules first, so the two
+# workers finish together (per-module times from ``--junitxml`` of a full run, session 6), except
+# that the two modules starting a real SLURM on this machine go first and last: they take turns
+# anyway (``tests.test_slurm.running_slurm`` holds a machine-wide lock), so they should not meet.
+_LONGEST_FIRST = ["test_slurm", "test_weight_broadcast", "test_exact_resume", "test_convergence",
+                  "test_loop_losses", "test_async_loop", "test_generator_pool", "test_learner_parallel",
+                  "test_replay", "test_convert_tools", "test_reliability_loop"]
+_LAST = ["test_recipe_rehearsal"]
+
+
+def _module(item) -> str:
+    return item.nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    if hasattr(config, "workerinput"):   # an xdist worker (workers collect; the controller only schedules)
+        rank = {m: i for i, m in enumerate(_LONGEST_FIRST)}
+        rank.update({m: len(rank) + 1 + i for i, m in enumerate(_LAST)})
+        items.sort(key=lambda it: rank.get(_module(it), len(_LONGEST_FIRST)))   # stable: file order within
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

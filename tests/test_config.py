@@ -37,6 +37,7 @@ def test_defaults_inheritance_and_overrides(tmp_path):
     ("algorithm.samples_per_prompt=1", "algorithm.samples_per_prompt"),
     ("tasks.0.reward=nonsense", "reward"),
     ("learner.optimizer.lr_decay=exp", "learner.optimizer.lr_decay"),
+    ("model.source=", "model.source"),            # empty: not the working directory
 ])
 def test_bad_values_raise_error_naming_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

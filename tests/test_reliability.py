@@ -637,6 +637,21 @@ def test_run_restart_moves_the_old_run_aside_and_starts_fresh(used_run_folder):
     assert _folder_bytes(aside) == before and list(run_dir.iterdir()) == []
 
 
+def test_resume_false_on_a_used_folder_is_refused_before_the_model_is_prepared(used_run_folder, monkeypatch):
+    """The refusal costs no model conversion (a cold smollm2 one takes about 40 s)."""
+    from megatron_rlhf.trainer import setup
+    from megatron_rlhf.trainer.run import Run
+
+    run_dir, cfg = used_run_folder
+
+    def no_conversion(model_cfg):
+        raise AssertionError("the model was prepared before the used run folder was refused")
+
+    monkeypatch.setattr(setup, "resolve_model_dir", no_conversion)
+    with pytest.raises(ConfigError, match=r"checkpoint\.resume=false, but the run folder"):
+        setup.prepare(Run(cfg("checkpoint.resume=false"), lambda *a: None))
+
+
 def test_a_pending_batch_of_another_loss_is_regenerated_not_trained(tmp_path):
     """A checkpoint's untrained batch was built for online_dpo (pairs); resumed with grpo it is
     dropped and counted, and generation restarts from the position before it."""

@@ -128,6 +128,14 @@ def test_running_normalizer_merges_batches_exactly_and_round_trips():
 
 
 @pytest.mark.timeout(10)
+def test_feature_spec_describes_itself_in_words_not_as_a_repr():
+    from megatron_rlhf.rewards.reward_model import FeatureSpec
+
+    assert FeatureSpec((1, 2), ("last", "reply_mean")).describe() == (
+        "hidden states 1, 2 (last, reply_mean) + reply embedding mean + log length + log length x prompt embedding")
+    assert FeatureSpec((), reply_embedding_mean=False, length_x_prompt_embedding=False).describe() == "log length"
+
+
 def test_length_normalized_reward_is_reward_per_token():
     assert length_normalized_rewards([2.0, -3.0, 1.0], [4, 3, 0]) == [0.5, -1.0, 1.0]
     with pytest.raises(ValueError):

@@ -81,6 +81,25 @@ def running_slurm(state: Path, nodes: int = 1):
     reason = _skip_reason() or (_join_host_reason() if nodes > 1 else None)
     if reason:
         pytest.skip(reason)
+    with _slurm_turn():
+        yield from _running_slurm(state, nodes)
+
+
+@contextlib.contextmanager
+def _slurm_turn():
+    """One test SLURM on the machine at a time (pytest-xdist runs two modules at once; both SLURM
+    modules may install packages with apt-get and share munged): a machine-wide ``flock``."""
+    import fcntl
+
+    with open("/tmp/mrlhf_test_slurm.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _running_slurm(state: Path, nodes: int):
     from megatron_rlhf.runtime import _free_ports
 
     ports = iter(_free_ports(nodes + 7))   # distinct: SLURM's and Ray's

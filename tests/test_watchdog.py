@@ -96,3 +96,17 @@ def test_stack_dump_shows_where_a_busy_ray_actor_is(tmp_path):
         del ref
     finally:
         ray.shutdown()
+
+
+def test_prune_removes_only_empty_stack_files_and_the_folder_once_empty(tmp_path):
+    from megatron_rlhf.trainer.watchdog import prune_empty_stack_files
+
+    folder = tmp_path / "stacks-1"
+    folder.mkdir()
+    (folder / "host-1.txt").write_text("")
+    (folder / "host-2.txt").write_text("Thread 0x1 (most recent call first):\n")
+    assert prune_empty_stack_files(folder) == 1
+    assert [f.name for f in folder.iterdir()] == ["host-2.txt"]   # a real dump stays
+    (folder / "host-2.txt").write_text("")
+    assert prune_empty_stack_files(folder) == 1 and not folder.exists()
+    assert prune_empty_stack_files(None) == 0 and prune_empty_stack_files(tmp_path / "missing") == 0

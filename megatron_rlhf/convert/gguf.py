@@ -10,6 +10,8 @@ Reference: transformers docs "GGUF and interaction with Transformers" (``gguf_fi
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import logging
 import os
@@ -121,6 +123,27 @@ def ensure_smollm2_hf(cache_dir: str | os.PathLike) -> Path:
     return out
 
 
+@contextlib.contextmanager
+def _quiet_gguf_progress():
+    """Turn off transformers' "Converting and de-quantizing GGUF tensors" bar (a plain
+    ``tqdm.auto.tqdm`` in ``transformers.modeling_gguf_pytorch_utils``, which
+    ``transformers.utils.logging.disable_progress_bar`` does not reach) for the block."""
+    try:
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:
+        yield
+        return
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is None:
+        yield
+        return
+    gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
+
+
 def _convert(gguf_path: Path, dst: Path) -> None:
     """Load the GGUF with transformers, drop its quantization_config, copy the dequantised
     weights into a freshly built model and save it (+ tokenizer, generation config) to ``dst``."""
@@ -130,8 +153,9 @@ def _convert(gguf_path: Path, dst: Path) -> None:
     folder, name = str(gguf_path.parent), gguf_path.name
     t0 = time.perf_counter()
     log.info("converting %s to an HF folder (takes ~30 s)", gguf_path)
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    src = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    with _quiet_gguf_progress():   # the run prints its own "preparing the model" line
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        src = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     log.info("GGUF loaded in %.1f s", time.perf_counter() - t0)
     cfg = src.config
     if hasattr(cfg, "quantization_config"):

@@ -120,6 +120,16 @@ class FeatureSpec:
         blocks = len(self.layers) * len(self.poolings) + self.reply_embedding_mean + self.length_x_prompt_embedding
         return blocks * hidden_size + int(self.length_feature)
 
+    def describe(self) -> str:
+        """One readable line, e.g. ``hidden states 3, 6 (last) + reply embedding mean + log length +
+        log length x prompt embedding``."""
+        parts = ([f"hidden states {', '.join(map(str, self.layers))} ({', '.join(self.poolings)})"]
+                 if self.layers else [])
+        parts += [name for on, name in ((self.reply_embedding_mean, "reply embedding mean"),
+                                        (self.length_feature, "log length"),
+                                        (self.length_x_prompt_embedding, "log length x prompt embedding")) if on]
+        return " + ".join(parts)
+
     def to_dict(self) -> dict:
         """JSON-able form (inverse of :meth:`from_dict`)."""
         return {"layers": list(self.layers), "poolings": list(self.poolings),

@@ -245,7 +245,7 @@ def train_reward_model(*, out: str, base: str = "smollm2", data: list[str] | Non
     key = cache_key(base_dir, n_layers, max_len, files, spec)
     fdir = Path(os.path.expanduser(feature_cache_dir or os.path.join(cache_dir, "rm_features")))
     cache_file = fdir / key / "features.safetensors"
-    print(f"[rm] base {base_dir} ({n_layers} layers), features {spec}, {len(train)} train / {len(ev)} eval "
+    print(f"[rm] base {base_dir} ({n_layers} layers), features: {spec.describe()}; {len(train)} train / {len(ev)} eval "
           f"pairs, max_len {max_len} ({truncated} sequences cut), feature cache {cache_file}", flush=True)
     t1, c1 = time.time(), time.process_time()
     feats, computed = extract_features(trunk, train + ev, cache_file, pad_id, batch_size, spec, max_len)

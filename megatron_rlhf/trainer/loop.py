@@ -127,13 +127,13 @@ def _loop(run: Run, stop: "_StopFlag", quiet: bool) -> RunResult:
         if cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0 and done < n:
             saved = _flush_and_save(run, rows, done, version, batch, lambda: run.take_for_checkpoint(stop))
         run.watchdog.end_step()   # a step's time includes its checkpoint (a hung save is caught too)
+    bar.close()   # before the final eval: the bar's s/step is the steps' own
     run.end_evals(completed=done >= n)
     wall = time.perf_counter() - t_start
     if last_batch is not None and saved < done:  # the end, or a stop signal
         saved = _flush_and_save(run, rows, done, version, last_batch,
                                 lambda: run.take_for_checkpoint(stop) if done < n else ())
     rows.flush()
-    bar.close()
     return run.finish(done, wall, stopped_early=done < n)
 
 

@@ -21,6 +21,7 @@ from megatron_rlhf.config import Config
 from megatron_rlhf.trainer.checkpoint import CheckpointManager
 from megatron_rlhf.trainer.metrics import summarize, time_breakdown
 from megatron_rlhf.trainer.rollout import ProducerError, RewardError
+from megatron_rlhf.trainer.watchdog import prune_empty_stack_files
 from megatron_rlhf.utils.atomic import fsync_dir, write_json
 
 __all__ = ["Run", "RunResult", "LearnerDiedError", "NonFiniteTrainingError", "learner_guard"]
@@ -310,6 +311,7 @@ class Run:
             ray.shutdown()
             if self.ray_head:
                 self.ray_head.stop()
+        prune_empty_stack_files(self.stacks_dir)   # workers' unused stack-dump files
 
     def __enter__(self):
         return self

@@ -77,6 +77,16 @@ def _prepare_checked(run) -> "RunResult | None":
     check_model_source(cfg.model)
     check_device(cfg)
     check_layout_before_conversion(cfg)   # a cold smollm2 conversion takes a minute: refuse a bad layout first
+    run.restart_aside = None   # checkpoint.resume=false on a used folder: refused before the conversion too
+    used = used_run_folder(run_dir)
+    if used and cfg.run.restart:
+        run.restart_aside = run_dir.with_name(f"{run_dir.name}.old-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
+    elif used and not cfg.checkpoint.resume:
+        raise ConfigError(
+            f"checkpoint.resume=false, but the run folder {run_dir} already holds a run ({used}): "
+            "training there afresh would mix two runs. Pick another run.name, or set run.restart=true "
+            f"to move the old run aside to {run_dir.name}.old-<UTC time>/ (nothing is deleted) and "
+            "start fresh")
     with run.phase("model", f"model {cfg.model.source}: preparing the Hugging Face folder (a GGUF or "
                    "Megatron source is converted once and cached)..."):
         run.model_dir = resolve_model_dir(cfg.model)
@@ -89,16 +99,6 @@ def _prepare_checked(run) -> "RunResult | None":
         f"{t} {c.get('kept')} to train, {c.get('eval_prompts', 0)} held out" for t, c in run.data_counts.items()))
     run.too_long = sum(c.get("too_long", 0) for c in run.data_counts.values())
     run.ckpts = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep_last)
-    run.restart_aside = None
-    used = used_run_folder(run_dir)
-    if used and cfg.run.restart:
-        run.restart_aside = run_dir.with_name(f"{run_dir.name}.old-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
-    elif used and not cfg.checkpoint.resume:
-        raise ConfigError(
-            f"checkpoint.resume=false, but the run folder {run_dir} already holds a run ({used}): "
-            "training there afresh would mix two runs. Pick another run.name, or set run.restart=true "
-            f"to move the old run aside to {run_dir.name}.old-<UTC time>/ (nothing is deleted) and "
-            "start fresh")
     found = run.ckpts.resumable() if cfg.checkpoint.resume and run.restart_aside is None else None
     run.resume_from = (found.path, found.state) if found is not None else (None, None)
     run.damaged = found.damaged if found is not None else []

@@ -33,7 +33,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["HangWatchdog", "register_stack_dump", "dump_actor_stacks", "STACKS_ENV", "STACK_SIGNAL"]
+__all__ = ["HangWatchdog", "register_stack_dump", "dump_actor_stacks", "prune_empty_stack_files", "STACKS_ENV",
+           "STACK_SIGNAL"]
 
 STACKS_ENV = "MRLHF_STACKS_DIR"
 STACK_SIGNAL = signal.SIGUSR2
@@ -50,6 +51,27 @@ def register_stack_dump() -> None:
     Path(folder).mkdir(parents=True, exist_ok=True)
     _stack_file = open(Path(folder) / f"{socket.gethostname()}-{os.getpid()}.txt", "a")
     faulthandler.register(STACK_SIGNAL, file=_stack_file, all_threads=True, chain=False)
+
+
+def prune_empty_stack_files(folder) -> int:
+    """Remove the stack files of ``folder`` that no dump ever wrote to (each worker opens one at
+    start, :func:`register_stack_dump`), and ``folder`` itself when nothing is left; returns the
+    files removed. A run calls it at its end, so ``logs/`` keeps only real dumps."""
+    if not folder or not Path(folder).is_dir():
+        return 0
+    removed = 0
+    for f in Path(folder).glob("*.txt"):
+        try:
+            if f.stat().st_size == 0:
+                f.unlink()
+                removed += 1
+        except OSError:
+            pass
+    try:
+        Path(folder).rmdir()   # only when empty
+    except OSError:
+        pass
+    return removed
 
 
 def _is_ray_worker(pid: int) -> bool:
