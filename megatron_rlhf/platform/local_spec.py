@@ -27,18 +27,33 @@ class SDPACoreAttention(DotProductAttention):
     Returns ``[sq, b, np * hn]``. Dropout uses ``config.attention_dropout`` in training mode.
     Same constructor as ``megatron.core.transformer.dot_product_attention.DotProductAttention``.
 
+    Packed sequences (``packed_seq_params.qkv_format == "thd"``, see
+    :mod:`megatron_rlhf.learner.packing`): megatron's ``Attention`` hands over ``query [t, np, hn]``,
+    ``key``/``value [t, ng, hn]`` (RoPE already applied per segment); attention runs over the one
+    packed row with the block-diagonal causal mask built from ``cu_seqlens_q``
+    (:func:`megatron_rlhf.learner.packing.block_causal_mask`: a token sees only earlier tokens of
+    its own sequence), and the result is ``[t, np * hn]``. This is the same tensor code on CPU and
+    on a GPU without Transformer Engine; it spends ``t^2`` score entries where a varlen kernel
+    spends ``sum L_i^2``. On CUDA the speed-up is a varlen flash kernel (not used here); where TE
+    is present the TE spec's ``TEDotProductAttention`` takes ``packed_seq_params`` itself (THD
+    varlen attention; ``platform/gpu.py`` builds megatron's TE spec unchanged, so megatron's
+    ``Attention`` passes the params straight through).
+
     Raises:
-        NotImplementedError: packed sequences, attention bias, query-key layer scaling or
-            sliding-window attention (not needed by Llama-family models).
+        NotImplementedError: attention bias, query-key layer scaling, sliding-window attention
+            (not needed by Llama-family models), a packed format other than ``thd``, or packed
+            queries and keys with different boundaries (cross-attention).
     """
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None, **unused):
-        if packed_seq_params is not None or attention_bias is not None:
-            raise NotImplementedError("SDPACoreAttention: packed sequences / attention bias")
+        if attention_bias is not None:
+            raise NotImplementedError("SDPACoreAttention: attention bias")
         if self.config.apply_query_key_layer_scaling or self.config.window_size is not None:
             raise NotImplementedError("SDPACoreAttention: set apply_query_key_layer_scaling=False "
                                       "and window_size=None")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params)
         sq, b, np_, _ = query.shape
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
@@ -53,6 +68,27 @@ class SDPACoreAttention(DotProductAttention):
                                                  is_causal=mask_type == AttnMaskType.causal,
                                                  scale=self.softmax_scale, enable_gqa=gqa)
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
+
+    def _packed(self, query, key, value, params):
+        """THD attention: ``query [t, np, hn]``, ``key``/``value [t, ng, hn]`` -> ``[t, np * hn]``
+        with the block-diagonal causal mask of ``params.cu_seqlens_q`` (see the class doc)."""
+        from megatron_rlhf.learner.packing import block_causal_mask
+
+        if params.qkv_format != "thd":
+            raise NotImplementedError(f"SDPACoreAttention: packed qkv_format={params.qkv_format!r}; "
+                                      "only 'thd' is supported")
+        cu_q = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+        cu_k = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
+        if cu_k is not None and cu_k is not cu_q and not torch.equal(cu_q, cu_k):
+            raise NotImplementedError("SDPACoreAttention: packed queries and keys with different "
+                                      "cu_seqlens (cross-attention)")
+        t, np_, _ = query.shape
+        q, k, v = (x.permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))  # [1, heads, t, hn]
+        allowed = ~block_causal_mask(cu_q.to(query.device), t)
+        dropout = self.config.attention_dropout if self.training else 0.0
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout,
+                                             scale=self.softmax_scale, enable_gqa=key.size(1) != np_)
+        return out[0].permute(1, 0, 2).reshape(t, self.hidden_size_per_partition)
 
 
 class TorchNorm:
