@@ -119,7 +119,7 @@ def test_token_budget_gradient_equals_the_one_microbatch_gradient_under_pp2(tiny
 
 
 # ------------------------------------------------------------------------------ packed sequences
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(120)   # the first megatron import (PackedSeqParams) on a loaded machine
 def test_packed_cu_seqlens_positions_unpacking_and_block_causal_mask_by_hand():
     from megatron_rlhf.learner.packing import block_causal_mask, pack_rows, packed_cu_seqlens, unpack_rows
     from megatron_rlhf.learner.batching import padding_fraction, plan_microbatches
@@ -246,3 +246,33 @@ def test_packed_microbatches_equal_padded_logprobs_and_gradients_two_ranks(layou
         assert sorted(r["stage"] for r in ranks) == [0, 1]
     for r in ranks:
         _check_packed_equals_padded(r)
+
+
+@pytest.mark.timeout(120)   # imports megatron-core (local_spec)
+def test_packed_causal_attention_equals_sdpa_with_the_block_causal_mask_and_per_row_causal_sdpa_gqa():
+    import torch.nn.functional as F
+
+    from megatron_rlhf.learner.packing import block_causal_mask
+    from megatron_rlhf.platform.local_spec import packed_causal_attention
+
+    g = torch.Generator().manual_seed(0)
+    cu = [0, 5, 6, 13]                                # lengths 5, 1, 7 (the last one with pad)
+    t, heads, groups, hn = 13, 4, 2, 8
+    q = torch.randn(t, heads, hn, generator=g, requires_grad=True)
+    k, v = (torch.randn(t, groups, hn, generator=g, requires_grad=True) for _ in range(2))
+    out = packed_causal_attention(q, k, v, torch.tensor(cu, dtype=torch.int32), scale=0.3)
+    assert out.shape == (t, heads, hn)
+    # the slow reference: one SDPA over the packed row with the block-diagonal causal mask
+    allowed = ~block_causal_mask(torch.tensor(cu, dtype=torch.int32))
+    qb, kb, vb = (x.permute(1, 0, 2).unsqueeze(0) for x in (q, k, v))
+    ref = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=allowed, scale=0.3, enable_gqa=True)
+    torch.testing.assert_close(out, ref[0].permute(1, 0, 2), rtol=1e-6, atol=1e-6)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    # and each row alone, causally, with query head h on KV group h // 2 (megatron's GQA layout)
+    a, b = cu[2], cu[3]
+    row = F.scaled_dot_product_attention(q[a:b].permute(1, 0, 2), k[a:b].repeat_interleave(2, 1).permute(1, 0, 2),
+                                         v[a:b].repeat_interleave(2, 1).permute(1, 0, 2), is_causal=True, scale=0.3)
+    torch.testing.assert_close(out[a:b], row.permute(1, 0, 2), rtol=1e-6, atol=1e-6)

@@ -35,7 +35,7 @@ which this learner does not use.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -85,15 +85,20 @@ class PackedRows:
     cu_seqlens: torch.Tensor
     lengths: tuple[int, ...]
     max_seqlen: int
+    _params: object = field(default=None, repr=False, compare=False)
 
     def params(self):
         """megatron's ``PackedSeqParams`` for ``GPTModel.forward(packed_seq_params=...)``
-        (``qkv_format="thd"``, the same boundaries for queries and keys: self-attention)."""
-        from megatron.core.packed_seq_params import PackedSeqParams
+        (``qkv_format="thd"``, the same boundaries for queries and keys: self-attention). The same
+        object on every call, so what a core attention caches on it (the SDPA mask) is built once
+        per micro-batch, not once per layer."""
+        if self._params is None:
+            from megatron.core.packed_seq_params import PackedSeqParams
 
-        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=self.cu_seqlens,
-                               cu_seqlens_kv=self.cu_seqlens, max_seqlen_q=self.max_seqlen,
-                               max_seqlen_kv=self.max_seqlen)
+            self._params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=self.cu_seqlens,
+                                           cu_seqlens_kv=self.cu_seqlens, max_seqlen_q=self.max_seqlen,
+                                           max_seqlen_kv=self.max_seqlen)
+        return self._params
 
 
 def pack_rows(input_ids: torch.Tensor, lengths, pad_multiple: int = 1, device=None) -> PackedRows:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
-__all__ = ["SDPACoreAttention", "TorchNorm", "local_layer_spec"]
+__all__ = ["SDPACoreAttention", "TorchNorm", "local_layer_spec", "packed_causal_attention"]
 
 
 class SDPACoreAttention(DotProductAttention):
@@ -29,12 +29,13 @@ class SDPACoreAttention(DotProductAttention):
 
     Packed sequences (``packed_seq_params.qkv_format == "thd"``, see
     :mod:`megatron_rlhf.learner.packing`): megatron's ``Attention`` hands over ``query [t, np, hn]``,
-    ``key``/``value [t, ng, hn]`` (RoPE already applied per segment); attention runs over the one
-    packed row with the block-diagonal causal mask built from ``cu_seqlens_q``
+    ``key``/``value [t, ng, hn]`` (RoPE already applied per segment); attention keeps the
+    sequences of ``cu_seqlens_q`` apart: the block-diagonal causal mask
     (:func:`megatron_rlhf.learner.packing.block_causal_mask`: a token sees only earlier tokens of
-    its own sequence), and the result is ``[t, np * hn]``. This is the same tensor code on CPU and
-    on a GPU without Transformer Engine; it spends ``t^2`` score entries where a varlen kernel
-    spends ``sum L_i^2``. On CUDA the speed-up is a varlen flash kernel (not used here); where TE
+    its own sequence), computed segment by segment (:func:`packed_causal_attention`), and the
+    result is ``[t, np * hn]``. This is the same tensor code on CPU and on a GPU without
+    Transformer Engine. On CUDA the further speed-up is one varlen flash kernel launch for all
+    segments (not used here); where TE
     is present the TE spec's ``TEDotProductAttention`` takes ``packed_seq_params`` itself (THD
     varlen attention; ``platform/gpu.py`` builds megatron's TE spec unchanged, so megatron's
     ``Attention`` passes the params straight through).
@@ -71,9 +72,7 @@ class SDPACoreAttention(DotProductAttention):
 
     def _packed(self, query, key, value, params):
         """THD attention: ``query [t, np, hn]``, ``key``/``value [t, ng, hn]`` -> ``[t, np * hn]``
-        with the block-diagonal causal mask of ``params.cu_seqlens_q`` (see the class doc)."""
-        from megatron_rlhf.learner.packing import block_causal_mask
-
+        (see the class doc)."""
         if params.qkv_format != "thd":
             raise NotImplementedError(f"SDPACoreAttention: packed qkv_format={params.qkv_format!r}; "
                                       "only 'thd' is supported")
@@ -82,13 +81,41 @@ class SDPACoreAttention(DotProductAttention):
         if cu_k is not None and cu_k is not cu_q and not torch.equal(cu_q, cu_k):
             raise NotImplementedError("SDPACoreAttention: packed queries and keys with different "
                                       "cu_seqlens (cross-attention)")
-        t, np_, _ = query.shape
-        q, k, v = (x.permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))  # [1, heads, t, hn]
-        allowed = ~block_causal_mask(cu_q.to(query.device), t)
-        dropout = self.config.attention_dropout if self.training else 0.0
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout,
-                                             scale=self.softmax_scale, enable_gqa=key.size(1) != np_)
-        return out[0].permute(1, 0, 2).reshape(t, self.hidden_size_per_partition)
+        bounds = getattr(params, "_sdpa_bounds", None)   # one host copy per micro-batch, all layers
+        if bounds is None:
+            bounds = params._sdpa_bounds = [int(v) for v in cu_q.tolist()]
+        t = query.shape[0]
+        out = packed_causal_attention(query, key, value, bounds, scale=self.softmax_scale,
+                                      dropout_p=self.config.attention_dropout if self.training else 0.0)
+        return out.reshape(t, self.hidden_size_per_partition)
+
+
+def packed_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens,
+                            *, scale: float | None = None, dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal self-attention of packed sequences: each segment ``[cu_k, cu_{k+1})`` attends only
+    to itself, causally. Exactly SDPA over the whole packed row with the block-diagonal causal
+    mask of :func:`megatron_rlhf.learner.packing.block_causal_mask` (the slow reference the tests
+    compare with), computed per segment with ``is_causal=True``: ``sum L_i^2`` score entries instead
+    of ``t^2``, and the causal SDPA kernels (CPU flash attention; on CUDA FlashAttention / memory-
+    efficient) instead of the masked path, whose CPU backward was 10x slower in a profile of
+    ``bench/learner.py``. A varlen flash kernel does the same in one launch on CUDA.
+
+    Args:
+        query: ``[t, np, hn]``; key, value: ``[t, ng, hn]`` (GQA when ``ng < np``: query head h uses
+            group ``h // (np // ng)``).
+        cu_seqlens: ``n + 1`` int boundaries (a list, or a tensor: then copied to the host),
+            ``cu_seqlens[-1] == t``.
+        scale: softmax scale (None: ``1 / sqrt(hn)``); dropout_p: attention dropout.
+    Returns:
+        ``[t, np, hn]``.
+    """
+    bounds = [int(v) for v in (cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else cu_seqlens)]
+    q, k, v = (x.permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))   # [1, heads, t, hn]
+    gqa = key.size(1) != query.size(1)
+    outs = [F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True,
+                                           dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
+            for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    return torch.cat(outs, dim=2)[0].permute(1, 0, 2)
 
 
 class TorchNorm:
