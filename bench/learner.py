@@ -17,6 +17,13 @@ work; ``--max-tokens N``: micro-batches under a token budget instead of ``--mbs`
 result reports ``padding_fraction_rows`` / ``padding_fraction_token_budget``: the same batches
 planned both ways): a reference forward, a policy forward + backward, one Adam step.
 
+Packed vs padded (``--pack both``, the default): two learners on the same weights, in one run,
+train on the same batches, step by step in turn (so load on a shared machine hits both alike):
+``learner.pack_sequences=false`` (rows right-padded to the micro-batch's longest) and ``true``
+(rows back to back in one THD row). The result has each mode's ``padding_fraction`` and
+``tokens_per_s`` under ``padded`` / ``packed`` and their ratio ``packed_over_padded_tokens_per_s``;
+the top-level figures are the packed run's. ``--pack on|off`` runs one mode.
+
 Model FLOPs (what MFU counts): F(T) per token, derived in ``megatron_rlhf.learner.flops``.
 A DPO step counts, for every real token of every row, 3*F(T) for the policy
 (forward + backward = 2x forward) plus F(T) for the reference forward, with T the row's real
@@ -46,6 +53,9 @@ PRESETS = {  # HF LlamaConfig fields; random weights
     "llama-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
                      num_attention_heads=24, num_key_value_heads=8, vocab_size=128256,
                      tie_word_embeddings=True),   # Llama-3.2-3B shape
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+                         tie_word_embeddings=True),   # the CPU demo's model shape (SmolLM2-135M)
     "llama-1b-4l": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=4,
                         num_attention_heads=32, num_key_value_heads=8, vocab_size=32768,
                         tie_word_embeddings=True),   # Llama-3.2-1B layers, 4 of them: 0.31 B params
@@ -180,6 +190,8 @@ def main(argv=None) -> dict:
     p.add_argument("--max-tokens", type=int, default=0,
                    help="learner.max_tokens_per_microbatch (0: --mbs sequences per micro-batch)")
     p.add_argument("--peak-tflops", type=float, default=None)
+    p.add_argument("--pack", choices=["both", "on", "off"], default="both",
+                   help="learner.pack_sequences: both (padded and packed in turn, one run), on, off")
     p.add_argument("--workdir", default=None, help="where preset weights are written (default: a temp dir)")
     a = p.parse_args(argv)
 
@@ -202,43 +214,60 @@ def main(argv=None) -> dict:
         deadline = time.time() + 1800
         while not (model_dir / "config.json").is_file() and time.time() < deadline:
             time.sleep(1)
-    cfg = LearnerConfig(tensor_parallel=a.tp, pipeline_parallel=a.pp, data_parallel=a.dp,
-                        micro_batch_size=a.mbs, distributed_optimizer=a.distributed_optimizer,
-                        recompute=a.recompute, max_tokens_per_microbatch=a.max_tokens,
-                        optimizer=OptimizerConfig(lr=1e-6))
+    modes = {"both": [False, True], "on": [True], "off": [False]}[a.pack]
     t0 = time.perf_counter()
-    learner = MegatronLearner(model_dir=str(model_dir), learner_cfg=cfg, algorithm_cfg=AlgorithmConfig(),
-                              dtype=dtype, total_steps=a.steps + a.warmup, rank=rank, world_size=world,
-                              init_method="env://" if world > 1 else None)
+    learners = {}
+    for pack in modes:   # the second learner reuses the first one's process groups
+        cfg = LearnerConfig(tensor_parallel=a.tp, pipeline_parallel=a.pp, data_parallel=a.dp,
+                            micro_batch_size=a.mbs, distributed_optimizer=a.distributed_optimizer,
+                            recompute=a.recompute, max_tokens_per_microbatch=a.max_tokens,
+                            pack_sequences=pack, optimizer=OptimizerConfig(lr=1e-6))
+        learners[pack] = MegatronLearner(model_dir=str(model_dir), learner_cfg=cfg,
+                                         algorithm_cfg=AlgorithmConfig(), dtype=dtype,
+                                         total_steps=a.steps + a.warmup, rank=rank, world_size=world,
+                                         init_method="env://" if world > 1 else None)
     build_s = time.perf_counter() - t0
+    learner = learners[modes[-1]]
     hf = learner.hf_config
-    times, tokens, flops, pad, pad_unsorted, pad_rows, pad_budget = [], 0, 0.0, [], [], [], []
+    times = {m: [] for m in modes}
+    pad = {m: [] for m in modes}
+    tokens, flops, pad_unsorted, pad_rows, pad_budget = 0, 0.0, [], [], []
     for step in range(a.warmup + a.steps):
         batch = make_batch(a.pairs, a.seq, hf.vocab_size, a.variable, seed=step)
-        learner.platform.synchronize()
-        t = time.perf_counter()
-        m = learner.train_step(batch)
-        learner.platform.synchronize()
+        for pack in (modes if step % 2 == 0 else modes[::-1]):   # alternate which mode goes first
+            learner.platform.synchronize()
+            t = time.perf_counter()
+            m = learners[pack].train_step(batch)
+            learner.platform.synchronize()
+            if step >= a.warmup:
+                times[pack].append(time.perf_counter() - t)
+                pad[pack].append(m["batch/padding_fraction"])
         if step >= a.warmup:
-            times.append(time.perf_counter() - t)
             lengths = [int(x) for x in (batch.loss_mask.cumsum(1).argmax(1) + 1).tolist()]
             tokens += sum(lengths)
             flops += sum(n * 4 * model_flops_per_token(hf, n) for n in lengths)
-            pad.append(m["batch/padding_fraction"])
             pad_unsorted.append(m["batch/padding_fraction_unsorted"])
             rows_plan, budget_plan = planned_padding(lengths, a, learner)
             pad_rows.append(rows_plan)
             pad_budget.append(budget_plan)
     peak, peak_src = peak_flops(device, a.peak_tflops, dtype)
-    secs = sum(times)
+    per_mode = {("packed" if pack else "padded"): {
+        "step_s": round(sum(times[pack]) / len(times[pack]), 4),
+        "tokens_per_s": round(tokens / sum(times[pack]), 1),
+        "padding_fraction": round(sum(pad[pack]) / len(pad[pack]), 4)} for pack in modes}
+    secs = sum(times[modes[-1]])
     res = {"model": a.preset or str(model_dir), "device": device, "dtype": dtype,
            "tp": a.tp, "pp": a.pp, "dp": a.dp, "pairs": a.pairs, "seq": a.seq, "mbs": a.mbs,
            "variable": a.variable, "steps": a.steps, "build_s": round(build_s, 2),
-           "step_s": round(secs / len(times), 4),
+           "pack_sequences": a.pack, **per_mode,
+           "packed_over_padded_tokens_per_s": (round(per_mode["packed"]["tokens_per_s"]
+                                                     / per_mode["padded"]["tokens_per_s"], 3)
+                                               if a.pack == "both" else None),
+           "step_s": round(secs / len(times[modes[-1]]), 4),
            "tokens_per_s": round(tokens / secs, 1),   # real tokens of the batch per wall second
            "model_tflops_per_s": round(flops / secs / 1e12, 4),
            "mfu": None if peak is None else round(flops / secs / (peak * world), 4),
-           "peak": peak_src, "padding_fraction": round(sum(pad) / len(pad), 4),
+           "peak": peak_src, "padding_fraction": round(sum(pad[modes[-1]]) / len(pad[modes[-1]]), 4),
            "padding_fraction_unsorted": round(sum(pad_unsorted) / len(pad_unsorted), 4),
            # the same batches planned both ways (pure planning, whatever --max-tokens ran)
            "padding_fraction_rows": round(sum(f for f, _ in pad_rows) / len(pad_rows), 4),
@@ -248,7 +277,8 @@ def main(argv=None) -> dict:
            "microbatches_token_budget": (sum(n for _, n in pad_budget) / len(pad_budget)
                                          if a.max_tokens else None),
            "torch_threads": torch.get_num_threads()}
-    learner.close()
+    for lr in reversed(list(learners.values())):
+        lr.close()
     if rank == 0:
         print(json.dumps(res))
     return res

@@ -406,8 +406,16 @@ class LearnerConfig:
     most this many token slots (rows x the micro-batch's padded length; pairs and groups kept whole
     where the loss needs them, a unit over the budget runs alone), so short completions share a
     micro-batch and long ones do not run out of memory. The loss keeps whole-batch denominators:
-    the gradient equals the one-micro-batch gradient (tests/test_token_budget.py). Padded
-    micro-batches (no THD packing: that needs Transformer Engine's attention, GPU only, not done)."""
+    the gradient equals the one-micro-batch gradient (tests/test_token_budget.py). With
+    ``pack_sequences`` the budget counts packed tokens (the sum of the rows' real lengths)."""
+    pack_sequences: bool = True
+    """Run each micro-batch packed: its rows back to back in one row of ``sum(real lengths)``
+    tokens (rounded up to the micro-batch length multiple) with megatron ``PackedSeqParams``
+    (THD; RoPE positions restart per sequence), instead of right-padded ``[rows, max length]``.
+    Same logprobs, losses and gradients as padded (tests/test_learner_parallel.py: TP=1, TP=2
+    with sequence parallelism, PP=2); attention is TE's THD kernel with Transformer Engine, else
+    the SDPA core attention's block-diagonal causal mask (``platform/local_spec.py``). The
+    critic's value forward (ppo) stays padded. false: padded micro-batches."""
     seq_length_multiple: int = 0
     """Every micro-batch's padded length is rounded up to a multiple of this (0 = the platform
     default: 64 on GPU, so attention kernels, cuDNN graphs and ``torch.compile`` specialisations
@@ -438,6 +446,8 @@ class LearnerConfig:
         _check(not bad and (self.recompute_modules or self.recompute != "selective"),
                "learner.recompute_modules", self.recompute_modules,
                f"a non-empty subset of {list(RECOMPUTE_MODULES)} (megatron's dense-model choices)")
+        _check(isinstance(self.pack_sequences, bool), "learner.pack_sequences", self.pack_sequences,
+               "true or false")
         _check(self.max_tokens_per_microbatch >= 0, "learner.max_tokens_per_microbatch",
                self.max_tokens_per_microbatch, "0 (off) or a token budget >= 1")
         _check(self.ref_sync_interval >= 0, "learner.ref_sync_interval", self.ref_sync_interval, ">= 0")

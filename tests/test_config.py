@@ -38,10 +38,21 @@ def test_defaults_inheritance_and_overrides(tmp_path):
     ("tasks.0.reward=nonsense", "reward"),
     ("learner.optimizer.lr_decay=exp", "learner.optimizer.lr_decay"),
     ("model.source=", "model.source"),            # empty: not the working directory
+    ("learner.pack_sequences=maybe", "learner.pack_sequences"),
 ])
 def test_bad_values_raise_error_naming_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config(REPO / "configs" / "cpu_demo.yaml", [override])
+
+
+def test_pack_sequences_defaults_on_and_is_validated_in_the_dataclass():
+    from megatron_rlhf.config import LearnerConfig
+
+    assert LearnerConfig().pack_sequences is True
+    cfg = load_config(REPO / "configs" / "cpu_demo.yaml", ["learner.pack_sequences=false"])
+    assert cfg.learner.pack_sequences is False
+    with pytest.raises(ConfigError, match=r"learner\.pack_sequences"):
+        LearnerConfig(pack_sequences="yes")
 
 
 @pytest.mark.parametrize("override, key", [

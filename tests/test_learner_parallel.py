@@ -148,14 +148,15 @@ def ray_cluster():
 
 @pytest.fixture(scope="module")
 def one_process(tiny_llama_dir, tiny_llama_tied_dir):
-    """The one-process learner's answers for each model (computed in the test process)."""
+    """The one-process learner's answers for each model (computed in the test process), with
+    padded micro-batches: the ``*_packed`` layouts compare packed micro-batches against them."""
     from megatron_rlhf.learner.actor import MegatronLearner
 
     cache = {}
 
     def get(model_dir):
         if model_dir not in cache:
-            learner = MegatronLearner(model_dir=str(model_dir), learner_cfg=_cfg(),
+            learner = MegatronLearner(model_dir=str(model_dir), learner_cfg=_cfg(pack_sequences=False),
                                       algorithm_cfg=AlgorithmConfig())
             try:
                 cache[model_dir] = _run(learner, _batch(), lambda lr: _flat(lr.export_weights()))
@@ -166,9 +167,9 @@ def one_process(tiny_llama_dir, tiny_llama_tied_dir):
     return get
 
 
-LAYOUTS = {  # name: (tp, pp, dp, tied); tied embeddings exercise the embedding group under PP
-    "tp2": (2, 1, 1, False), "pp2_tied": (1, 2, 1, True), "tp2pp2_tied": (2, 2, 1, True),
-    "dp2": (1, 1, 2, False)}
+LAYOUTS = {  # name: (tp, pp, dp, tied, packed); tied embeddings exercise the embedding group under PP
+    "tp2_packed": (2, 1, 1, False, True), "pp2_tied_packed": (1, 2, 1, True, True),
+    "tp2pp2_tied": (2, 2, 1, True, False), "dp2": (1, 1, 2, False, False)}
 
 
 @pytest.mark.integration
@@ -179,10 +180,10 @@ def test_parallel_learner_matches_one_process_logprobs_export_grads_and_update(
     from megatron_rlhf.learner.group import LearnerGroup
     from megatron_rlhf.learner.model import load_hf_state_dict
 
-    tp, pp, dp, tied = LAYOUTS[name]
+    tp, pp, dp, tied, packed = LAYOUTS[name]
     model_dir = tiny_llama_tied_dir if tied else tiny_llama_dir
-    ref = one_process(model_dir)
-    group = LearnerGroup(model_dir=str(model_dir), learner_cfg=_cfg(tp, pp, dp),
+    ref = one_process(model_dir)   # padded micro-batches, one process
+    group = LearnerGroup(model_dir=str(model_dir), learner_cfg=_cfg(tp, pp, dp, pack_sequences=packed),
                          algorithm_cfg=AlgorithmConfig(), timeout_s=240)
     try:
         got = _run(group, _batch(), lambda g: _flat(ray_cluster.get(g.export_weights(bucket_bytes=100_000))))

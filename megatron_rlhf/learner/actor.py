@@ -266,15 +266,27 @@ class MegatronLearner:
                 "is_last_stage": g.is_last_stage, "vocab_size": self.vocab_size,
                 "padded_vocab": self.padded_vocab, "sequence_parallel": self.sequence_parallel}
 
+    def _pad_multiple(self) -> int:
+        return micro_batch_length_multiple(self.cfg.seq_length_multiple, cuda=not self.platform.is_cpu,
+                                           tp=self.groups.tp, sequence_parallel=self.sequence_parallel)
+
     def _plans(self, lengths: list[int], units: list[int] | None = None):
         """Every DP rank's micro-batches; ``units``: sizes of consecutive units kept together
-        (None: rows are independent)."""
-        pad = micro_batch_length_multiple(self.cfg.seq_length_multiple, cuda=not self.platform.is_cpu,
-                                          tp=self.groups.tp, sequence_parallel=self.sequence_parallel)
+        (None: rows are independent); packed ones with ``learner.pack_sequences``."""
         return [plan_microbatches(lengths, rows_per_microbatch=self.cfg.micro_batch_size,
-                                  dp_rank=d, dp_size=self.groups.dp, pairs=False, pad_multiple=pad,
-                                  units=units, max_tokens=self.cfg.max_tokens_per_microbatch)
+                                  dp_rank=d, dp_size=self.groups.dp, pairs=False,
+                                  pad_multiple=self._pad_multiple(), units=units,
+                                  max_tokens=self.cfg.max_tokens_per_microbatch,
+                                  packed=self.cfg.pack_sequences)
                 for d in range(self.groups.dp)]
+
+    def _microbatches(self, ids, plan, lengths, loss_mask=None, **extra) -> list:
+        """The tensors of this rank's planned micro-batches (packed with ``learner.pack_sequences``)."""
+        pad = self._pad_multiple()
+        return [make_microbatch(ids, mb.rows, mb.seq_len, self.platform.device, loss_mask=loss_mask,
+                                pack_lengths=[lengths[r] for r in mb.rows] if mb.packed_len else None,
+                                pad_multiple=pad, **extra)
+                for mb in plan]
 
     def _gather_dp(self, obj) -> list:
         """``obj`` of every DP rank of this (TP rank, PP stage), in DP rank order."""
@@ -322,8 +334,8 @@ class MegatronLearner:
         model = self._model(which)
         ids = torch.as_tensor(input_ids, dtype=torch.long)
         b, s = ids.shape
-        plan = self._plans(row_lengths(None, s, b))[self.dp_rank]
-        mbs = [make_microbatch(ids, mb.rows, mb.seq_len, self.platform.device) for mb in plan]
+        lengths = row_lengths(None, s, b)
+        mbs = self._microbatches(ids, self._plans(lengths)[self.dp_rank], lengths)
         toks = self._forward_token_logprobs(model, mbs, temperature=temperature)
         if not self.groups.is_last_stage:
             return None
@@ -349,9 +361,8 @@ class MegatronLearner:
         ids = torch.as_tensor(input_ids, dtype=torch.long)
         mask = torch.as_tensor(loss_mask, dtype=torch.float32)
         b, s = ids.shape
-        plan = self._plans(row_lengths(mask, s, b))[self.dp_rank]
-        mbs = [make_microbatch(ids, mb.rows, mb.seq_len, self.platform.device, loss_mask=mask)
-               for mb in plan]
+        lengths = row_lengths(mask, s, b)
+        mbs = self._microbatches(ids, self._plans(lengths)[self.dp_rank], lengths, loss_mask=mask)
         toks = self._forward_token_logprobs(model, mbs, temperature=temperature)
         if not self.groups.is_last_stage:
             return None
@@ -419,8 +430,7 @@ class MegatronLearner:
         lengths = row_lengths(x.mask, s, b)
         plans = self._plans(lengths, units=x.units)
         extra = {} if x.slp is None else {"slp": x.slp}
-        mbs = [make_microbatch(x.ids, mb.rows, mb.seq_len, self.platform.device, loss_mask=x.mask, **extra)
-               for mb in plans[self.dp_rank]]
+        mbs = self._microbatches(x.ids, plans[self.dp_rank], lengths, loss_mask=x.mask, **extra)
         times: dict[str, float] = {}
         full, prep, inputs, old_values = self._before_updates(x, mbs, times)
         oks, first, records, critic_metrics, skipped = [], None, None, {}, False

@@ -20,8 +20,13 @@ ranks, and grouped into micro-batches that are each cut to their own longest row
 * a micro-batch's length is rounded up to ``pad_multiple`` (the TP size under sequence
   parallelism, which splits the sequence over TP ranks).
 
+* packed (``learner.pack_sequences``, ``packed=True``): a micro-batch runs as one row of its rows'
+  real lengths back to back (:mod:`megatron_rlhf.learner.packing`), rounded up once to
+  ``pad_multiple``; the token budget then counts those packed slots, so more short rows share a
+  micro-batch.
+
 ``padding_fraction`` = padded token slots / all token slots over all micro-batches of all DP
-ranks (reported as ``batch/padding_fraction``).
+ranks (reported as ``batch/padding_fraction``; packed, only the rounding of each packed row).
 """
 
 from __future__ import annotations
@@ -43,10 +48,18 @@ class MicroBatch:
             order: a pair's chosen, then rejected).
         seq_len: columns to run (>= every row's real length; a multiple of ``pad_multiple``; may
             exceed ``S`` by less than ``pad_multiple``: the extra columns are filled with token 0).
+        packed_len: 0 (padded), or the length of the packed row the micro-batch runs as
+            (``sum`` of its rows' real lengths rounded up to ``pad_multiple``).
     """
 
     rows: tuple[int, ...]
     seq_len: int
+    packed_len: int = 0
+
+    @property
+    def slots(self) -> int:
+        """Token slots the model runs: ``packed_len`` when packed, else ``rows x seq_len``."""
+        return self.packed_len or len(self.rows) * self.seq_len
 
 
 def row_lengths(loss_mask: torch.Tensor | None, seq_len: int, num_rows: int) -> list[int]:
@@ -98,7 +111,8 @@ def unit_sizes(group_ids) -> list[int]:
 
 def plan_microbatches(lengths: list[int], *, rows_per_microbatch: int, dp_rank: int = 0,
                       dp_size: int = 1, pairs: bool = True, pad_multiple: int = 1,
-                      units: list[int] | None = None, max_tokens: int = 0) -> list[MicroBatch]:
+                      units: list[int] | None = None, max_tokens: int = 0,
+                      packed: bool = False) -> list[MicroBatch]:
     """Micro-batches of DP rank ``dp_rank`` (see module doc).
 
     Args:
@@ -112,6 +126,9 @@ def plan_microbatches(lengths: list[int], *, rows_per_microbatch: int, dp_rank: 
         max_tokens: token budget of a micro-batch (0: off); when set it replaces
             ``rows_per_microbatch``: a micro-batch takes units while ``rows x padded length`` stays
             within it (a unit over the budget by itself runs alone).
+        packed: the micro-batches run packed: the budget counts ``round_up(sum of the rows' real
+            lengths, pad_multiple)`` instead of ``rows x padded length``, and each micro-batch's
+            ``packed_len`` is set.
     Returns:
         this rank's micro-batches, longest first; empty when the rank gets no unit.
     Raises:
@@ -132,11 +149,14 @@ def plan_microbatches(lengths: list[int], *, rows_per_microbatch: int, dp_rank: 
     starts = [0, *itertools.accumulate(units)][:-1]
     rows_of = [tuple(range(a, a + w)) for a, w in zip(starts, units)]
     ulen = [max(lengths[r] for r in u) for u in rows_of]
+    usum = [sum(lengths[r] for r in u) for u in rows_of]
     order = sorted(range(len(rows_of)), key=lambda u: (-ulen[u], u))  # longest first, stable
     def fits(chunk: list[int], u: int) -> bool:
         rows = sum(units[v] for v in chunk) + units[u]
         if not max_tokens:
             return rows <= rows_per_microbatch
+        if packed:
+            return _round_up(sum(usum[v] for v in (*chunk, u)), pad_multiple) <= max_tokens
         return rows * _round_up(max(ulen[v] for v in (*chunk, u)), pad_multiple) <= max_tokens
 
     chunks: list[list[int]] = []
@@ -146,16 +166,17 @@ def plan_microbatches(lengths: list[int], *, rows_per_microbatch: int, dp_rank: 
         else:
             chunks.append([u])
     return [MicroBatch(rows=tuple(r for u in chunk for r in rows_of[u]),
-                       seq_len=_round_up(max(ulen[u] for u in chunk), pad_multiple))
+                       seq_len=_round_up(max(ulen[u] for u in chunk), pad_multiple),
+                       packed_len=_round_up(sum(usum[u] for u in chunk), pad_multiple) if packed else 0)
             for chunk in chunks]
 
 
 def padding_fraction(lengths: list[int], plans: list[list[MicroBatch]]) -> float:
     """Padded slots / all slots over the micro-batches of all DP ranks (``plans[d]`` = rank d's).
 
-    A slot is one (row, column) the model runs; a row's real slots are ``lengths[row]``.
-    Returns 0.0 for an empty plan.
+    A slot is one (row, column) the model runs (:attr:`MicroBatch.slots`: one token of the
+    packed row when packed); a row's real slots are ``lengths[row]``. Returns 0.0 for an empty plan.
     """
-    total = sum(len(mb.rows) * mb.seq_len for plan in plans for mb in plan)
+    total = sum(mb.slots for plan in plans for mb in plan)
     real = sum(lengths[r] for plan in plans for mb in plan for r in mb.rows)
     return 0.0 if total == 0 else 1.0 - real / total

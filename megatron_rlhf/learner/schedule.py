@@ -21,6 +21,12 @@ output into token log-probabilities, with an arbitrary per-micro-batch loss on t
 * ``with_entropy``: also the per-token entropy of that distribution, differentiable and
   vocab-parallel (:func:`megatron_rlhf.learner.logprobs.vocab_parallel_entropy`), aligned like the
   token logprobs.
+* Packed micro-batches (``learner.pack_sequences``; :mod:`megatron_rlhf.learner.packing`): a
+  micro-batch built with ``pack_lengths`` runs as one row of ``sum(L_i)`` tokens (rounded up to the
+  pad multiple) with ``PackedSeqParams`` (THD); its token logprobs and entropies are unpacked back to
+  the padded ``[b, s]`` layout before ``on_logprobs`` sees them (columns past a row's real length
+  are 0 instead of the padded forward's values there; no loss mask reaches them), so losses,
+  masks and denominators are those of the padded run.
 * ``on_logprobs(k, mb, tok_lp)`` (``on_logprobs(k, mb, tok_lp, entropy)`` with ``with_entropy``)
   runs on the last pipeline stage only and returns the loss of micro-batch k (a scalar tensor).
   Like megatron's schedules, the loss is divided by the number of micro-batches before backward;
@@ -37,6 +43,7 @@ import torch
 
 from megatron_rlhf.learner.logprobs import (_shift, next_token_labels, position_ids_for,
                                             vocab_parallel_entropy)
+from megatron_rlhf.learner.packing import PackedRows, pack_rows, unpack_rows
 
 __all__ = ["MicroBatchData", "run_microbatches", "run_schedule", "make_microbatch", "cut_rows"]
 
@@ -50,12 +57,16 @@ class MicroBatchData:
         rows: row indices of these sequences in the full batch.
         loss_mask: ``[b, s]`` float32 CPU (completion tokens = 1), or None.
         extra: any per-micro-batch data the loss needs (e.g. reference logprobs).
+        packed: the same rows packed into one row (:class:`~megatron_rlhf.learner.packing.PackedRows`):
+            :func:`run_microbatches` then runs the packed row; None: the padded ``input_ids``.
+            (The critic's value schedule always runs the padded ``input_ids``.)
     """
 
     input_ids: torch.Tensor
     rows: tuple[int, ...]
     loss_mask: torch.Tensor | None = None
     extra: dict = field(default_factory=dict)
+    packed: PackedRows | None = None
 
 
 def cut_rows(t: torch.Tensor, rows, seq_len: int, fill=0) -> torch.Tensor:
@@ -68,16 +79,24 @@ def cut_rows(t: torch.Tensor, rows, seq_len: int, fill=0) -> torch.Tensor:
     return t
 
 
-def make_microbatch(input_ids: torch.Tensor, rows, seq_len: int, device, loss_mask=None,
-                    **extra) -> MicroBatchData:
+def make_microbatch(input_ids: torch.Tensor, rows, seq_len: int, device, loss_mask=None, *,
+                    pack_lengths=None, pad_multiple: int = 1, **extra) -> MicroBatchData:
     """Cut rows ``rows`` of ``input_ids [B, S]`` (and of ``loss_mask``/``extra`` ``[B, S]`` tensors)
     to ``seq_len`` columns; columns beyond ``S`` are filled with token 0 / mask 0 (right padding,
-    invisible to the causal logprobs of earlier tokens)."""
+    invisible to the causal logprobs of earlier tokens).
+
+    ``pack_lengths``: the real length of each of ``rows`` (:func:`~megatron_rlhf.learner.batching.row_lengths`):
+    the micro-batch also gets its packed form (``packed``, a row of ``round_up(sum, pad_multiple)``
+    tokens on ``device``), which :func:`run_microbatches` runs instead of the padded rows.
+    Raises ValueError (from :func:`~megatron_rlhf.learner.packing.pack_rows`) for lengths outside
+    ``[1, seq_len]``."""
+    ids = cut_rows(input_ids, rows, seq_len, 0)
     return MicroBatchData(
-        input_ids=cut_rows(input_ids, rows, seq_len, 0).to(device), rows=tuple(rows),
+        input_ids=ids.to(device), rows=tuple(rows),
         loss_mask=None if loss_mask is None else cut_rows(loss_mask, rows, seq_len, 0.0),
         extra={k: (cut_rows(v, rows, seq_len, 0.0) if torch.is_tensor(v) and v.dim() == 2 else v)
-               for k, v in extra.items()})
+               for k, v in extra.items()},
+        packed=None if pack_lengths is None else pack_rows(ids, pack_lengths, pad_multiple, device))
 
 
 def _pad_columns(vocab_size: int, padded_vocab: int, tp_rank: int, tp: int) -> torch.Tensor | None:
@@ -152,8 +171,14 @@ def run_microbatches(model, mbs: list[MicroBatchData],
 
     def forward_step(data_iterator, m):
         k, mb = next(data_iterator)
-        ids = mb.input_ids
-        kwargs = dict(input_ids=ids, position_ids=position_ids_for(ids), attention_mask=None)
+        packed = mb.packed
+        if packed is None:
+            ids = mb.input_ids
+            kwargs = dict(input_ids=ids, position_ids=position_ids_for(ids), attention_mask=None)
+        else:
+            ids = packed.input_ids
+            kwargs = dict(input_ids=ids, position_ids=packed.position_ids, attention_mask=None,
+                          packed_seq_params=packed.params())
         if not from_logits:
             kwargs["labels"] = next_token_labels(ids)
         output = m(**kwargs)
@@ -162,6 +187,10 @@ def run_microbatches(model, mbs: list[MicroBatchData],
             tok, ent = _token_logprobs_from_output(out, ids, from_logits=from_logits, pad=pad,
                                                    temperature=temperature,
                                                    with_entropy=with_entropy, tp_group=tp_group)
+            if packed is not None:   # back to the padded [b, s] layout the losses index
+                s = mb.input_ids.shape[1]
+                tok = unpack_rows(tok, packed, s)
+                ent = None if ent is None else unpack_rows(ent, packed, s)
             loss = on_logprobs(k, mb, tok, ent) if with_entropy else on_logprobs(k, mb, tok)
             if loss is None or forward_only:
                 loss = tok.sum() * 0.0

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
-__all__ = ["SDPACoreAttention", "TorchNorm", "local_layer_spec"]
+__all__ = ["SDPACoreAttention", "TorchNorm", "local_layer_spec", "packed_causal_attention"]
 
 
 class SDPACoreAttention(DotProductAttention):
@@ -27,18 +27,34 @@ class SDPACoreAttention(DotProductAttention):
     Returns ``[sq, b, np * hn]``. Dropout uses ``config.attention_dropout`` in training mode.
     Same constructor as ``megatron.core.transformer.dot_product_attention.DotProductAttention``.
 
+    Packed sequences (``packed_seq_params.qkv_format == "thd"``, see
+    :mod:`megatron_rlhf.learner.packing`): megatron's ``Attention`` hands over ``query [t, np, hn]``,
+    ``key``/``value [t, ng, hn]`` (RoPE already applied per segment); attention keeps the
+    sequences of ``cu_seqlens_q`` apart: the block-diagonal causal mask
+    (:func:`megatron_rlhf.learner.packing.block_causal_mask`: a token sees only earlier tokens of
+    its own sequence), computed segment by segment (:func:`packed_causal_attention`), and the
+    result is ``[t, np * hn]``. This is the same tensor code on CPU and on a GPU without
+    Transformer Engine. On CUDA the further speed-up is one varlen flash kernel launch for all
+    segments (not used here); where TE
+    is present the TE spec's ``TEDotProductAttention`` takes ``packed_seq_params`` itself (THD
+    varlen attention; ``platform/gpu.py`` builds megatron's TE spec unchanged, so megatron's
+    ``Attention`` passes the params straight through).
+
     Raises:
-        NotImplementedError: packed sequences, attention bias, query-key layer scaling or
-            sliding-window attention (not needed by Llama-family models).
+        NotImplementedError: attention bias, query-key layer scaling, sliding-window attention
+            (not needed by Llama-family models), a packed format other than ``thd``, or packed
+            queries and keys with different boundaries (cross-attention).
     """
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None, **unused):
-        if packed_seq_params is not None or attention_bias is not None:
-            raise NotImplementedError("SDPACoreAttention: packed sequences / attention bias")
+        if attention_bias is not None:
+            raise NotImplementedError("SDPACoreAttention: attention bias")
         if self.config.apply_query_key_layer_scaling or self.config.window_size is not None:
             raise NotImplementedError("SDPACoreAttention: set apply_query_key_layer_scaling=False "
                                       "and window_size=None")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params)
         sq, b, np_, _ = query.shape
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
@@ -53,6 +69,53 @@ class SDPACoreAttention(DotProductAttention):
                                                  is_causal=mask_type == AttnMaskType.causal,
                                                  scale=self.softmax_scale, enable_gqa=gqa)
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
+
+    def _packed(self, query, key, value, params):
+        """THD attention: ``query [t, np, hn]``, ``key``/``value [t, ng, hn]`` -> ``[t, np * hn]``
+        (see the class doc)."""
+        if params.qkv_format != "thd":
+            raise NotImplementedError(f"SDPACoreAttention: packed qkv_format={params.qkv_format!r}; "
+                                      "only 'thd' is supported")
+        cu_q = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+        cu_k = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
+        if cu_k is not None and cu_k is not cu_q and not torch.equal(cu_q, cu_k):
+            raise NotImplementedError("SDPACoreAttention: packed queries and keys with different "
+                                      "cu_seqlens (cross-attention)")
+        bounds = getattr(params, "_sdpa_bounds", None)   # one host copy per micro-batch, all layers
+        if bounds is None:
+            bounds = params._sdpa_bounds = [int(v) for v in cu_q.tolist()]
+        t = query.shape[0]
+        out = packed_causal_attention(query, key, value, bounds, scale=self.softmax_scale,
+                                      dropout_p=self.config.attention_dropout if self.training else 0.0)
+        return out.reshape(t, self.hidden_size_per_partition)
+
+
+def packed_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens,
+                            *, scale: float | None = None, dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal self-attention of packed sequences: each segment ``[cu_k, cu_{k+1})`` attends only
+    to itself, causally. Exactly SDPA over the whole packed row with the block-diagonal causal
+    mask of :func:`megatron_rlhf.learner.packing.block_causal_mask` (the slow reference the tests
+    compare with), computed per segment with ``is_causal=True``: ``sum L_i^2`` score entries instead
+    of ``t^2``, and the causal SDPA kernels (CPU flash attention; on CUDA FlashAttention / memory-
+    efficient) instead of the masked path, whose CPU backward was 10x slower in a profile of
+    ``bench/learner.py``. A varlen flash kernel does the same in one launch on CUDA.
+
+    Args:
+        query: ``[t, np, hn]``; key, value: ``[t, ng, hn]`` (GQA when ``ng < np``: query head h uses
+            group ``h // (np // ng)``).
+        cu_seqlens: ``n + 1`` int boundaries (a list, or a tensor: then copied to the host),
+            ``cu_seqlens[-1] == t``.
+        scale: softmax scale (None: ``1 / sqrt(hn)``); dropout_p: attention dropout.
+    Returns:
+        ``[t, np, hn]``.
+    """
+    bounds = [int(v) for v in (cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else cu_seqlens)]
+    q, k, v = (x.permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))   # [1, heads, t, hn]
+    gqa = key.size(1) != query.size(1)
+    outs = [F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True,
+                                           dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
+            for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    return torch.cat(outs, dim=2)[0].permute(1, 0, 2)
 
 
 class TorchNorm:
