@@ -290,7 +290,9 @@ class Run:
         box = {}
 
         def finalize():
-            box["info"] = info if wait is None else wait()
+            box["info"] = got = info if wait is None else wait()
+            if got:   # the writers' Unix times, in the checkpoint's trainer_state.json
+                ckpt.trainer_state["async_write"] = {k: got[k] for k in ("write_start", "write_end", "write_s")}
 
         try:
             self.ckpts.finish(ckpt, finalize)
