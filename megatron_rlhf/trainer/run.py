@@ -233,8 +233,8 @@ class Run:
         row's ``time/checkpoint_s``."""
         from megatron_rlhf.trainer.batch_io import algorithm_tag, save_batch
 
+        self.wait_checkpoint()   # (its seconds are counted there)
         t0 = time.perf_counter()
-        self.wait_checkpoint()
         last = pending[-1] if pending else batch
         state = {"step": step, "weight_version": version, "sampler_state": last.sampler_state,
                  "rng_state": last.rng_state, "producer_state": last.producer_state,
@@ -275,30 +275,39 @@ class Run:
             self._finish_async(blocking=True)
 
     def _finish_async(self, blocking: bool) -> None:
+        """Ask the learner whether the writers of the save in flight are done (``blocking``: wait
+        for them); once they are, complete the checkpoint (:meth:`CheckpointManager.finish`, which
+        also turns a failed writer into a ``CheckpointError`` and removes the temporary folder)."""
         t0, ckpt = time.perf_counter(), self._ckpt_in_flight
         what = f"checkpoint save of step {ckpt.step}"
-        if blocking:
-            info = None
-            wait = lambda: self.call(self.learner.finalize_checkpoint.remote(True), what)  # noqa: E731
-        else:
-            info = self.call(self.learner.finalize_checkpoint.remote(False), what)
-            if info is not None and not info["done"]:
-                self._ckpt_blocked_s += time.perf_counter() - t0
-                return
-            wait = None
-        self._ckpt_in_flight = None
-        box = {}
 
         def finalize():
-            box["info"] = got = info if wait is None else wait()
-            if got:   # the writers' Unix times, in the checkpoint's trainer_state.json
-                ckpt.trainer_state["async_write"] = {k: got[k] for k in ("write_start", "write_end", "write_s")}
+            return self.call(self.learner.finalize_checkpoint.remote(blocking), what)
 
+        got: dict = {}
         try:
-            self.ckpts.finish(ckpt, finalize)
+            polled = None
+            if not blocking:
+                try:
+                    polled = finalize()
+                except LearnerDiedError:
+                    raise
+                except Exception as e:   # noqa: BLE001 - a failed writer: finish() names it
+                    polled = e
+                if isinstance(polled, dict) and not polled["done"]:
+                    return
+            self._ckpt_in_flight = None
+
+            def writers_done() -> None:
+                if isinstance(polled, Exception):
+                    raise polled
+                got.update((finalize() if blocking else polled) or {})
+                if got:   # the writers' Unix times, in the checkpoint's trainer_state.json
+                    ckpt.trainer_state["async_write"] = {k: got[k] for k in ("write_start", "write_end", "write_s")}
+
+            self.ckpts.finish(ckpt, writers_done)
         finally:
             self._ckpt_blocked_s += time.perf_counter() - t0
-        got = box.get("info") or {}
         self._ckpt_done(got.get("write_s", 0.0), ckpt.step)
 
     def _ckpt_done(self, write_s: float, step: int) -> None:
