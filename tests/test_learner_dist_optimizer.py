@@ -288,3 +288,29 @@ def _tensors(obj) -> list[torch.Tensor]:
     if isinstance(obj, (list, tuple)):
         return [t for v in obj for t in _tensors(v)]
     return []
+
+
+def _failing_writer():
+    raise OSError("disk gone")
+
+
+@pytest.mark.timeout(60)
+def test_async_writer_finalizes_after_the_write_and_names_a_writer_that_failed(groups, tmp_path):
+    """AsyncCheckpointWriter on megatron's AsyncCallsQueue: a request's finalize functions run
+    after its forked writer finished (the file is there), and a writer that raised is an error at
+    finalize (not a checkpoint completed without its files)."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+
+    from megatron_rlhf.learner.checkpoint import AsyncCheckpointWriter
+
+    writer, out, seen = AsyncCheckpointWriter(), tmp_path / "state.pt", []
+    writer.schedule(str(tmp_path), [AsyncRequest(torch.save, ({"w": torch.ones(3)}, out),
+                                                 [lambda: seen.append(out.is_file())])])
+    assert writer.pending == str(tmp_path)
+    info = writer.finalize(blocking=True)
+    assert info["done"] and seen == [True] and info["write_end"] >= info["write_start"] > 0
+    assert torch.equal(torch.load(out)["w"], torch.ones(3)) and writer.finalize() is None
+    writer.schedule(str(tmp_path / "bad"), [AsyncRequest(_failing_writer, (), [])])
+    with pytest.raises(RuntimeError, match=r"writer of .*bad exited before it finished"):
+        writer.finalize(blocking=True)
+    assert writer.pending is None

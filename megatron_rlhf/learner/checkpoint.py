@@ -418,6 +418,8 @@ def _host_copy(obj):
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
         return {k: _host_copy(v) for k, v in obj.items()}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):   # a namedtuple
+        return type(obj)(*(_host_copy(v) for v in obj))
     if isinstance(obj, (list, tuple)):
         return type(obj)(_host_copy(v) for v in obj)
     return obj
