@@ -303,7 +303,8 @@ class Run:
                     raise polled
                 got.update((finalize() if blocking else polled) or {})
                 if got:   # the writers' Unix times, in the checkpoint's trainer_state.json
-                    ckpt.trainer_state["async_write"] = {k: got[k] for k in ("write_start", "write_end", "write_s")}
+                    ckpt.trainer_state["async_write"] = {k: got[k] for k in
+                                                         ("write_start", "write_end", "write_s")}
 
             self.ckpts.finish(ckpt, writers_done)
         finally:
