@@ -89,6 +89,8 @@ def test_damaged_newer_checkpoints_fall_back_to_the_intact_one_and_leave_one_row
 
 
 # ------------------------------------------------------------------------- asynchronous checkpoints (issue 24)
+@pytest.mark.skip(reason="issue 24: written but not yet run (Ray could not start on the loaded machine "
+                         "before the session's deadline); run it, then remove this mark")
 @pytest.mark.timeout(400)
 def test_async_checkpoints_let_step_k_plus_1_train_while_checkpoint_k_is_written(
         generator, tiny_llama_dir, tmp_path, monkeypatch):
