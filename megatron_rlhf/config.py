@@ -752,10 +752,18 @@ class CheckpointConfig:
     run aside and start fresh, or pick another ``run.name``)."""
     export_hf: bool = True
     """Write an HF folder of the final policy to ``<run>/hf_final``."""
+    async_save: bool = False
+    """Write the learner's state with megatron dist_checkpointing's asynchronous save: forked writer
+    processes write step N's state (snapshotted at the save) while step N+1 trains; the checkpoint
+    becomes ``step_N`` (``COMPLETE``, atomic rename, ``keep_last`` rotation) only once every writer
+    finished, which the next save, the end of the run and a stop signal wait for. ``false``: the
+    loop waits for the whole write (``trainer.checkpoint``, ``learner.checkpoint``)."""
 
     def __post_init__(self):
         _check(self.interval >= 0, "checkpoint.interval", self.interval, ">= 0")
         _check(self.keep_last >= 1, "checkpoint.keep_last", self.keep_last, ">= 1")
+        _check(isinstance(self.async_save, bool), "checkpoint.async_save", self.async_save,
+               "true or false")
 
 
 @dataclass(kw_only=True)

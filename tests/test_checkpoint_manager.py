@@ -71,3 +71,29 @@ def test_rotation_deletes_only_references_no_kept_checkpoint_names(tmp_path):
     (m.root / "reference_v00000007").mkdir()   # orphan of a failed save
     m.save(4, {"step": 4}, writer(3))          # keeps 3 and 4: both name v3
     assert [p.name for p in m.root.glob("reference_v*")] == ["reference_v00000003"]
+
+
+def test_a_started_checkpoint_is_complete_and_rotated_only_at_finish(tmp_path):
+    """checkpoint.async_save: between start (the learner's writers run) and finish the checkpoint
+    is a .tmp folder: not a checkpoint for resume, and keep_last still keeps every complete one;
+    a writer that fails at finish leaves the last complete checkpoint and no .tmp folder."""
+    from megatron_rlhf.trainer.checkpoint import CheckpointError
+
+    m = CheckpointManager(tmp_path / "ck", keep_last=1)
+    m.save(1, {"step": 1}, _write)
+    pending = m.start(2, {"step": 2}, _write)
+    assert pending.tmp.is_dir() and not (pending.tmp / "COMPLETE").exists()
+    assert [s for s, _ in m.complete_checkpoints()] == [1] and m.latest()[1] == {"step": 1}
+    waited = []
+    assert m.finish(pending, lambda: waited.append(True)).name == "step_2"
+    assert waited == [True] and [s for s, _ in m.complete_checkpoints()] == [2]   # step_1 rotated now
+    assert json.loads((tmp_path / "ck" / "step_2" / "trainer_state.json").read_text()) == {"step": 2}
+
+    def failed_writer():
+        raise OSError("writer exited")
+
+    with pytest.raises(CheckpointError, match=r"cannot save checkpoint step 3 into .*\.tmp-step_3-\d+: "
+                                              r"OSError: writer exited; the last complete checkpoint is intact"):
+        m.finish(m.start(3, {"step": 3}, _write), failed_writer)
+    assert [s for s, _ in m.complete_checkpoints()] == [2]
+    assert not list((tmp_path / "ck").glob(".tmp-*"))

@@ -5,10 +5,15 @@ DPO step with ``learner.distributed_optimizer=true``, save a checkpoint (megatro
 ``dist_checkpointing``, the optimizer's ``sharded_state_dict`` in Megatron-LM's default
 ``dp_reshardable`` format), train a second step (the uninterrupted run), then a freshly built
 learner on the same ranks loads the checkpoint: its fp32 master weights and Adam moments must equal
-the saved run's after step 1, and after the same second step its weights and moments must equal the
+the saved run's after step 1 (at TP=2 x DP=2 the checkpoint is saved asynchronously and written
+while the second step trains), and after the same second step its weights and moments must equal the
 uninterrupted run's (1e-6). The DP=2 checkpoint also resumes in one process at DP=1 (megatron's
 format reshards over DP), with the full moments assembled from the two DP shards. The TP=2 x DP=2
 ranks also check ``learner.recompute=selective``: gradients equal ``recompute=none``.
+
+Asynchronous saves (``checkpoint.async_save``, issue 24): a checkpoint written by megatron's async
+save while the next optimizer step changes the weights in place holds the weights (and Adam state)
+of the step it was taken at, and the next one those of its own step (NeMo-RL #3312).
 """
 
 from __future__ import annotations
@@ -51,8 +56,10 @@ def _worker(rank: int, world: int, tp: int, model_dir: str, init_method: str, ou
     ck = os.path.join(out_dir, "ck")
     a.train_step(_batch(seed=0))
     res = {"saved": adam_state(a), "layout": a.layout()}
-    a.save_checkpoint(ck)
+    a.save_checkpoint(ck, async_save=tp > 1)   # TP=2 x DP=2: written while the next step trains
     a.train_step(_batch(seed=1))
+    if tp > 1:   # collective over the 4 ranks' writers
+        assert a.finalize_checkpoint(blocking=True)["done"]
     res.update(run_state=adam_state(a), run_params=_params(a))
     b = MegatronLearner(**kw)     # fresh models and optimizer; the process group is shared
     a.close()
@@ -215,3 +222,95 @@ def test_resume_rules_allow_a_dp_change_only_with_the_distributed_optimizer_and_
     assert _source_rank(learner(2, 2, 1, True, (1, 1, 0), rank=3), saved) == 5
     assert _source_rank(learner(2, 2, 4, True, (0, 0, 3), rank=6), saved) == 2
     assert _source_rank(learner(2, 2, 2, True, (0, 1, 1), rank=6), saved) == 6
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("distributed_optimizer", [True, False], ids=["dist_opt", "torch_opt"])
+def test_async_checkpoints_hold_their_steps_weights_while_the_next_step_trains(
+        tiny_llama_dir, tmp_path, monkeypatch, distributed_optimizer):
+    """Step 1, async save (a writer slowed by 3 s, testing.faults), step 2 at once (in-place update
+    of the parameters and moments the writer reads on CPU), async save, step 3. Checkpoint 1 must
+    load as step 1's weights and optimizer state, checkpoint 2 as step 2's, the two must differ,
+    and the writer of checkpoint 1 must still have been running when step 2 had finished."""
+    import time
+
+    from megatron_rlhf.learner.actor import MegatronLearner
+    from megatron_rlhf.testing.faults import SLOW_WRITER_ENV
+
+    monkeypatch.setenv(SLOW_WRITER_ENV, "3")
+    kw = dict(model_dir=str(tiny_llama_dir), learner_cfg=_cfg(distributed_optimizer=distributed_optimizer),
+              algorithm_cfg=AlgorithmConfig(), total_steps=4)
+    a = MegatronLearner(**kw)
+    try:
+        saved = []
+        for step in (1, 2):
+            a.train_step(_batch(seed=step))
+            saved.append({"params": _params(a), "state": adam_state(a) if distributed_optimizer
+                          else _tensors(a.optimizer.state_dict())})
+            t0 = time.time()
+            a.save_checkpoint(str(tmp_path / f"ck{step}"), async_save=True)
+            blocked = time.time() - t0
+            assert not (tmp_path / f"ck{step}" / "policy" / "metadata.json").exists()   # not complete yet
+            a.train_step(_batch(seed=10 + step))   # the next step trains on while it is written
+            t_trained = time.time()
+            assert a.finalize_checkpoint(blocking=False)["done"] is False
+            info = a.finalize_checkpoint(blocking=True)
+            assert info["done"] and info["write_end"] > t_trained > info["write_start"], (info, t_trained)
+            assert info["write_s"] >= 3.0 > blocked, (info, blocked)
+            assert (tmp_path / f"ck{step}" / "policy" / "metadata.json").is_file()
+        assert a.finalize_checkpoint() is None
+    finally:
+        a.close()
+    assert max((saved[0]["params"][k] - saved[1]["params"][k]).abs().max().item() for k in saved[0]["params"]) > 1e-4
+    b = MegatronLearner(**kw)
+    try:
+        for step, want in zip((1, 2), saved):
+            assert b.load_checkpoint(str(tmp_path / f"ck{step}")) == 2 * step - 1
+            got = _params(b)
+            err = max((got[k] - want["params"][k]).abs().max().item() for k in got)
+            assert err == 0.0, f"checkpoint {step}: weights differ from step {step}'s by {err}"
+            if distributed_optimizer:
+                _close(want["state"], adam_state(b), f"checkpoint {step} Adam state")
+            else:
+                got_state = _tensors(b.optimizer.state_dict())
+                assert len(got_state) == len(want["state"]) > 0
+                assert all(torch.equal(x, y) for x, y in zip(got_state, want["state"])), f"checkpoint {step}"
+    finally:
+        b.close()
+
+
+def _tensors(obj) -> list[torch.Tensor]:
+    """Copies of every tensor in a (nested) state dict, in a fixed order."""
+    if torch.is_tensor(obj):
+        return [obj.detach().clone()]
+    if isinstance(obj, dict):
+        return [t for k in sorted(obj, key=str) for t in _tensors(obj[k])]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
+def _failing_writer():
+    raise OSError("disk gone")
+
+
+@pytest.mark.timeout(60)
+def test_async_writer_finalizes_after_the_write_and_names_a_writer_that_failed(groups, tmp_path):
+    """AsyncCheckpointWriter on megatron's AsyncCallsQueue: a request's finalize functions run
+    after its forked writer finished (the file is there), and a writer that raised is an error at
+    finalize (not a checkpoint completed without its files)."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+
+    from megatron_rlhf.learner.checkpoint import AsyncCheckpointWriter
+
+    writer, out, seen = AsyncCheckpointWriter(), tmp_path / "state.pt", []
+    writer.schedule(str(tmp_path), [AsyncRequest(torch.save, ({"w": torch.ones(3)}, out),
+                                                 [lambda: seen.append(out.is_file())])])
+    assert writer.pending == str(tmp_path)
+    info = writer.finalize(blocking=True)
+    assert info["done"] and seen == [True] and info["write_end"] >= info["write_start"] > 0
+    assert torch.equal(torch.load(out)["w"], torch.ones(3)) and writer.finalize() is None
+    writer.schedule(str(tmp_path / "bad"), [AsyncRequest(_failing_writer, (), [])])
+    with pytest.raises(RuntimeError, match=r"writer of .*bad exited before it finished"):
+        writer.finalize(blocking=True)
+    assert writer.pending is None

@@ -172,6 +172,7 @@ class MegatronLearner:
         self.groups = parallel.acquire(backend=self.platform.dist_backend, tp=tp, pp=pp, rank=rank,
                                        world_size=world_size, init_method=init_method)
         self._closed = False
+        self._ckpt_writer = None   # learner.checkpoint.AsyncCheckpointWriter, on the first async save
         pg = self.groups.pg_collection
         self.tp_rank, self.pp_rank, self.dp_rank = pg.tp.rank(), pg.pp.rank(), pg.dp.rank()
         self.platform.seed(seed)
@@ -706,7 +707,7 @@ class MegatronLearner:
             dist.barrier()
 
     # ----------------------------------------------------------------------------- checkpoints
-    def save_checkpoint(self, path: str, reference_root: str | None = None) -> None:
+    def save_checkpoint(self, path: str, reference_root: str | None = None, async_save: bool = False) -> None:
         """Save policy and reference (megatron ``dist_checkpointing``, torch_dist format, under
         ``path/policy`` and ``path/reference``: every rank writes its own shards; with
         ``reference_root`` the reference is saved once per reference version into
@@ -715,9 +716,37 @@ class MegatronLearner:
         else in the state file), LR scheduler, RNG states and ``weight_version`` (``torch.save``:
         rank 0 to ``path/learner_state.pt``, rank r > 0 to ``path/learner_state.rank<r>.pt``).
         ``path`` is created. Collective over all ranks (:mod:`megatron_rlhf.learner.checkpoint`).
+
+        With ``async_save`` the files are written by forked processes while this learner trains
+        on; the checkpoint is complete once :meth:`finalize_checkpoint` says so (a pending earlier
+        one is finalized first). What is written is the state at this call.
         """
+        if async_save:
+            from megatron_rlhf.learner.checkpoint import AsyncCheckpointWriter
+
+            if self._ckpt_writer is None:
+                self._ckpt_writer = AsyncCheckpointWriter()
+            self._ckpt_writer.finalize(blocking=True)
+            requests = save_learner_checkpoint(self, Path(path), None if reference_root is None
+                                               else Path(reference_root), async_save=True)
+            self._ckpt_writer.schedule(str(path), requests)
+            return
+        self.finalize_checkpoint(blocking=True)
         save_learner_checkpoint(self, Path(path),
                                 None if reference_root is None else Path(reference_root))
+
+    def finalize_checkpoint(self, blocking: bool = True) -> dict | None:
+        """Complete the asynchronous save in flight, if its writers are done on every rank
+        (collective; see :meth:`AsyncCheckpointWriter.finalize
+        <megatron_rlhf.learner.checkpoint.AsyncCheckpointWriter.finalize>`).
+
+        Returns:
+            None (no save in flight), ``{"done": False, "path"}`` (still writing, ``blocking``
+            false), or ``{"done": True, "path", "write_s", "write_start", "write_end"}``.
+        Raises:
+            RuntimeError / megatron ``CheckpointingException``: a writer failed.
+        """
+        return None if self._ckpt_writer is None else self._ckpt_writer.finalize(blocking=blocking)
 
     def load_checkpoint(self, path: str) -> int:
         """Restore everything :meth:`save_checkpoint` wrote; returns the restored weight_version.
@@ -742,6 +771,9 @@ class MegatronLearner:
         if self._closed:
             return
         self._closed = True
+        writer, self._ckpt_writer = getattr(self, "_ckpt_writer", None), None
+        if writer is not None:   # a save in flight is written out before the groups go
+            writer.close()
         critic, self.critic = getattr(self, "critic", None), None
         if critic is not None and hasattr(critic, "close"):
             critic.close()

@@ -35,6 +35,22 @@ type would allow it by gathering every bucket on DP rank 0 at save time; not use
 Every rank of a learner group calls save/load together: ``dist_checkpointing`` is collective
 (each rank writes/reads its own shards).
 
+Asynchronous saves (``checkpoint.async_save``; :class:`AsyncCheckpointWriter`): every
+``dist_checkpointing.save`` gets ``async_sharded_save=True`` and returns megatron's ``AsyncRequest``
+(planning, the collective metadata exchange and ``common.pt`` happen before it returns); the state
+file becomes one more request (its tensors copied to host memory first). The requests go to
+megatron's ``AsyncCallsQueue`` (``TemporalAsyncCaller``: a ``fork``-ed writer process per request,
+as Megatron-LM's ``megatron/training/async_utils.py`` does by default), and
+:meth:`AsyncCheckpointWriter.finalize` runs their finalize functions (``.metadata`` and
+``metadata.json`` written, the shared reference renamed into place) once every rank's writers are
+done. What is written is the state at the save call: on GPU megatron's ``preload_fn`` copies each
+tensor to host memory before the fork; on CPU (tensors already on the host, only views are cloned
+by ``FileSystemWriterAsync``) the fork's copy-on-write snapshot holds the state of the save call,
+so an optimizer step right after it cannot change what is written (NeMo-RL #3312: async saves that
+wrote other weights than the step's; checked by ``tests/test_learner_dist_optimizer.py``). The
+persistent worker (``AsyncCallsQueue(persistent=True)``, ``spawn``) is not used: it would pass CPU
+tensors through shared memory, and the writer would read the live parameters.
+
 dist_checkpointing's torch_dist writer forks writer processes and creates a ``spawn``
 multiprocessing Manager queue once per process (``filesystem_async._get_write_results_queue``);
 the spawned manager re-imports ``__main__``, which is safe from pytest, a Ray worker or any script
@@ -46,13 +62,15 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from megatron_rlhf.convert.hf_io import apply_umask_permissions
 
-__all__ = ["save_learner_checkpoint", "load_learner_checkpoint", "write_hf_folder",
+__all__ = ["save_learner_checkpoint", "load_learner_checkpoint", "write_hf_folder", "AsyncCheckpointWriter",
            "STATE_FILE", "REFERENCE_FILE", "state_file", "distributed_optimizer_state",
            "reference_folder_name"]
 
@@ -123,8 +141,9 @@ def _prime_empty_state(optimizer) -> None:
     _unshare_steps(optimizer)
 
 
-def _save_optimizer(optimizer, model, groups, folder: Path) -> None:
-    """The distributed optimizer's sharded state (collective: every rank writes its DP shard)."""
+def _save_optimizer(optimizer, model, groups, folder: Path, async_save: bool = False):
+    """The distributed optimizer's sharded state (collective: every rank writes its DP shard);
+    with ``async_save`` megatron's ``AsyncRequest`` (nothing written yet but ``common.pt``)."""
     from megatron.core import dist_checkpointing
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -132,7 +151,7 @@ def _save_optimizer(optimizer, model, groups, folder: Path) -> None:
     _prime_empty_state(optimizer)   # a save before the first step
     sharded = optimizer.sharded_state_dict(model.sharded_state_dict(metadata=meta), is_loading=False,
                                            metadata=meta)
-    dist_checkpointing.save(sharded, str(folder))
+    return dist_checkpointing.save(sharded, str(folder), async_sharded_save=async_save)
 
 
 def _load_optimizer(optimizer, model, groups, folder: Path) -> None:
@@ -249,11 +268,12 @@ def _check_layout(learner, layout: dict, path: Path) -> None:
                          "(megatron's dp_reshardable optimizer format)")
 
 
-def _save_model(model, folder: Path) -> None:
+def _save_model(model, folder: Path, async_save: bool = False):
+    """``model``'s sharded state dict into ``folder``; with ``async_save`` the ``AsyncRequest``."""
     from megatron.core import dist_checkpointing
 
     folder.mkdir(parents=True, exist_ok=True)
-    dist_checkpointing.save(model.sharded_state_dict(), str(folder))
+    return dist_checkpointing.save(model.sharded_state_dict(), str(folder), async_sharded_save=async_save)
 
 
 def _load_model(model, folder: Path) -> None:
@@ -281,10 +301,12 @@ def _barrier(learner) -> None:
         dist.barrier()
 
 
-def _save_shared_reference(learner, root: Path) -> Path:
+def _save_shared_reference(learner, root: Path, requests: list | None = None) -> Path:
     """Save the frozen reference into ``root/reference_vK`` unless an earlier checkpoint of the
     run already did (K = ``learner.reference_version``). Atomic: written to ``root/.tmp-reference_vK``
-    (all ranks, collective), then renamed by rank 0. Returns the folder."""
+    (all ranks, collective), then renamed by rank 0. Returns the folder. With ``requests`` (an
+    async save) the write's ``AsyncRequest`` is appended to it and the rename is its last finalize
+    function (after megatron's, which write the metadata and end with a barrier)."""
     final = root / reference_folder_name(getattr(learner, "reference_version", 0))
     if (final / "metadata.json").is_file():
         return final
@@ -292,11 +314,19 @@ def _save_shared_reference(learner, root: Path) -> Path:
     if _rank(learner) == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     _barrier(learner)
-    _save_model(learner.reference, tmp)
+    request = _save_model(learner.reference, tmp, async_save=requests is not None)
+
+    def publish() -> None:
+        if _rank(learner) == 0:
+            os.rename(tmp, final)
+        _barrier(learner)
+
+    if requests is not None:
+        request.add_finalize_fn(publish)
+        requests.append(request)
+        return final
     _barrier(learner)
-    if _rank(learner) == 0:
-        os.rename(tmp, final)
-    _barrier(learner)
+    publish()
     return final
 
 
@@ -321,20 +351,29 @@ def _load_state(learner, path: Path) -> dict:
     return state if src == _rank(learner) and own.is_file() else read(src)
 
 
-def save_learner_checkpoint(learner, path: Path, reference_root: Path | None = None) -> None:
+def save_learner_checkpoint(learner, path: Path, reference_root: Path | None = None,
+                            async_save: bool = False) -> list:
     """Write ``learner``'s models (and critic, if any), optimizer, scheduler, RNG and version
     under ``path`` (see module doc). ``path`` may exist; it should be empty (the caller makes the
     save atomic). With ``reference_root`` the frozen reference goes to the shared
     ``reference_root/reference_vK`` (written only when absent) and ``path/reference.json`` points
-    at it; without, to ``path/reference``."""
+    at it; without, to ``path/reference``.
+
+    Returns:
+        ``[]`` (everything is written), or with ``async_save`` megatron's ``AsyncRequest`` list
+        to schedule (:class:`AsyncCheckpointWriter`): until they are finalized ``path`` holds
+        only ``common.pt`` files and ``reference.json``. The state at this call is what they
+        write (module doc).
+    """
     critic = _critic(learner)
     dist_opt = bool(getattr(learner, "use_distributed_optimizer", False))
+    requests: list = []
     path.mkdir(parents=True, exist_ok=True)
-    _save_model(learner.policy, path / "policy")
+    requests.append(_save_model(learner.policy, path / "policy", async_save))
     if reference_root is None:
-        _save_model(learner.reference, path / "reference")
+        requests.append(_save_model(learner.reference, path / "reference", async_save))
     else:
-        ref = _save_shared_reference(learner, Path(reference_root))
+        ref = _save_shared_reference(learner, Path(reference_root), requests if async_save else None)
         if _rank(learner) == 0:
             import json
 
@@ -342,11 +381,13 @@ def save_learner_checkpoint(learner, path: Path, reference_root: Path | None = N
                 {"version": int(getattr(learner, "reference_version", 0)),
                  "dir": os.path.relpath(ref, path)}))
     if critic is not None:
-        _save_model(critic.model, path / "critic")
+        requests.append(_save_model(critic.model, path / "critic", async_save))
     if dist_opt:
-        _save_optimizer(learner.optimizer, learner.policy, learner.groups, path / "policy_optimizer")
+        requests.append(_save_optimizer(learner.optimizer, learner.policy, learner.groups,
+                                        path / "policy_optimizer", async_save))
         if critic is not None:
-            _save_optimizer(critic.optimizer, critic.model, learner.groups, path / "critic_optimizer")
+            requests.append(_save_optimizer(critic.optimizer, critic.model, learner.groups,
+                                            path / "critic_optimizer", async_save))
     state = {"weight_version": learner.weight_version,
              "reference_version": int(getattr(learner, "reference_version", 0)),
              "optimizer": None if dist_opt else learner.optimizer.state_dict(),
@@ -360,11 +401,118 @@ def save_learner_checkpoint(learner, path: Path, reference_root: Path | None = N
                         "coords": _coords(learner)}}
     if critic is not None:
         state["critic"] = critic.state_for_checkpoint()
-    torch.save(state, state_file(path, _rank(learner)))
-    if learner.groups.world_size > 1:
-        import torch.distributed as dist
+    if async_save:
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 
-        dist.barrier()  # every rank's files exist before any rank returns
+        # a host copy now (the optimizer state without the distributed optimizer is live tensors)
+        requests.append(AsyncRequest(torch.save, (_host_copy(state), state_file(path, _rank(learner))), []))
+        return [r for r in requests if r is not None]
+    torch.save(state, state_file(path, _rank(learner)))
+    _barrier(learner)  # every rank's files exist before any rank returns
+    return []
+
+
+def _host_copy(obj):
+    """``obj`` with every tensor replaced by a host-memory copy (dicts, lists, tuples walked)."""
+    if torch.is_tensor(obj):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _host_copy(v) for k, v in obj.items()}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):   # a namedtuple
+        return type(obj)(*(_host_copy(v) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_host_copy(v) for v in obj)
+    return obj
+
+
+def _timed_writer(fn, times, i: int, delay_s: float, *args, **kwargs):
+    """Run in the forked writer process: ``fn(*args, **kwargs)``, its start and end (Unix seconds)
+    in the shared array ``times[2i], times[2i+1]``; ``delay_s`` (tests only,
+    :func:`megatron_rlhf.testing.faults.slow_writer_s`) of sleep before writing."""
+    times[2 * i] = time.time()
+    if delay_s > 0:
+        time.sleep(delay_s)
+    fn(*args, **kwargs)
+    times[2 * i + 1] = time.time()
+
+
+class AsyncCheckpointWriter:
+    """One learner rank's asynchronous checkpoint writes (megatron-core ``AsyncCallsQueue``).
+
+    :meth:`schedule` forks the writers of one checkpoint's ``AsyncRequest`` list and returns at
+    once; :meth:`finalize` (collective: every rank calls it) checks whether every rank's writers are
+    done and, if so (or always with ``blocking``), runs megatron's finalize functions. At most one
+    checkpoint is in flight: :meth:`schedule` first finalizes the previous one. Source: Megatron-LM
+    ``megatron/training/async_utils.py`` (``schedule_async_save``, ``maybe_finalize_async_save``)
+    and ``training.py`` (non-blocking finalize every iteration, blocking before the next save and
+    at the end).
+    """
+
+    def __init__(self):
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        self.queue = AsyncCallsQueue(persistent=False)
+        self.path: str | None = None
+        self._times = None
+        self._scheduled_at = 0.0
+
+    @property
+    def pending(self) -> str | None:
+        """The folder of the checkpoint being written, or None."""
+        return self.path
+
+    def schedule(self, path: str, requests: list) -> None:
+        """Start writing ``requests`` (:func:`save_learner_checkpoint` with ``async_save``) of the
+        checkpoint folder ``path`` in forked processes (finalizes a pending one first)."""
+        import multiprocessing as mp
+
+        from megatron_rlhf.testing.faults import slow_writer_s
+
+        self.finalize(blocking=True)
+        self._times = mp.get_context("fork").Array("d", 2 * len(requests), lock=False)
+        delay = slow_writer_s()
+        self._scheduled_at = time.time()
+        for i, r in enumerate(requests):
+            if r.async_fn is None:   # nothing to write on this rank (e.g. a replica)
+                self._times[2 * i] = self._times[2 * i + 1] = self._scheduled_at
+                self.queue.schedule_async_request(r)
+                continue
+            self.queue.schedule_async_request(
+                r._replace(async_fn=partial(_timed_writer, r.async_fn, self._times, i, delay)))
+        self.path = path
+
+    def finalize(self, blocking: bool = True) -> dict | None:
+        """Finish the pending checkpoint if its writers are done on every rank (collective).
+
+        Args:
+            blocking: wait for the writers (else return at once when one is still writing).
+        Returns:
+            None when nothing was pending; ``{"done": False, "path"}`` while writing; else
+            ``{"done": True, "path", "write_s", "write_start", "write_end"}``: the writers'
+            seconds from the first start to the last end on this rank, and those Unix times.
+        Raises:
+            megatron's ``CheckpointingException``: a writer failed (on every rank).
+        """
+        if self.path is None:
+            return None
+        self.queue.maybe_finalize_async_calls(blocking=blocking)
+        if self.queue.get_num_unfinalized_calls():
+            return {"done": False, "path": self.path}
+        t, path = list(self._times), self.path
+        self.path = None
+        if any(a > 0 and b == 0 for a, b in zip(t[0::2], t[1::2])):
+            raise RuntimeError(f"the asynchronous checkpoint writer of {path} exited before it "
+                               "finished (killed, or it raised: see the learner's log)")
+        starts = [x for x in t[0::2] if x > 0] or [self._scheduled_at]
+        ends = [x for x in t[1::2] if x > 0] or [time.time()]
+        self._times = None
+        return {"done": True, "path": path, "write_start": min(starts), "write_end": max(ends),
+                "write_s": max(ends) - min(starts)}
+
+    def close(self) -> None:
+        """Wait for a pending checkpoint's writers and finalize it (idempotent)."""
+        if self.path is not None:
+            self.finalize(blocking=True)
 
 
 def reference_path(path: Path) -> Path:

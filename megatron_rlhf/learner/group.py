@@ -197,9 +197,21 @@ class LearnerGroup:
         """Copy policy -> reference on every rank."""
         self._all("sync_reference")
 
-    def save_checkpoint(self, path: str, reference_root: str | None = None) -> None:
+    def save_checkpoint(self, path: str, reference_root: str | None = None, async_save: bool = False) -> None:
         """Every rank saves its shards and state under ``path`` (see :meth:`MegatronLearner.save_checkpoint`)."""
-        self._all("save_checkpoint", str(path), reference_root)
+        self._all("save_checkpoint", str(path), reference_root, async_save)
+
+    def finalize_checkpoint(self, blocking: bool = True) -> dict | None:
+        """Every rank checks / completes the asynchronous save in flight (see
+        :meth:`MegatronLearner.finalize_checkpoint`); ``write_s`` and the times span all ranks."""
+        outs = [o for o in self._all("finalize_checkpoint", blocking) if o is not None]
+        if not outs:
+            return None
+        if not all(o["done"] for o in outs):
+            return {"done": False, "path": outs[0]["path"]}
+        start, end = min(o["write_start"] for o in outs), max(o["write_end"] for o in outs)
+        return {"done": True, "path": outs[0]["path"], "write_start": start, "write_end": end,
+                "write_s": end - start}
 
     def load_checkpoint(self, path: str) -> int:
         """Every rank loads its shards and state; returns the weight version.

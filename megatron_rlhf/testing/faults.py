@@ -1,4 +1,5 @@
-"""Fault injection for the crash-and-resume tests: ``kill -9`` of the driver at a named point.
+"""Fault injection for the crash-and-resume tests: ``kill -9`` of the driver at a named point, and a
+slow checkpoint writer.
 
 ``MRLHF_TEST_KILL_AT="<point>:<step>"`` makes :func:`kill_point` SIGKILL the calling process when it
 reaches ``point`` for ``step`` (1-based learner step). Points, in the order a step meets them:
@@ -7,7 +8,14 @@ reaches ``point`` for ``step`` (1-based learner step). Points, in the order a st
   train (mid-generation);
 * ``row``: the loop has written step ``step``'s metrics row, before its checkpoint;
 * ``save``: the checkpoint of step ``step`` is half written (the learner's files are there, the
-  ``COMPLETE`` marker is not).
+  ``COMPLETE`` marker is not);
+* ``async_save``: with ``checkpoint.async_save``, the learner has started writing the checkpoint of
+  step ``step`` in the background (the loop would train on now; nothing of it is complete).
+
+``MRLHF_TEST_SLOW_WRITER_S=<seconds>`` makes every asynchronous checkpoint writer of the learner
+sleep that long in its forked process before it writes (:func:`slow_writer_s`), so that a test sees
+training go on while a checkpoint is being written. The learner actors get every ``MRLHF_TEST_*``
+variable of the driver (:func:`actor_env`, ``trainer.setup.build_actors``).
 
 Unset in real runs (then every call is a dictionary lookup). A new point is one call in the code
 and one name here.
@@ -18,10 +26,11 @@ from __future__ import annotations
 import os
 import signal
 
-__all__ = ["kill_point", "POINTS"]
+__all__ = ["kill_point", "POINTS", "slow_writer_s", "actor_env"]
 
-POINTS = ("generation", "row", "save")
+POINTS = ("generation", "row", "save", "async_save")
 ENV = "MRLHF_TEST_KILL_AT"
+SLOW_WRITER_ENV = "MRLHF_TEST_SLOW_WRITER_S"
 
 
 def kill_point(point: str, step: int) -> None:
@@ -39,3 +48,26 @@ def kill_point(point: str, step: int) -> None:
     if name == point and int(at) == step:
         print(f"[megatron-rlhf] test fault: kill -9 at {point} of step {step}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def slow_writer_s() -> float:
+    """Seconds an asynchronous checkpoint writer sleeps before writing (``MRLHF_TEST_SLOW_WRITER_S``;
+    0 when unset, as in real runs).
+
+    Raises:
+        ValueError: the variable is not a number >= 0.
+    """
+    spec = os.environ.get(SLOW_WRITER_ENV) or "0"
+    try:
+        delay = float(spec)
+    except ValueError:
+        delay = -1.0
+    if not delay >= 0:
+        raise ValueError(f"{SLOW_WRITER_ENV}={spec!r}: not a number of seconds >= 0")
+    return delay
+
+
+def actor_env() -> dict[str, str]:
+    """The driver's ``MRLHF_TEST_*`` variables, for the ``runtime_env`` of the actors that read them
+    (empty in real runs: the actors' options are then unchanged)."""
+    return {k: v for k, v in os.environ.items() if k.startswith("MRLHF_TEST_")}

@@ -7,6 +7,13 @@ so a crash at any point leaves the previous complete checkpoint intact and never
 after the new one is complete). Leftover ``.tmp-*`` folders of a crashed save are removed on the
 next save.
 
+With ``checkpoint.async_save`` a save is split in two: :meth:`CheckpointManager.start` creates the
+temporary folder and starts the learner's writers; :meth:`CheckpointManager.finish`, called once
+they are done (``trainer.run.Run``: polled after every train step, waited for by the next save, the
+end of the run and a stop signal), writes ``trainer_state.json``, ``COMPLETE`` and the manifest and
+renames. Until then the checkpoint is a ``.tmp-*`` folder: a crash leaves the previous complete
+checkpoint, and rotation never counts the unfinished one.
+
 Failures name the path and the cause (:class:`CheckpointError`): a file where the ``checkpoints``
 folder or ``step_N`` must go, and a full disk (``ENOSPC`` anywhere in the error chain, or under
 64 MiB free when the save failed: the learner's C++ writer reports a full disk only as
@@ -61,7 +68,7 @@ from typing import Callable
 from megatron_rlhf.testing.faults import kill_point
 from megatron_rlhf.utils.atomic import fsync_dir, fsync_file, write_json, write_text
 
-__all__ = ["CheckpointManager", "CheckpointError", "Resumable", "MANIFEST", "write_manifest",
+__all__ = ["CheckpointManager", "CheckpointError", "PendingCheckpoint", "Resumable", "MANIFEST", "write_manifest",
            "verify_manifest", "FULL_HASH_MAX_BYTES"]
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
@@ -131,7 +138,7 @@ class CheckpointManager:
 
     def save(self, step: int, trainer_state: dict, write_fn: Callable[[Path], None], *,
              passthrough: tuple[type[BaseException], ...] = ()) -> Path:
-        """Write checkpoint ``step_<step>`` atomically.
+        """Write checkpoint ``step_<step>`` atomically: :meth:`start`, then :meth:`finish`.
 
         Args:
             step: 1-based step number (learner batches finished).
@@ -147,6 +154,17 @@ class CheckpointManager:
                 for a full disk; the original error is the ``__cause__``); the temporary folder
                 is removed and no checkpoint changes.
         """
+        return self.finish(self.start(step, trainer_state, write_fn, passthrough=passthrough))
+
+    def start(self, step: int, trainer_state: dict, write_fn: Callable[[Path], None], *,
+              passthrough: tuple[type[BaseException], ...] = ()) -> "PendingCheckpoint":
+        """Create ``.tmp-step_<step>-<pid>`` and call ``write_fn`` on it (which may only start the
+        learner's writers: ``checkpoint.async_save``); nothing is complete until :meth:`finish`.
+        Leftover ``.tmp-*`` folders (a crashed or abandoned save) are removed first.
+
+        Raises:
+            CheckpointError: as :meth:`save`.
+        """
         self._create()
         for stale in self.root.glob(".tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
@@ -160,32 +178,62 @@ class CheckpointManager:
         except OSError as e:
             raise CheckpointError(f"cannot save checkpoint step {step}: creating {tmp} failed: "
                                   f"{_cause(e, self.root)}") from e
-        try:
+        pending = PendingCheckpoint(step, dict(trainer_state), tmp, final, passthrough)
+
+        def write() -> None:
             _test_delay()
             write_fn(tmp)
+
+        self._guarded(pending, write)
+        return pending
+
+    def finish(self, pending: "PendingCheckpoint", wait_fn: Callable[[], object] | None = None) -> Path:
+        """Complete ``pending``: ``wait_fn()`` (waits for the learner's writers of an asynchronous
+        save; its errors are handled as ``write_fn``'s), then ``trainer_state.json``, ``COMPLETE``,
+        the manifest and the rename to ``step_<step>``; then the rotation (``keep_last`` counts
+        complete checkpoints only: an unfinished one is never a reason to delete a complete one).
+
+        Returns:
+            The final ``step_<step>`` path.
+        Raises:
+            CheckpointError: as :meth:`save`.
+        """
+        step, tmp, final = pending.step, pending.tmp, pending.final
+
+        def complete() -> None:
+            if wait_fn is not None:
+                wait_fn()
             kill_point("save", step)
-            write_json(tmp / "trainer_state.json", trainer_state, indent=1)
+            write_json(tmp / "trainer_state.json", pending.trainer_state, indent=1)
             write_text(tmp / "COMPLETE", f"step {step}\n")
             write_manifest(tmp, step)   # last: covers every file above
             if final.exists():  # a previous incomplete or superseded save of the same step
                 shutil.rmtree(final)
             os.rename(tmp, final)
             fsync_dir(self.root)
-        except passthrough:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        except Exception as e:
-            cause = _cause(e, self.root)   # before the cleanup frees the space
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(f"cannot save checkpoint step {step} into {tmp}: {cause}; the last "
-                                  "complete checkpoint is intact") from e
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+
+        self._guarded(pending, complete)
         for _, old in self.complete_checkpoints()[:-self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
         self._drop_unused_references()
         return final
+
+    def _guarded(self, pending: "PendingCheckpoint", fn: Callable[[], None]) -> None:
+        """``fn()``; on any error the temporary folder is removed and the error is raised
+        (wrapped in :class:`CheckpointError` unless it is one of ``pending.passthrough``)."""
+        try:
+            fn()
+        except pending.passthrough:
+            shutil.rmtree(pending.tmp, ignore_errors=True)
+            raise
+        except Exception as e:
+            cause = _cause(e, self.root)   # before the cleanup frees the space
+            shutil.rmtree(pending.tmp, ignore_errors=True)
+            raise CheckpointError(f"cannot save checkpoint step {pending.step} into {pending.tmp}: {cause}; "
+                                  "the last complete checkpoint is intact") from e
+        except BaseException:
+            shutil.rmtree(pending.tmp, ignore_errors=True)
+            raise
 
     def _drop_unused_references(self) -> None:
         """Delete ``reference_v*`` folders that no kept checkpoint names in a ``*/reference.json``
@@ -236,6 +284,18 @@ class CheckpointManager:
         os.rename(path, dest)
         fsync_dir(self.root)
         return dest
+
+
+@dataclasses.dataclass(frozen=True)
+class PendingCheckpoint:
+    """A checkpoint :meth:`CheckpointManager.start` began: written into ``tmp``, becomes ``final``
+    at :meth:`CheckpointManager.finish` (``trainer_state`` is written then)."""
+
+    step: int
+    trainer_state: dict
+    tmp: Path
+    final: Path
+    passthrough: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,9 @@
         every async.sync_interval batches publish the weights (exported on the learner through the
         weight transport; pushed to the M generator engines by the producer); checkpoint every
         checkpoint.interval steps; evaluate (trainer.evaluate) before step 1, every eval.interval
-        steps and after the last (on the producer thread; each row waits for its eval).
+        steps and after the last (on the producer thread; each row waits for its eval). With
+        checkpoint.async_save the learner writes checkpoint k while step k+1 trains; it completes
+        after a train step once its writers are done (the next save and the end wait for it).
 
 With ``async.sync: true`` the bound is 0, so batch k waits for the weights of step k: generate,
 train, sync strictly in turn (the on-policy A/B baseline, staleness always 0). With bound 1 the
@@ -103,6 +105,7 @@ def _loop(run: Run, stop: "_StopFlag", quiet: bool) -> RunResult:
         t0 = time.perf_counter()
         out = run.train_step(learner_batch, done + 1)
         train_s = time.perf_counter() - t0
+        run.poll_checkpoint()   # checkpoint.async_save: an earlier step's writers may be done
         version, done, last_batch = version + (1 if run.trains else 0), done + 1, batch
         publish = done < n and not stop.requested and version % cfg.async_.sync_interval == 0
         due = eval_due(cfg.eval, n, done, publish) and (first_eval is None or done >= n)  # row 1: eval 0
@@ -116,7 +119,7 @@ def _loop(run: Run, stop: "_StopFlag", quiet: bool) -> RunResult:
                **{k: v for k, v in out.items() if k != "time/train_s"},
                **batch.stats,   # the rollouts' numbers win over a learner key of the same name
                "time/train_s": train_s, "time/learner_idle_s": learner_idle,
-               **sync, "sync/GBps": batch.stats.get("sync/GBps", 0.0),
+               **sync, "sync/GBps": batch.stats.get("sync/GBps", 0.0), **run.checkpoint_metrics(),
                "time/step_s": time.perf_counter() - t_wait}
         rows.add(row, futures)
         kill_point("row", done)
@@ -133,6 +136,7 @@ def _loop(run: Run, stop: "_StopFlag", quiet: bool) -> RunResult:
     if last_batch is not None and saved < done:  # the end, or a stop signal
         saved = _flush_and_save(run, rows, done, version, last_batch,
                                 lambda: run.take_for_checkpoint(stop) if done < n else ())
+    run.wait_checkpoint()   # the end and a stop signal wait for an asynchronous save
     rows.flush()
     return run.finish(done, wall, stopped_early=done < n)
 
@@ -151,6 +155,7 @@ def _flush_and_save(run: Run, rows: PendingRows, done: int, version: int, batch,
         rows.flush()
     except BaseException:
         run.save(done, version, batch, ())
+        run.wait_checkpoint()
         raise
     return run.save(done, version, batch, pending())
 

@@ -55,7 +55,7 @@ def is_eval_metric(name: str) -> bool:
 REQUIRED_KEYS = ("step", "weight_version", "staleness/max", "reward/mean", "pairs/count",
                  "pairs/skipped_prompts", "loss/total", "time/gen_s", "time/train_s", "time/sync_s",
                  "time/learner_idle_s", "time/generator_idle_s", "response/len_mean_tokens",
-                 "sync/learner_blocked_s", "sync/GBps")
+                 "sync/learner_blocked_s", "sync/GBps", "time/checkpoint_s")
 
 
 def _plain(v: Any) -> Any:

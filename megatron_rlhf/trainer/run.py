@@ -3,7 +3,8 @@
 :meth:`Run.open` hands the setup (model, pre-flight checks, prompts, resume, Ray, reward models,
 learner, generators, transport, pool, producer) to :mod:`megatron_rlhf.trainer.setup`.
 :meth:`Run.close` stops all of it (shared generator actors a test passed in are left running). The
-verbs the loop calls (:meth:`train_step`, :meth:`publish`, :meth:`save`, :meth:`finish`) keep the
+verbs the loop calls (:meth:`train_step`, :meth:`publish`, :meth:`save`, :meth:`poll_checkpoint`,
+:meth:`wait_checkpoint`, :meth:`finish`) keep the
 remote-call error handling in one place.
 """
 
@@ -21,6 +22,7 @@ from megatron_rlhf.config import Config
 from megatron_rlhf.trainer.checkpoint import CheckpointManager
 from megatron_rlhf.trainer.metrics import summarize, time_breakdown
 from megatron_rlhf.trainer.rollout import ProducerError, RewardError
+from megatron_rlhf.testing.faults import kill_point
 from megatron_rlhf.trainer.watchdog import prune_empty_stack_files
 from megatron_rlhf.utils.atomic import fsync_dir, write_json
 
@@ -71,6 +73,9 @@ class Run:
         self.skipped_in_row = 0
         self.phase_s: dict[str, float] = {}   # seconds of this session's set-up / teardown phases
         self.t_open = time.perf_counter()
+        self._ckpt_in_flight = None   # checkpoint.PendingCheckpoint of an asynchronous save
+        self._ckpt_blocked_s = self._ckpt_write_s = 0.0   # since the last row (checkpoint_metrics)
+        self._ckpt_step = 0
 
     @contextlib.contextmanager
     def phase(self, name: str, what: str | None = None):
@@ -221,9 +226,16 @@ class Run:
         ``batches/``, :mod:`trainer.batch_io` format, with their weight versions), and the producer
         state (data-sampler position, pair RNG, normaliser) after the last of them (after ``batch``,
         the one just trained, when none is pending). A resumed run trains the pending batches first,
-        then generates from that position: what the uninterrupted run would have trained."""
+        then generates from that position: what the uninterrupted run would have trained.
+
+        With ``checkpoint.async_save`` a save still in flight is completed first, then the learner
+        starts writing this one and training goes on: it becomes ``step_<step>`` in
+        :meth:`poll_checkpoint` or :meth:`wait_checkpoint`. The seconds spent here count in the next
+        row's ``time/checkpoint_s``."""
         from megatron_rlhf.trainer.batch_io import algorithm_tag, save_batch
 
+        self.wait_checkpoint()   # (its seconds are counted there)
+        t0 = time.perf_counter()
         last = pending[-1] if pending else batch
         state = {"step": step, "weight_version": version, "sampler_state": last.sampler_state,
                  "rng_state": last.rng_state, "producer_state": last.producer_state,
@@ -232,15 +244,89 @@ class Run:
             state["before_pending"] = {"sampler_state": batch.sampler_state, "rng_state": batch.rng_state,
                                        "producer_state": batch.producer_state}
         tag = algorithm_tag(self.cfg.algorithm)
+        async_save = self.cfg.checkpoint.async_save
 
         def write(tmp: Path) -> None:
             for b in pending:
                 save_batch(b, tmp / "batches", algorithm=tag)
-            self.call(self.learner.save_checkpoint.remote(str(tmp / "learner"), str(self.ckpts.root)),
-                      f"checkpoint save of step {step}")
+            self.call(self.learner.save_checkpoint.remote(str(tmp / "learner"), str(self.ckpts.root),
+                                                          async_save), f"checkpoint save of step {step}")
 
-        self.ckpts.save(step, state, write, passthrough=(LearnerDiedError,))
+        started = self.ckpts.start(step, state, write, passthrough=(LearnerDiedError,))
+        if async_save:
+            self._ckpt_in_flight = started
+            kill_point("async_save", step)
+        else:
+            self.ckpts.finish(started)
+            self._ckpt_done(time.perf_counter() - t0, step)
+        self._ckpt_blocked_s += time.perf_counter() - t0
         return step
+
+    def poll_checkpoint(self) -> None:
+        """Complete the asynchronous save in flight if the learner's writers are done (a quick
+        collective check on the learner; called after every train step, as Megatron-LM's
+        ``maybe_finalize_async_save(blocking=False)``)."""
+        if self._ckpt_in_flight is not None:
+            self._finish_async(blocking=False)
+
+    def wait_checkpoint(self) -> None:
+        """Wait for the asynchronous save in flight, if any, and complete it (the next save, the
+        end of the run and a stop signal call this)."""
+        if self._ckpt_in_flight is not None:
+            self._finish_async(blocking=True)
+
+    def _finish_async(self, blocking: bool) -> None:
+        """Ask the learner whether the writers of the save in flight are done (``blocking``: wait
+        for them); once they are, complete the checkpoint (:meth:`CheckpointManager.finish`, which
+        also turns a failed writer into a ``CheckpointError`` and removes the temporary folder)."""
+        t0, ckpt = time.perf_counter(), self._ckpt_in_flight
+        what = f"checkpoint save of step {ckpt.step}"
+
+        def finalize():
+            return self.call(self.learner.finalize_checkpoint.remote(blocking), what)
+
+        got: dict = {}
+        try:
+            polled = None
+            if not blocking:
+                try:
+                    polled = finalize()
+                except LearnerDiedError:
+                    raise
+                except Exception as e:   # noqa: BLE001 - a failed writer: finish() names it
+                    polled = e
+                if isinstance(polled, dict) and not polled["done"]:
+                    return
+            self._ckpt_in_flight = None
+
+            def writers_done() -> None:
+                if isinstance(polled, Exception):
+                    raise polled
+                got.update((finalize() if blocking else polled) or {})
+                if got:   # the writers' Unix times, in the checkpoint's trainer_state.json
+                    ckpt.trainer_state["async_write"] = {k: got[k] for k in
+                                                         ("write_start", "write_end", "write_s")}
+
+            self.ckpts.finish(ckpt, writers_done)
+        finally:
+            self._ckpt_blocked_s += time.perf_counter() - t0
+        self._ckpt_done(got.get("write_s", 0.0), ckpt.step)
+
+    def _ckpt_done(self, write_s: float, step: int) -> None:
+        self._ckpt_write_s += write_s
+        self._ckpt_step = step
+
+    def checkpoint_metrics(self) -> dict:
+        """The checkpoint keys of a metrics row, over the time since the previous row:
+        ``time/checkpoint_s`` (seconds the loop was blocked by checkpointing: a save, its completion,
+        a wait for an asynchronous writer), ``checkpoint/write_s`` (seconds the learner's writers
+        took for the checkpoints completed meanwhile: with ``checkpoint.async_save`` in the
+        background, so ``write_s`` above ``time/checkpoint_s`` is the overlap), ``checkpoint/step``
+        (the newest complete checkpoint's step, 0 before the first)."""
+        out = {"time/checkpoint_s": self._ckpt_blocked_s, "checkpoint/write_s": self._ckpt_write_s,
+               "checkpoint/step": max(self._ckpt_step, getattr(self, "start_step", 0))}
+        self._ckpt_blocked_s = self._ckpt_write_s = 0.0
+        return out
 
     def next_batch(self, stop) -> "object | None":
         """The batch the loop trains next: a pending one (resumed from a checkpoint, or taken for

@@ -489,6 +489,7 @@ def build_actors(cfg: Config, model_dir: Path, generators: list | None = None, p
     import ray
 
     from megatron_rlhf.learner.actor import MegatronLearner
+    from megatron_rlhf.testing.faults import actor_env
 
     pin, g = cfg.generators.cpu_core, cfg.generators
     lc = cfg.learner
@@ -499,6 +500,9 @@ def build_actors(cfg: Config, model_dir: Path, generators: list | None = None, p
               cpu_core=pin + g.num_workers * g.tensor_parallel if pin >= 0 else -1)
     rank_opts = ([{"max_restarts": 0, **placement.learner_options(r)} for r in range(world)] if placement
                  else [actor_options("learner", 1)] * world)
+    test_env = actor_env()   # test hooks only (testing.faults); {} in real runs
+    if test_env:
+        rank_opts = [dict(o, runtime_env={"env_vars": test_env}) for o in rank_opts]
     if world == 1:
         learner = ray.remote(**rank_opts[0])(MegatronLearner).remote(**kw)
     else:  # a coordinator actor (no CPU/GPU of its own) driving one actor per learner rank
