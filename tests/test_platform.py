@@ -303,13 +303,16 @@ def test_learner_rounds_micro_batch_lengths_to_the_configured_multiple():
     from megatron_rlhf.config import LearnerConfig
     from megatron_rlhf.learner.actor import MegatronLearner
 
-    fake = SimpleNamespace(cfg=LearnerConfig(micro_batch_size=2, seq_length_multiple=16),
+    fake = SimpleNamespace(cfg=LearnerConfig(micro_batch_size=2, seq_length_multiple=16, pack_sequences=False),
                            platform=get_platform("cpu"), groups=SimpleNamespace(tp=1, dp=1),
                            sequence_parallel=False)
+    fake._pad_multiple = lambda: MegatronLearner._pad_multiple(fake)
     plans = MegatronLearner._plans(fake, [5, 17, 30, 33])
     assert sorted(mb.seq_len for mb in plans[0]) == [32, 48]
-    fake.cfg = LearnerConfig(micro_batch_size=2)
+    fake.cfg = LearnerConfig(micro_batch_size=2, pack_sequences=False)
     assert sorted(mb.seq_len for mb in MegatronLearner._plans(fake, [5, 17, 30, 33])[0]) == [17, 33]
+    fake.cfg = LearnerConfig(micro_batch_size=2, seq_length_multiple=16)   # packed: the row of both, rounded
+    assert sorted(mb.packed_len for mb in MegatronLearner._plans(fake, [5, 17, 30, 33])[0]) == [32, 64]
 
 
 def test_transformer_fields_per_platform_and_te_needs_cuda():
