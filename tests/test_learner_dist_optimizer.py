@@ -5,8 +5,7 @@ DPO step with ``learner.distributed_optimizer=true``, save a checkpoint (megatro
 ``dist_checkpointing``, the optimizer's ``sharded_state_dict`` in Megatron-LM's default
 ``dp_reshardable`` format), train a second step (the uninterrupted run), then a freshly built
 learner on the same ranks loads the checkpoint: its fp32 master weights and Adam moments must equal
-the saved run's after step 1 (at TP=2 x DP=2 the checkpoint is saved asynchronously and written
-while the second step trains), and after the same second step its weights and moments must equal the
+the saved run's after step 1, and after the same second step its weights and moments must equal the
 uninterrupted run's (1e-6). The DP=2 checkpoint also resumes in one process at DP=1 (megatron's
 format reshards over DP), with the full moments assembled from the two DP shards. The TP=2 x DP=2
 ranks also check ``learner.recompute=selective``: gradients equal ``recompute=none``.
@@ -56,10 +55,8 @@ def _worker(rank: int, world: int, tp: int, model_dir: str, init_method: str, ou
     ck = os.path.join(out_dir, "ck")
     a.train_step(_batch(seed=0))
     res = {"saved": adam_state(a), "layout": a.layout()}
-    a.save_checkpoint(ck, async_save=tp > 1)   # TP=2 x DP=2: written while the next step trains
+    a.save_checkpoint(ck)
     a.train_step(_batch(seed=1))
-    if tp > 1:   # collective over the 4 ranks' writers
-        assert a.finalize_checkpoint(blocking=True)["done"]
     res.update(run_state=adam_state(a), run_params=_params(a))
     b = MegatronLearner(**kw)     # fresh models and optimizer; the process group is shared
     a.close()
