@@ -757,15 +757,20 @@ class CheckpointConfig:
     processes write step N's state (snapshotted at the save) while step N+1 trains; the checkpoint
     becomes ``step_N`` (``COMPLETE``, atomic rename, ``keep_last`` rotation) only once every writer
     finished, which the next save, the end of the run and a stop signal wait for. ``false``: the
-    loop waits for the whole write (``trainer.checkpoint``, ``learner.checkpoint``). Refused with
-    more than one learner rank for now: a TP=2 x DP=2 asynchronous save wrote a checkpoint that
-    could not be loaded (a missing TP shard of the embedding; session 7, CPU/gloo)."""
+    loop waits for the whole write (``trainer.checkpoint``, ``learner.checkpoint``). **Refused for
+    now**: in session 7 checkpoints written this way (one learner rank, and TP=2 x DP=2) sometimes
+    could not be loaded (``KeyError: MetadataIndex(fqn='embedding.word_embeddings.weight', ...)``:
+    a tensor missing from the metadata the finalize writes), intermittently, under load."""
 
     def __post_init__(self):
         _check(self.interval >= 0, "checkpoint.interval", self.interval, ">= 0")
         _check(self.keep_last >= 1, "checkpoint.keep_last", self.keep_last, ">= 1")
         _check(isinstance(self.async_save, bool), "checkpoint.async_save", self.async_save,
                "true or false")
+        _check(not self.async_save, "checkpoint.async_save", self.async_save,
+               "false: the asynchronous save is not correct yet (session 7: checkpoints it wrote, on 1 "
+               "and on 4 learner ranks, sometimes lack a tensor in their metadata and cannot be loaded); "
+               "checkpoints are written synchronously")
 
 
 @dataclass(kw_only=True)
@@ -879,11 +884,6 @@ class Config:
             _check(self.algorithm.overlong_buffer <= self.generators.max_new_tokens, "algorithm.overlong_buffer",
                    self.algorithm.overlong_buffer, f"<= generators.max_new_tokens ({self.generators.max_new_tokens}): "
                    "the penalty ramps over the last overlong_buffer tokens of a completion")
-        ranks = lp.tensor_parallel * lp.pipeline_parallel * lp.data_parallel
-        _check(not self.checkpoint.async_save or ranks == 1, "checkpoint.async_save", self.checkpoint.async_save,
-               f"false with {ranks} learner ranks (TP x PP x DP): an asynchronous save over several "
-               "ranks is not correct yet (a TP=2 x DP=2 one wrote a checkpoint missing a TP shard); "
-               "it is verified for a single learner rank only")
         g, a = self.generators, self.algorithm
         if g.prompts_per_request is not None:
             wave = g.num_workers * g.prompts_per_request
