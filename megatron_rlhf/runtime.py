@@ -43,10 +43,6 @@ def process_env(tmp_dir: str | None = None) -> dict[str, str]:
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"),
         "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
         "RAY_USAGE_STATS_ENABLED": "0",
-        # no Prometheus export (the dashboard is off; the run's metrics go to metrics.jsonl / TensorBoard /
-        # W&B): without this every Ray process prints "Failed to establish connection to the metrics
-        # exporter agent" in red. Set RAY_enable_metrics_collection=1 to have Ray's metrics back.
-        "RAY_enable_metrics_collection": os.environ.get("RAY_enable_metrics_collection", "0"),
         "RAY_DEDUP_LOGS": "0",
         # loopback unless a job named the interface (ray_cluster.sh from placement.network_interface)
         "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME") or os.environ.get("MRLHF_NET_IFNAME") or "lo",

@@ -122,7 +122,6 @@ export NCCL_IB_RETRY_CNT=${NCCL_IB_RETRY_CNT:-10}
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 export MRLHF_DIST_TIMEOUT_S=${MRLHF_DIST_TIMEOUT_S:-1800}
 export RAY_USAGE_STATS_ENABLED=${RAY_USAGE_STATS_ENABLED:-0}
-export RAY_enable_metrics_collection=${RAY_enable_metrics_collection:-0}   # no exporter-agent errors (runtime.process_env)
 
 # 3. Nodes, roles, Ray head and workers -----------------------------------------------------
 if [ -n "${SLURM_JOB_NODELIST:-}" ]; then
