@@ -130,11 +130,8 @@ def _quiet_gguf_progress():
     ``transformers.utils.logging.disable_progress_bar`` does not reach) for the block."""
     try:
         import transformers.modeling_gguf_pytorch_utils as gguf_utils
-    except ImportError:
-        yield
-        return
-    bar = getattr(gguf_utils, "tqdm", None)
-    if bar is None:
+        bar = gguf_utils.tqdm
+    except (ImportError, AttributeError):   # another transformers layout: leave it as it is
         yield
         return
     gguf_utils.tqdm = functools.partial(bar, disable=True)
