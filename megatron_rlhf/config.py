@@ -20,6 +20,7 @@ missing files.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 import types
@@ -498,16 +499,16 @@ class AlgorithmConfig:
     """The lowest trainable prompts per drawn prompt (pairs per prompt for online_dpo) the run must
     survive: the config refuses a ``max_prompts_per_step`` below ``prompts_per_step / min_pair_yield``
     (a policy that saturates on its data gives few pairs; 5% = GSM8K near saturation)."""
-    carry_surplus: bool = False
-    """true: trainable groups finished beyond a batch's quota (requests that were running when the
-    quota filled) go to the next batch with their weight version, per task (they count toward its
-    quota and its staleness; dropped only beyond ``async.max_staleness``: ``rollout/dropped_stale``);
-    false (default for now): they are dropped (``pairs/surplus_dropped``), as earlier versions did.
-    Exact resume holds with it on (``tests/test_exact_resume.py`` runs with it: every row of a run
-    killed at three points equals the uninterrupted run's; session 5's failure was the test comparing
-    a ``None`` reward mean, not a resumed row that differed). Still off by default: a batch filled
-    by carried groups alone has no generated rollouts, so its ``reward/mean`` is undefined, and the
-    convergence tests and summaries that read it are not yet shown to handle that."""
+    carry_surplus: bool = True
+    """true (default): trainable groups finished beyond a batch's quota (requests that were running
+    when the quota filled) go to the next batch with their weight version, per task (they count
+    toward its quota and its staleness; dropped only beyond ``async.max_staleness``:
+    ``rollout/dropped_stale``); false: they are dropped (``pairs/surplus_dropped``), as versions
+    before issue 23 did. Exact resume holds with it on (``tests/test_exact_resume.py``: every row of
+    a run killed at three points equals the uninterrupted run's). A batch filled by carried groups
+    alone generated nothing: its ``reward/mean`` (the mean over the completions the batch
+    generated) is None in ``metrics.jsonl``, and the summaries average over the steps that have one;
+    ``reward/trained_mean`` is always defined."""
     updates_per_batch: int = 1
     """T: optimizer steps on each batch (Noukhovitch et al. 2024, for generation-bound runs); the
     weight version still counts batches, pi_old stays the recompute before the first update."""
@@ -757,20 +758,16 @@ class CheckpointConfig:
     processes write step N's state (snapshotted at the save) while step N+1 trains; the checkpoint
     becomes ``step_N`` (``COMPLETE``, atomic rename, ``keep_last`` rotation) only once every writer
     finished, which the next save, the end of the run and a stop signal wait for. ``false``: the
-    loop waits for the whole write (``trainer.checkpoint``, ``learner.checkpoint``). **Refused for
-    now**: in session 7 checkpoints written this way (one learner rank, and TP=2 x DP=2) sometimes
-    could not be loaded (``KeyError: MetadataIndex(fqn='embedding.word_embeddings.weight', ...)``:
-    a tensor missing from the metadata the finalize writes), intermittently, under load."""
+    loop waits for the whole write (``trainer.checkpoint``, ``learner.checkpoint``). One forked
+    writer per rank writes a checkpoint's folders in order (``learner.checkpoint._write_in_order``:
+    side by side, megatron's shared results queue gave a folder another folder's metadata, session
+    7's ``KeyError: MetadataIndex`` on load)."""
 
     def __post_init__(self):
         _check(self.interval >= 0, "checkpoint.interval", self.interval, ">= 0")
         _check(self.keep_last >= 1, "checkpoint.keep_last", self.keep_last, ">= 1")
         _check(isinstance(self.async_save, bool), "checkpoint.async_save", self.async_save,
                "true or false")
-        _check(not self.async_save, "checkpoint.async_save", self.async_save,
-               "false: the asynchronous save is not correct yet (session 7: checkpoints it wrote, on 1 "
-               "and on 4 learner ranks, sometimes lack a tensor in their metadata and cannot be loaded); "
-               "checkpoints are written synchronously")
 
 
 @dataclass(kw_only=True)
@@ -982,8 +979,11 @@ def _build(cls: type, data: Any, key: str) -> Any:
     for raw_name, value in data.items():
         name = _YAML_ALIASES.get(raw_name, raw_name)
         if name not in fields:
-            allowed = ", ".join(_YAML_NAMES.get(n, n) for n in fields)
-            raise ConfigError(f"unknown config key '{key}.{raw_name}' (allowed: {allowed})".replace("'.", "'"))
+            names = [_YAML_NAMES.get(n, n) for n in fields]
+            close = difflib.get_close_matches(str(raw_name), names, n=1, cutoff=0.6)
+            hint = f"did you mean '{key}.{close[0]}'? ".replace("'.", "'") if close else ""
+            raise ConfigError(f"unknown config key '{key}.{raw_name}' ({hint}allowed: {', '.join(names)})"
+                              .replace("'.", "'"))
         kwargs[name] = _coerce(hints[name], value, f"{key}.{raw_name}".lstrip("."))
     required = [f.name for f in fields.values()
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]

@@ -45,9 +45,10 @@ def test_bad_values_raise_error_naming_the_key(override, key):
         load_config(REPO / "configs" / "cpu_demo.yaml", [override])
 
 
-def test_async_save_is_refused_until_its_checkpoints_always_load():
-    with pytest.raises(ConfigError, match=r"checkpoint\.async_save.*not correct yet"):
-        load_config(REPO / "configs" / "cpu_demo.yaml", ["checkpoint.async_save=true"])
+def test_async_save_is_a_boolean():
+    assert load_config(REPO / "configs" / "cpu_demo.yaml", ["checkpoint.async_save=true"]).checkpoint.async_save
+    with pytest.raises(ConfigError, match=r"checkpoint\.async_save"):
+        load_config(REPO / "configs" / "cpu_demo.yaml", ["checkpoint.async_save=maybe"])
 
 
 def test_pack_sequences_defaults_on_and_is_validated_in_the_dataclass():
@@ -202,3 +203,11 @@ def test_partial_rollouts_default_to_the_inflight_setting():
     forced = load_config(REPO / "configs" / "cpu_demo.yaml", ["generators.inflight_updates=true",
                                                               "generators.partial_rollouts=false"])
     assert forced.generators.partial_rollouts is False
+
+
+def test_a_misspelled_key_is_refused_with_the_closest_allowed_key():
+    with pytest.raises(ConfigError, match=r"unknown config key 'algorithm\.samples_per_promt' "
+                                          r"\(did you mean 'algorithm\.samples_per_prompt'\? allowed: "):
+        load_config(REPO / "configs" / "cpu_demo.yaml", ["algorithm.samples_per_promt=4"])
+    with pytest.raises(ConfigError, match=r"unknown config key 'run\.zzz' \(allowed: "):   # nothing close
+        load_config(REPO / "configs" / "cpu_demo.yaml", ["run.zzz=1"])

@@ -8,6 +8,11 @@ runs as a subprocess on a tiny random Llama (``configs/ci_tiny.yaml``, ``tests.p
 reward, ``generators.inflight_updates=false``, a checkpoint every step), killed by the test hook
 ``MRLHF_TEST_KILL_AT`` (``megatron_rlhf.testing.faults``) at each point in turn, re-run after each
 kill; its per-step rows must equal an uninterrupted run's with the same seed.
+
+The interrupted run saves with ``checkpoint.async_save=true`` (issue 24), the uninterrupted one
+synchronously: the rows' equality also shows that asynchronous checkpoints change nothing of what
+is trained, and the ``async_save`` kill (while the learner writes checkpoint 3 in the background)
+that a checkpoint counts only once its writers finished: the re-run resumes from step 2.
 """
 
 from __future__ import annotations
@@ -28,7 +33,9 @@ NUM_STEPS = 4
 KILLS = ["generation:3",   # mid-generation of step 3's batch (on the tiny model: while checkpoint 1 is
                            # still being written, so this re-run starts over; rows moved aside)
          "row:3",          # after step 3's metrics row, before its checkpoint
-         "save:3"]         # mid-save of checkpoint 3 (learner files written, no COMPLETE marker)
+         "save:3",         # mid-save of checkpoint 3 (learner files written, no COMPLETE marker)
+         "async_save:3"]   # the learner is writing checkpoint 3 in the background (async_save)
+ASYNC = "checkpoint.async_save=true"
 # what must be equal, step by step: staleness, prompts, rewards, loss (and what they follow from)
 FIELDS = ["weight_version", "staleness/max", "staleness/mean", "generator/weight_version", "prompts/drawn",
           "pairs/count", "pairs/skipped_prompts", "reward/mean", "reward/trained_mean",
@@ -36,7 +43,8 @@ FIELDS = ["weight_version", "staleness/max", "staleness/mean", "generator/weight
           "rollout/carry_groups"]
 
 
-def _train(model_dir: Path, out_dir: Path, name: str, log: Path, kill_at: str | None = None) -> int:
+def _train(model_dir: Path, out_dir: Path, name: str, log: Path, kill_at: str | None = None,
+           *extra: str) -> int:
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     env.pop("RAY_ADDRESS", None)
     env.pop("MRLHF_TEST_KILL_AT", None)
@@ -46,7 +54,7 @@ def _train(model_dir: Path, out_dir: Path, name: str, log: Path, kill_at: str | 
            f"run.output_dir={out_dir}", f"run.name={name}", "tasks.0.reward=tests.plugins:char_parity",
            "logging.progress=false", f"run.num_steps={NUM_STEPS}", "checkpoint.interval=1",
            "checkpoint.keep_last=2", "checkpoint.export_hf=false", "generators.inflight_updates=false",
-           "algorithm.carry_surplus=true"]   # the carry (issue 23) is part of what a checkpoint keeps
+           "algorithm.carry_surplus=true", *extra]   # the carry (issue 23) is part of what a checkpoint keeps
     with open(log, "ab") as f:
         f.write(f"\n===== {name} kill_at={kill_at}\n".encode())
         f.flush()
@@ -74,13 +82,15 @@ def test_resume_after_kill9_at_each_point_trains_what_the_uninterrupted_run_trai
     log = tmp_path / "train.log"
     assert _train(tiny_llama_dir, tmp_path, "whole", log) == 0, log.read_text()[-4000:]
     for kill_at in KILLS:
-        rc = _train(tiny_llama_dir, tmp_path, "crashed", log, kill_at)
+        rc = _train(tiny_llama_dir, tmp_path, "crashed", log, kill_at, ASYNC)
         text = log.read_text()
         assert rc == -signal.SIGKILL and f"test fault: kill -9 at {kill_at.replace(':', ' of step ')}" in text, \
             (kill_at, rc, text[-4000:])
-    assert _train(tiny_llama_dir, tmp_path, "crashed", log) == 0, log.read_text()[-4000:]
+    assert _train(tiny_llama_dir, tmp_path, "crashed", log, None, ASYNC) == 0, log.read_text()[-4000:]
     text = log.read_text()
     assert "then its untrained batches" in text   # resumed with a kept batch at least once
+    # killed while checkpoint 3 was being written: the last run resumed from the complete step 2
+    assert "resuming from step_2 " in text.rsplit("===== crashed kill_at=None", 1)[1], text[-4000:]
 
     whole, crashed = _rows_by_step(tmp_path / "whole"), _rows_by_step(tmp_path / "crashed")
     assert sorted(whole) == sorted(crashed) == list(range(1, NUM_STEPS + 1))

@@ -5,7 +5,8 @@ DPO step with ``learner.distributed_optimizer=true``, save a checkpoint (megatro
 ``dist_checkpointing``, the optimizer's ``sharded_state_dict`` in Megatron-LM's default
 ``dp_reshardable`` format), train a second step (the uninterrupted run), then a freshly built
 learner on the same ranks loads the checkpoint: its fp32 master weights and Adam moments must equal
-the saved run's after step 1, and after the same second step its weights and moments must equal the
+the saved run's after step 1 (at TP=2 x DP=2 the checkpoint is saved asynchronously and written
+while the second step trains), and after the same second step its weights and moments must equal the
 uninterrupted run's (1e-6). The DP=2 checkpoint also resumes in one process at DP=1 (megatron's
 format reshards over DP), with the full moments assembled from the two DP shards. The TP=2 x DP=2
 ranks also check ``learner.recompute=selective``: gradients equal ``recompute=none``.
@@ -55,8 +56,10 @@ def _worker(rank: int, world: int, tp: int, model_dir: str, init_method: str, ou
     ck = os.path.join(out_dir, "ck")
     a.train_step(_batch(seed=0))
     res = {"saved": adam_state(a), "layout": a.layout()}
-    a.save_checkpoint(ck)
+    a.save_checkpoint(ck, async_save=tp > 1)   # TP=2 x DP=2: written while the next step trains
     a.train_step(_batch(seed=1))
+    if tp > 1:   # collective over the 4 ranks' writers
+        assert a.finalize_checkpoint(blocking=True)["done"]
     res.update(run_state=adam_state(a), run_params=_params(a))
     b = MegatronLearner(**kw)     # fresh models and optimizer; the process group is shared
     a.close()
@@ -221,10 +224,6 @@ def test_resume_rules_allow_a_dp_change_only_with_the_distributed_optimizer_and_
     assert _source_rank(learner(2, 2, 2, True, (0, 1, 1), rank=6), saved) == 6
 
 
-@pytest.mark.skip(reason="checkpoint.async_save is refused by the config: this test passed in the "
-                         "session-7 full run and then failed under load (KeyError: MetadataIndex(fqn="
-                         "'embedding.word_embeddings.weight') on load: a tensor missing from the "
-                         "finalized metadata); remove this mark to reproduce it while fixing that")
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("distributed_optimizer", [True, False], ids=["dist_opt", "torch_opt"])
 def test_async_checkpoints_hold_their_steps_weights_while_the_next_step_trains(
@@ -315,3 +314,44 @@ def test_async_writer_finalizes_after_the_write_and_names_a_writer_that_failed(g
     with pytest.raises(RuntimeError, match=r"writer of .*bad exited before it finished"):
         writer.finalize(blocking=True)
     assert writer.pending is None
+
+
+def _slow(fn, delay_s, *args, **kwargs):
+    import time
+
+    time.sleep(delay_s)
+    return fn(*args, **kwargs)
+
+
+@pytest.mark.timeout(90)
+def test_async_checkpoint_folders_get_their_own_metadata_when_the_first_writer_is_slowest(groups, tmp_path):
+    """Two dist_checkpointing folders in one asynchronous checkpoint, the first one's writer slowed
+    by 2 s: each folder must load as its own tensors. megatron's writers of one process share one
+    results queue, so writers running side by side finish out of order and the first folder's
+    finalize would take the second's write results (session 7: ``KeyError: MetadataIndex`` on
+    load); AsyncCheckpointWriter writes a checkpoint's requests in order in one process."""
+    from functools import partial
+
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    from megatron_rlhf.learner.checkpoint import AsyncCheckpointWriter
+
+    want = {"policy": {"w": torch.arange(12.0).reshape(3, 4)},
+            "reference": {"v": -torch.arange(6.0), "u": torch.full((5, 2), 7.0)}}
+
+    def sharded(tensors):
+        return {k: ShardedTensor.from_rank_offsets(k, t.clone()) for k, t in tensors.items()}
+
+    requests = []
+    for name, tensors in want.items():
+        (tmp_path / name).mkdir()
+        requests.append(dist_checkpointing.save(sharded(tensors), str(tmp_path / name), async_sharded_save=True))
+    requests[0] = requests[0]._replace(async_fn=partial(_slow, requests[0].async_fn, 2.0))
+    writer = AsyncCheckpointWriter()
+    writer.schedule(str(tmp_path), requests)
+    assert writer.finalize(blocking=True)["done"]
+    for name, tensors in want.items():
+        empty = {k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(t)) for k, t in tensors.items()}
+        got = dist_checkpointing.load(empty, str(tmp_path / name))
+        assert set(got) == set(tensors) and all(torch.equal(got[k], t) for k, t in tensors.items()), name

@@ -39,8 +39,9 @@ Asynchronous saves (``checkpoint.async_save``; :class:`AsyncCheckpointWriter`): 
 ``dist_checkpointing.save`` gets ``async_sharded_save=True`` and returns megatron's ``AsyncRequest``
 (planning, the collective metadata exchange and ``common.pt`` happen before it returns); the state
 file becomes one more request (its tensors copied to host memory first). The requests go to
-megatron's ``AsyncCallsQueue`` (``TemporalAsyncCaller``: a ``fork``-ed writer process per request,
-as Megatron-LM's ``megatron/training/async_utils.py`` does by default), and
+megatron's ``AsyncCallsQueue`` as one request (``TemporalAsyncCaller``: one ``fork``-ed writer
+process, as Megatron-LM's ``megatron/training/async_utils.py`` does by default, writing them in
+order: megatron's writers share one results queue per process, :func:`_write_in_order`), and
 :meth:`AsyncCheckpointWriter.finalize` runs their finalize functions (``.metadata`` and
 ``metadata.json`` written, the shared reference renamed into place) once every rank's writers are
 done. What is written is the state at the save call: on GPU megatron's ``preload_fn`` copies each
@@ -425,23 +426,35 @@ def _host_copy(obj):
     return obj
 
 
-def _timed_writer(fn, times, i: int, delay_s: float, *args, **kwargs):
-    """Run in the forked writer process: ``fn(*args, **kwargs)``, its start and end (Unix seconds)
-    in the shared array ``times[2i], times[2i+1]``; ``delay_s`` (tests only,
-    :func:`megatron_rlhf.testing.faults.slow_writer_s`) of sleep before writing."""
-    times[2 * i] = time.time()
-    if delay_s > 0:
-        time.sleep(delay_s)
-    fn(*args, **kwargs)
-    times[2 * i + 1] = time.time()
+def _noop() -> None:
+    """The writer of a request with nothing to write on this rank."""
+
+
+def _write_in_order(writers: list, times, delay_s: float) -> None:
+    """Run in the one forked writer process of a checkpoint: each ``(fn, args, kwargs)`` of
+    ``writers`` in turn, its start and end (Unix seconds) in the shared array ``times[2i],
+    times[2i+1]``; ``delay_s`` (tests only, :func:`megatron_rlhf.testing.faults.slow_writer_s`)
+    of sleep at the start of the first write (counted in its time).
+
+    In order, never side by side: megatron's torch_dist writers of one process all put their
+    results into one process-wide queue (``filesystem_async._get_write_results_queue``), and each
+    finalize takes the next result from it, so two writers finishing out of order would give a
+    folder the other folder's write results (its metadata then lacks its own tensors:
+    ``KeyError: MetadataIndex`` on load, seen in session 7)."""
+    for i, (fn, args, kwargs) in enumerate(writers):
+        times[2 * i] = time.time()
+        if i == 0 and delay_s > 0:
+            time.sleep(delay_s)
+        fn(*args, **kwargs)
+        times[2 * i + 1] = time.time()
 
 
 class AsyncCheckpointWriter:
     """One learner rank's asynchronous checkpoint writes (megatron-core ``AsyncCallsQueue``).
 
-    :meth:`schedule` forks the writers of one checkpoint's ``AsyncRequest`` list and returns at
-    once; :meth:`finalize` (collective: every rank calls it) checks whether every rank's writers are
-    done and, if so (or always with ``blocking``), runs megatron's finalize functions. At most one
+    :meth:`schedule` forks one writer for one checkpoint's ``AsyncRequest`` list (written in
+    order, as one request to megatron) and returns at once; :meth:`finalize` (collective: every
+    rank calls it) checks whether every rank's writers are done and, if so (or always with ``blocking``), runs megatron's finalize functions. At most one
     checkpoint is in flight: :meth:`schedule` first finalizes the previous one. Source: Megatron-LM
     ``megatron/training/async_utils.py`` (``schedule_async_save``, ``maybe_finalize_async_save``)
     and ``training.py`` (non-blocking finalize every iteration, blocking before the next save and
@@ -463,22 +476,29 @@ class AsyncCheckpointWriter:
 
     def schedule(self, path: str, requests: list) -> None:
         """Start writing ``requests`` (:func:`save_learner_checkpoint` with ``async_save``) of the
-        checkpoint folder ``path`` in forked processes (finalizes a pending one first)."""
+        checkpoint folder ``path``: one forked process writes them in order (:func:`_write_in_order`
+        says why not side by side); a pending checkpoint is finalized first."""
         import multiprocessing as mp
+
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 
         from megatron_rlhf.testing.faults import slow_writer_s
 
         self.finalize(blocking=True)
         self._times = mp.get_context("fork").Array("d", 2 * len(requests), lock=False)
-        delay = slow_writer_s()
         self._scheduled_at = time.time()
-        for i, r in enumerate(requests):
+        writers, finalize_fns = [], []
+        for r in requests:
+            finalize_fns.extend(r.finalize_fns)
             if r.async_fn is None:   # nothing to write on this rank (e.g. a replica)
-                self._times[2 * i] = self._times[2 * i + 1] = self._scheduled_at
-                self.queue.schedule_async_request(r)
+                writers.append((_noop, (), {}))
                 continue
-            self.queue.schedule_async_request(
-                r._replace(async_fn=partial(_timed_writer, r.async_fn, self._times, i, delay)))
+            args = list(r.async_fn_args)
+            if r.preload_fn is not None:   # megatron's host staging, as TemporalAsyncCaller does it
+                args[1] = r.preload_fn()
+            writers.append((r.async_fn, tuple(args), dict(r.async_fn_kwargs)))
+        self.queue.schedule_async_request(AsyncRequest(
+            partial(_write_in_order, writers, self._times, slow_writer_s()), (), finalize_fns))
         self.path = path
 
     def finalize(self, blocking: bool = True) -> dict | None:
