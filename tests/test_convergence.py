@@ -66,9 +66,16 @@ def _final_reward(generator, tmp_path, model_dir, name, *extra, steps: int = STE
     res = train(_cfg(tmp_path, model_dir, name, *extra, f"run.num_steps={steps}"), quiet=True, generators=[generator])
     rows = [json.loads(x) for x in (Path(res["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
-    first = sum(r["reward/mean"] for r in rows[:TAIL]) / TAIL
-    print(name, "reward per step:", " ".join(f"{r['reward/mean']:.3f}" for r in rows), flush=True)
-    return first, sum(r["reward/mean"] for r in rows[-TAIL:]) / TAIL
+    # reward/mean is None for a batch that generated nothing (filled by carried groups alone)
+    print(name, "reward per step:", " ".join(f"{r['reward/mean'] or float('nan'):.3f}" for r in rows), flush=True)
+    return _mean_reward(rows[:TAIL]), _mean_reward(rows[-TAIL:])
+
+
+def _mean_reward(rows: list[dict]) -> float:
+    """Mean ``reward/mean`` of ``rows`` over those that generated (``algorithm.carry_surplus``)."""
+    vals = [r["reward/mean"] for r in rows if r["reward/mean"] is not None]
+    assert vals, "no step of the window generated a completion"
+    return sum(vals) / len(vals)
 
 
 MODES = {"sync": ["async.sync=true"], "async": ["async.sync=false", "async.max_staleness=1"]}

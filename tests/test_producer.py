@@ -439,7 +439,7 @@ def test_parked_partial_requests_continue_first_in_the_next_batch_and_survive_a_
 
 def test_draws_follow_the_measured_yield_within_one_engine_wave():
     """One engine whose prompts train at a set yield of 1/4 (index % 4 == 0): nothing runs when a
-    request is drawn, so each is sized ceil(still needed / yield_ema) prompts, at most
+    request is drawn, so each is sized round(still needed / yield_ema) prompts (half up), at most
     max_num_seqs // K = 12, with what earlier batches carried counted first; replayed here from
     the recorded draws and estimates. The estimate moves from its prior 0.5 toward 1/4."""
     import math
@@ -454,7 +454,7 @@ def test_draws_follow_the_measured_yield_within_one_engine_wave():
             used = min(4, carry)
             carry, got, k_prev = carry - used, used, k
             assert batches[k].stats["rollout/surplus_used"] == used
-        assert size == min(12, math.ceil((4 - got) / rates["math"] - 1e-9)), (k, size, got, rates)
+        assert size == min(12, math.floor((4 - got) / rates["math"] + 0.5 + 1e-9)), (k, size, got, rates)
         trained = sum(i % 4 == 0 for i in indices)
         carry += max(0, got + trained - 4)
         got = min(4, got + trained)

@@ -429,12 +429,18 @@ class RolloutProducer:
         measured yield unless ``generators.prompts_per_request`` fixes the size: task t still
         needs ``r_t`` trainable prompts, and ``f_t`` of its prompts are running (each expected to
         train with probability ``y_t = task/<t>/yield_ema``), so it needs
-        ``p_t = ceil((r_t - f_t * y_t) / y_t)`` more prompts; this engine gets
-        ``ceil(sum_t p_t / free engines)`` of them (the free engines share the need), at most
-        ``max_num_seqs // samples_per_prompt`` (one wave of the engine), split over the tasks in
-        proportion to ``p_t`` (``allocate_draws``). When what runs is expected to fill the batch
-        this returns ``[]`` and the engine waits for results instead of generating surplus.
-        With ``algorithm.adaptive_task_draw: false`` every ``y_t`` is taken as 1 in the split.
+        ``p_t = max(0, (r_t - f_t * y_t) / y_t)`` more prompts (a real number); this engine gets
+        ``round(sum_t p_t / free engines)`` of them (round half up; the free engines share the
+        need), at most ``max_num_seqs // samples_per_prompt`` (one wave of the engine), split over
+        the tasks in proportion to ``p_t`` (``allocate_draws``). The draw is what is expected to
+        fill the batch, not more: a batch that comes out short gets a small top-up draw (hidden
+        behind training when the run is training-bound), where a rounded-up draw per task left
+        about one trainable group per task beyond the quota in every batch, which one-step async
+        cannot carry (session 8: 19% of the demo's drawn prompts, all older than the staleness
+        bound by the next batch). When the rounded need is 0 and prompts of the batch are
+        running, this returns ``[]`` and the engine waits for their results; with nothing running
+        it draws 1. With ``algorithm.adaptive_task_draw: false`` every ``y_t`` is taken as 1 in the
+        split.
 
         Raises:
             RuntimeError: ``algorithm.max_prompts_per_step`` prompts drawn and a quota still short.
@@ -466,16 +472,20 @@ class RolloutProducer:
         if self.gen_cfg.prompts_per_request is not None:   # the hand-set fixed burst
             draws = allocate_draws(remaining, rates, self.gen_cfg.prompts_per_request)
         else:
-            need = {t: max(0, math.ceil((r - b.inflight[t] * self.rates[t]) / self.rates[t] - 1e-9))
-                    if r > 0 else 0 for t, r in remaining.items()}
-            total = sum(need.values())
-            if total == 0:
-                return []   # what runs is expected to fill the batch: wait for it
-            share = min(cap, math.ceil(total / max(1, getattr(self.pool, "free_workers", 1))),
-                        self.algo.max_prompts_per_step - b.drawn)
-            weights = need if self.algo.adaptive_task_draw else {t: r if need[t] else 0 for t, r in remaining.items()}
-            draws = allocate_draws({t: int(v) for t, v in weights.items()}, {t: 1.0 for t in weights},
-                                   max(1, share))
+            need = {t: max(0.0, (r - b.inflight[t] * self.rates[t]) / self.rates[t]) if r > 0 else 0.0
+                    for t, r in remaining.items()}
+            share = math.floor(sum(need.values()) / max(1, getattr(self.pool, "free_workers", 1)) + 0.5 + 1e-9)
+            if share == 0:
+                if any(b.inflight[t] > 0 for t in remaining):
+                    return []   # what runs is expected to fill the batch: wait for it
+                share = 1   # a quota is short and nothing of it runs: draw at least one
+            share = min(cap, share, self.algo.max_prompts_per_step - b.drawn)
+            # integer weights for the largest-remainder split (need in thousandths of a prompt)
+            weights = ({t: math.ceil(v * 1000) for t, v in need.items()} if self.algo.adaptive_task_draw
+                       else {t: r if need[t] > 0 else 0 for t, r in remaining.items()})
+            if not any(weights.values()):
+                weights = {t: r for t, r in remaining.items()}
+            draws = allocate_draws(weights, {t: 1.0 for t in weights}, max(1, share))
         prompts = [p for t, m in draws.items() if m > 0 for p in self.sampler.next(t, m)]
         b.drawn += len(prompts)
         for t, m in draws.items():
