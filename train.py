@@ -139,9 +139,23 @@ def _eval_lines(evals: dict, f) -> list[str]:
         for name, v in metrics.items():
             if name == "len_mean_tokens":
                 continue
-            lines.append(f"  task {task}: {name} {f(v['first'])} +- {f(v['first_se'])} (step {v['first_step']}) "
-                         f"-> {f(v['last'])} +- {f(v['last_se'])} (step {v['last_step']})")
+            line = (f"  task {task}: {name} {f(v['first'])} +- {f(v['first_se'])} (step {v['first_step']}) "
+                    f"-> {f(v['last'])} +- {f(v['last_se'])} (step {v['last_step']})")
+            gain = _gain(v)
+            if gain is not None:
+                line += f"; gain {gain[0]:+.3f} +- {gain[1]:.3f} ({gain[0] / gain[1]:.1f} se)" if gain[1] > 0 else \
+                    f"; gain {gain[0]:+.3f}"
+            lines.append(line)
     return lines
+
+
+def _gain(v: dict) -> tuple[float, float] | None:
+    """Last minus first eval value and its standard error sqrt(se_first^2 + se_last^2) (the two
+    evals' errors taken as independent), or None when the run has one eval or a value is missing."""
+    vals = (v.get("first"), v.get("first_se"), v.get("last"), v.get("last_se"))
+    if v.get("first_step") == v.get("last_step") or any(x is None or x != x for x in vals):
+        return None
+    return v["last"] - v["first"], (v["first_se"] ** 2 + v["last_se"] ** 2) ** 0.5
 
 
 if __name__ == "__main__":

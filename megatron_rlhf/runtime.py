@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 __all__ = ["process_env", "apply_process_env", "pin_to_core", "LocalRayHead", "ignore_stop_signals",
+           "route_ray_system_noise", "RAY_SYSTEM_NOISE",
            "session_pids"]
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -165,6 +166,59 @@ def _free_ports(n: int) -> list[int]:
         for s in socks:
             s.bind(("127.0.0.1", 0))
         return [s.getsockname()[1] for s in socks]
+
+
+RAY_SYSTEM_NOISE = ("metrics exporter agent",)
+"""Substrings of Ray system-process lines (``gcs_server``, ``raylet``) that say nothing about the
+run: Ray 2.5x/2.60's gcs_server and raylet give up on the dashboard agent's metrics exporter when it
+starts slower than their fixed retries (ray-project/ray#59665; seen on every start here, idle or
+not) and print "Failed to establish connection to the (event+)metrics exporter agent" as an error.
+The run's metrics go to metrics.jsonl / TensorBoard / W&B, not Ray's Prometheus export."""
+
+
+def route_ray_system_noise(log_path: str | os.PathLike) -> bool:
+    """Send Ray's :data:`RAY_SYSTEM_NOISE` lines to ``log_path`` instead of the driver's console.
+
+    Wraps the driver's log handler that ``ray.init(log_to_driver=True)`` installs (Ray's
+    ``global_worker_stdstream_dispatcher`` handler ``ray_print_logs``): a batch from ``gcs_server``
+    or ``raylet`` loses its noise lines (appended to ``log_path``), every other line is printed as
+    Ray prints it. Call after ``ray.init``.
+
+    Returns:
+        True when the handler was wrapped; False when this Ray has no such handler (another Ray
+        version, or ``log_to_driver=False``): then nothing changes.
+    """
+    try:
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+    except ImportError:
+        return False
+    with dispatcher._lock:
+        found = [(i, h) for i, (name, h) in enumerate(dispatcher.handlers) if name == "ray_print_logs"]
+        if not found:
+            return False
+        index, print_logs = found[0]
+        dispatcher.handlers[index] = ("ray_print_logs", _NoiseFilter(print_logs, Path(log_path)))
+    return True
+
+
+class _NoiseFilter:
+    """A ``ray_print_logs`` handler without :data:`RAY_SYSTEM_NOISE` (see
+    :func:`route_ray_system_noise`)."""
+
+    def __init__(self, print_logs, log_path: Path):
+        self.print_logs, self.log_path = print_logs, log_path
+
+    def __call__(self, data: dict) -> None:
+        if data.get("pid") in ("gcs_server", "raylet"):
+            lines = data.get("lines") or []
+            noise = [ln for ln in lines if any(n in ln for n in RAY_SYSTEM_NOISE)]
+            if noise:
+                with open(self.log_path, "a", encoding="utf-8") as f:
+                    f.writelines(f"({data['pid']}) {ln}\n" for ln in noise)
+                data = dict(data, lines=[ln for ln in lines if ln not in noise])
+                if not data["lines"]:
+                    return
+        self.print_logs(data)
 
 
 class LocalRayHead:

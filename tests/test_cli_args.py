@@ -131,3 +131,21 @@ def test_train_runs_from_a_plain_checkout_with_the_package_not_installed(tiny_ll
     from tests.conftest import metrics_steps
 
     assert metrics_steps(out / "plain") == [1, 2], text[-3000:]
+
+
+def test_held_out_summary_line_gives_the_gain_and_its_standard_error_by_hand():
+    import train
+
+    f = lambda v: "n/a" if v is None else f"{v:.3f}"   # noqa: E731 (as train.main)
+    evals = {"math": {"pass@1": {"first": 0.609, "first_se": 0.043, "first_step": 0,
+                                 "last": 0.773, "last_se": 0.037, "last_step": 16},
+                      "len_mean_tokens": {"first": 30.0, "first_se": 1.0, "first_step": 0,
+                                          "last": 25.0, "last_se": 1.0, "last_step": 16}},
+             "chat": {"reward_mean": {"first": 0.3, "first_se": None, "first_step": 0,
+                                      "last": 0.2, "last_se": None, "last_step": 16}},
+             "one": {"pass@1": {"first": 0.5, "first_se": 0.1, "first_step": 4, "last": 0.5, "last_se": 0.1,
+                                "last_step": 4}}}
+    lines = train._eval_lines(evals, f)
+    # 0.773 - 0.609 = 0.164; sqrt(0.043^2 + 0.037^2) = sqrt(0.001849 + 0.001369) = 0.05673; 2.9 se
+    assert lines[1].endswith("-> 0.773 +- 0.037 (step 16); gain +0.164 +- 0.057 (2.9 se)"), lines[1]
+    assert "gain" not in lines[2] and "gain" not in lines[3] and len(lines) == 4   # no se; one eval

@@ -145,3 +145,34 @@ def test_run_can_start_from_a_megatron_checkpoint(tiny_llama_dir, tmp_path):
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert resolve_model_dir(cfg) == out                                   # cached
     assert resolve_model_dir(ModelConfig(source=str(tiny_llama_dir))) == Path(tiny_llama_dir).resolve()
+
+
+def test_ray_metrics_exporter_lines_go_to_the_log_and_other_lines_to_the_console(tmp_path):
+    """route_ray_system_noise wraps Ray's driver log handler: gcs_server's and raylet's
+    "metrics exporter agent" errors (ray-project/ray#59665) are appended to the log file, their
+    other lines and every worker line still reach the console handler, unchanged."""
+    from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+    from megatron_rlhf.runtime import route_ray_system_noise
+
+    printed, log = [], tmp_path / "ray-system.log"
+    noise = ("[2026-12-02 03:35:26,317 E 3771 3771] (gcs_server) gcs_server.cc:1361: Failed to establish "
+             "connection to the event+metrics exporter agent. Events and metrics will not be exported.")
+    saved = list(dispatcher.handlers)
+    try:
+        dispatcher.handlers = [("ray_print_logs", printed.append)]
+        assert route_ray_system_noise(log)
+        dispatcher.emit({"pid": "gcs_server", "is_err": True, "lines": [noise]})
+        dispatcher.emit({"pid": "raylet", "is_err": True, "lines": [noise.replace("gcs_server", "raylet"),
+                                                                     "raylet.cc: worker died"]})
+        dispatcher.emit({"pid": 4242, "is_err": True, "lines": ["metrics exporter agent, said a worker"]})
+    finally:
+        dispatcher.handlers = saved
+    assert [(d["pid"], d["lines"]) for d in printed] == [
+        ("raylet", ["raylet.cc: worker died"]), (4242, ["metrics exporter agent, said a worker"])]
+    assert log.read_text().splitlines() == [f"(gcs_server) {noise}", f"(raylet) {noise.replace('gcs_server', 'raylet')}"]
+    dispatcher.handlers = []
+    try:
+        assert not route_ray_system_noise(log)   # no handler (log_to_driver=False): nothing to wrap
+    finally:
+        dispatcher.handlers = saved

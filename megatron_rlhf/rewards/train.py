@@ -56,6 +56,7 @@ import math
 import os
 import random
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -458,7 +459,9 @@ def extract_features(trunk, pairs: list[dict], cache_file: Path, pad_id: int, ba
                   str(tmp), metadata={"uids": json.dumps(uids)})
         os.replace(tmp, cache_file)
 
-    bar = tqdm(total=sum(min(len(s[2]), max_len) for s in seqs), unit="tok", desc="features", disable=not seqs)
+    # to a pipe or a log file a line every 30 s, not ten a second (carriage returns pile up there)
+    bar = tqdm(total=sum(min(len(s[2]), max_len) for s in seqs), unit="tok", desc="features", disable=not seqs,
+               mininterval=0.1 if sys.stderr.isatty() else 30.0)
     last_flush = time.time()
     with torch.no_grad():
         for b in range(0, len(seqs), batch_size):

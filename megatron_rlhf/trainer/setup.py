@@ -425,7 +425,7 @@ def init_ray(cfg: Config, run_dir: Path, stacks_dir: Path, extra_cpus: int = 0):
     """
     import ray
 
-    from megatron_rlhf.runtime import LocalRayHead, process_env
+    from megatron_rlhf.runtime import LocalRayHead, process_env, route_ray_system_noise
 
     if ray.is_initialized():
         return None
@@ -437,6 +437,7 @@ def init_ray(cfg: Config, run_dir: Path, stacks_dir: Path, extra_cpus: int = 0):
     address = os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, **kw)
+        route_ray_system_noise(run_dir / "logs" / "ray-system.log")
         return False
     lc = cfg.learner  # one CPU per generator engine and per learner rank
     ranks = lc.tensor_parallel * lc.pipeline_parallel * lc.data_parallel
@@ -447,6 +448,7 @@ def init_ray(cfg: Config, run_dir: Path, stacks_dir: Path, extra_cpus: int = 0):
     except BaseException:
         head.stop()
         raise
+    route_ray_system_noise(run_dir / "logs" / "ray-system.log")
     print(f"[megatron-rlhf] local Ray head pid {head.proc.pid} (own session; log {head.log_path})",
           flush=True)
     return head
