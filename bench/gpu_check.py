@@ -369,10 +369,10 @@ def parse_args(argv):
     ap.add_argument("--pairs", type=int, default=None, help="preference pairs per step (default 8; dry run 4)")
     ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 1024; dry run 64)")
     ap.add_argument("--mbs", type=int, default=4, help="learner.micro_batch_size (sequences)")
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=3, help="timed Online DPO steps per learner preset")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps before them (compilation, allocator)")
     ap.add_argument("--dtype", default="bfloat16", help="the trained dtype (fp32 master weights)")
-    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--lr", type=float, default=1e-4, help="Adam learning rate of those steps")
     ap.add_argument("--logprob-tol", type=float, default=0.05,
                     help="mean |megatron - transformers| bf16 token logprob allowed (nats)")
     ap.add_argument("--mem-slack", type=float, default=0.25, help="allowed excess of peak memory over the plan")
