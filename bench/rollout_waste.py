@@ -2,8 +2,8 @@
 """Generation waste of the rollout producer: fixed bursts + dropped surplus vs carry, partial
 rollouts and draws sized by measured yield (issue 23).
 
-    OMP_NUM_THREADS=1 /work/bin/heavy .venv/bin/python bench/rollout_waste.py
-    OMP_NUM_THREADS=1 /work/bin/heavy .venv/bin/python bench/rollout_waste.py --batches 8 --long 96
+    OMP_NUM_THREADS=1 .venv/bin/python bench/rollout_waste.py
+    OMP_NUM_THREADS=1 .venv/bin/python bench/rollout_waste.py --batches 8 --long 96
 
 Two real ``VLLMGenerator`` actors (tiny random Llama, fp32, CPU, as ``bench/generator_idle.py``)
 with uneven completion lengths: engine 0 stops at ``--short`` new tokens, engine 1 at ``--long``.

@@ -19,6 +19,7 @@ of the step it was taken at, and the next one those of its own step (NeMo-RL #33
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -355,3 +356,47 @@ def test_async_checkpoint_folders_get_their_own_metadata_when_the_first_writer_i
         empty = {k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(t)) for k, t in tensors.items()}
         got = dist_checkpointing.load(empty, str(tmp_path / name))
         assert set(got) == set(tensors) and all(torch.equal(got[k], t) for k, t in tensors.items()), name
+
+
+def _orphaned_writer(pid_file: str) -> None:
+    """Intermediate process: fork a writer that records its pid and writes for 60 s, then exit."""
+    from megatron_rlhf.learner.checkpoint import _write_in_order
+
+    parent = os.getpid()
+    if os.fork() == 0:   # the writer, as TemporalAsyncCaller forks it
+        try:
+            import time
+
+            _write_in_order([(lambda: (open(pid_file, "w").write(str(os.getpid())), time.sleep(60)), (), {})],
+                            [0.0, 0.0], 0.0, parent_pid=parent)
+        finally:
+            os._exit(0)
+    os._exit(0)   # the learner dies (kill -9 of the run) while its writer writes
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_checkpoint_writer_ends_when_its_learner_is_gone(tmp_path):
+    """Session 8: after kill -9 during an async save a forked writer hung for ever (400 MB, blocked
+    on a futex). The writer watches the learner that forked it and exits within about a second."""
+    import multiprocessing as mp
+    import time
+
+    pid_file = tmp_path / "writer.pid"
+    p = mp.get_context("fork").Process(target=_orphaned_writer, args=(str(pid_file),))
+    p.start()
+    p.join(10)
+    deadline = time.time() + 10
+    while not (pid_file.is_file() and pid_file.read_text()) and time.time() < deadline:
+        time.sleep(0.05)
+    pid = int(pid_file.read_text())
+
+    def alive() -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    t0 = time.time()
+    while alive() and time.time() - t0 < 10:
+        time.sleep(0.1)
+    assert not alive(), f"writer {pid} still running {time.time() - t0:.1f} s after its learner exited"

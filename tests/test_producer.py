@@ -480,3 +480,17 @@ def test_hand_set_prompts_per_request_keeps_the_fixed_burst():
     prod, out, ch = _carry_producer(pool, num_batches=2, ppr=3, prompts_per_step=4)
     _step_batches(prod, out, ch, 2)
     assert {size for size, _ in pool.draws} == {3}
+
+
+def test_yield_estimate_replaces_its_prior_fast_then_moves_as_an_ema_by_hand():
+    """update_yield: prior 0.5 worth 4 prompts; 15 of 16 trainable -> w = 16/20 = 0.8,
+    0.2 * 0.5 + 0.8 * 0.9375 = 0.85; then 2 of 2 after 16 seen -> w = max(0.3, 2/22) = 0.3,
+    0.7 * 0.85 + 0.3 * 1.0 = 0.895; the floor is 0.02; bad counts are refused."""
+    from megatron_rlhf.trainer.rollout import update_yield
+
+    first = update_yield(0.5, 0, 15, 16)
+    assert first == pytest.approx(0.85)
+    assert update_yield(first, 16, 2, 2) == pytest.approx(0.895)
+    assert update_yield(0.03, 1000, 0, 10) == pytest.approx(0.021) and update_yield(0.02, 1000, 0, 10) == 0.02
+    with pytest.raises(ValueError, match="trainable"):
+        update_yield(0.5, 0, 3, 2)

@@ -430,7 +430,23 @@ def _noop() -> None:
     """The writer of a request with nothing to write on this rank."""
 
 
-def _write_in_order(writers: list, times, delay_s: float) -> None:
+def _exit_with_parent(parent_pid: int, poll_s: float = 1.0) -> None:
+    """In a forked writer: a daemon thread that ends this process when ``parent_pid`` (the learner
+    that forked it) is gone. Without it a writer whose learner was killed (``kill -9`` of the run,
+    or Ray killing the actor) could hang for ever: seen in session 8, a writer blocked on a futex
+    holding 400 MB after the exact-resume test's kill during an async save."""
+    import threading
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(1)
+            time.sleep(poll_s)
+
+    threading.Thread(target=watch, name="mrlhf-writer-parent-watch", daemon=True).start()
+
+
+def _write_in_order(writers: list, times, delay_s: float, parent_pid: int | None = None) -> None:
     """Run in the one forked writer process of a checkpoint: each ``(fn, args, kwargs)`` of
     ``writers`` in turn, its start and end (Unix seconds) in the shared array ``times[2i],
     times[2i+1]``; ``delay_s`` (tests only, :func:`megatron_rlhf.testing.faults.slow_writer_s`)
@@ -440,7 +456,10 @@ def _write_in_order(writers: list, times, delay_s: float) -> None:
     results into one process-wide queue (``filesystem_async._get_write_results_queue``), and each
     finalize takes the next result from it, so two writers finishing out of order would give a
     folder the other folder's write results (its metadata then lacks its own tensors:
-    ``KeyError: MetadataIndex`` on load, seen in session 7)."""
+    ``KeyError: MetadataIndex`` on load, seen in session 7). With ``parent_pid`` the process ends
+    when that process is gone (:func:`_exit_with_parent`)."""
+    if parent_pid is not None:
+        _exit_with_parent(parent_pid)
     for i, (fn, args, kwargs) in enumerate(writers):
         times[2 * i] = time.time()
         if i == 0 and delay_s > 0:
@@ -498,7 +517,7 @@ class AsyncCheckpointWriter:
                 args[1] = r.preload_fn()
             writers.append((r.async_fn, tuple(args), dict(r.async_fn_kwargs)))
         self.queue.schedule_async_request(AsyncRequest(
-            partial(_write_in_order, writers, self._times, slow_writer_s()), (), finalize_fns))
+            partial(_write_in_order, writers, self._times, slow_writer_s(), os.getpid()), (), finalize_fns))
         self.path = path
 
     def finalize(self, blocking: bool = True) -> dict | None:

@@ -203,6 +203,31 @@ class RolloutBatch:
     stats: dict = field(default_factory=dict)
 
 
+YIELD_PRIOR_PROMPTS = 4
+"""Weight of the yield prior (0.5 trainable groups per prompt) in prompts: the first requests
+replace it almost at once instead of being averaged into it at the EMA's 0.3."""
+
+
+def update_yield(rate: float, seen: int, trainable: int, drawn: int) -> float:
+    """The yield estimate (trainable groups per drawn prompt) after a request of ``drawn`` fresh
+    prompts gave ``trainable`` trainable groups.
+
+    A running mean with the prior counted as :data:`YIELD_PRIOR_PROMPTS` prompts while the
+    estimate has seen few prompts (``seen``), an exponential moving average (weight 0.3 for the new
+    request) after: ``w = max(0.3, drawn / (seen + drawn + YIELD_PRIOR_PROMPTS))``,
+    ``rate' = max(0.02, (1 - w) rate + w trainable / drawn)``. Example: prior 0.5, a first request
+    of 16 prompts with 15 trainable: w = 16 / 20 = 0.8, rate' = 0.1 + 0.8 * 0.9375 = 0.85 (the plain
+    EMA gave 0.63 and over-drew the next batches, whose surplus one-step async cannot carry).
+
+    Raises:
+        ValueError: ``drawn < 1`` or ``trainable`` outside ``[0, drawn]``.
+    """
+    if drawn < 1 or not 0 <= trainable <= drawn:
+        raise ValueError(f"update_yield: {trainable} trainable of {drawn} drawn prompts; need 0 <= trainable <= drawn, drawn >= 1")
+    w = max(0.3, drawn / (seen + drawn + YIELD_PRIOR_PROMPTS))
+    return max(0.02, (1.0 - w) * rate + w * trainable / drawn)
+
+
 class RolloutProducer:
     """Produces :class:`RolloutBatch` es into ``out_queue`` (see the module docstring).
 
@@ -256,10 +281,14 @@ class RolloutProducer:
             self.rng.setstate(_to_rng_state(rng_state))
         self.normalizer = RunningRewardNormalizer()
         self.rates = {t: 0.5 for t in sampler.tasks}   # trainable groups per drawn prompt (EMA)
+        self.rate_prompts = {t: 0 for t in sampler.tasks}   # fresh prompts the estimate has seen
         self.carry = Carry()   # surplus groups and parked partial requests for the next batch
         if producer_state:
             self.normalizer.load_state_dict(producer_state["normalizer"])
             self.rates.update(producer_state.get("rates", {}))
+            # a checkpoint from before the counts: its estimate has seen enough for the plain EMA
+            self.rate_prompts.update(producer_state.get("rate_prompts", {t: YIELD_PRIOR_PROMPTS * 10
+                                                                         for t in self.rates}))
             if "pool" in producer_state:
                 pool.load_state_dict(producer_state["pool"])
             self.carry = Carry.from_state_dict(producer_state.get("carry"))
@@ -417,6 +446,7 @@ class RolloutProducer:
         stats.update(sync)
         stats["reward/invalid_completions"], stats["reward/invalid_prompts"] = b.invalid
         producer_state = {"normalizer": self.normalizer.state_dict(), "rates": dict(self.rates),
+                          "rate_prompts": dict(self.rate_prompts),
                           "pool": self.pool.state_dict(), "carry": self.carry.state_dict()}
         return RolloutBatch(index=k, weight_version=min(g.weight_version for g in chosen), groups=tuple(chosen),
                             sampler_state=self.sampler.state_dict(), rng_state=self.rng.getstate(),
@@ -542,7 +572,8 @@ class RolloutProducer:
                 st["surplus"] += 1   # shapes stay fixed, so it is dropped
         for t, m in drawn.items():   # adaptive draw: yield estimate per task
             if m > 0:
-                self.rates[t] = max(0.02, 0.7 * self.rates[t] + 0.3 * trainable[t] / m)
+                self.rates[t] = update_yield(self.rates[t], self.rate_prompts[t], trainable[t], m)
+                self.rate_prompts[t] += m
 
     def _stats(self, chosen, b: "_BatchState", gen_s: float, idle_s: float) -> dict:
         """The batch's metrics: overall and per task (``task/<name>/...``).
