@@ -483,14 +483,17 @@ def test_hand_set_prompts_per_request_keeps_the_fixed_burst():
 
 
 def test_yield_estimate_replaces_its_prior_fast_then_moves_as_an_ema_by_hand():
-    """update_yield: prior 0.5 worth 4 prompts; 15 of 16 trainable -> w = 16/20 = 0.8,
-    0.2 * 0.5 + 0.8 * 0.9375 = 0.85; then 2 of 2 after 16 seen -> w = max(0.3, 2/22) = 0.3,
-    0.7 * 0.85 + 0.3 * 1.0 = 0.895; the floor is 0.02; bad counts are refused."""
+    """update_yield: prior 0.5 worth 4 prompts; 15 of 16 trainable -> w = max(1 - (31/32)^16,
+    16/20) = 0.8, 0.2 * 0.5 + 0.8 * 0.9375 = 0.85; then 2 of 2 after 16 seen -> w = max(1 -
+    (31/32)^2 = 0.0615, 2/22 = 0.0909) = 1/11, 0.85 * 10/11 + 1/11 = 0.8636; 0 of 10 after 1000
+    seen -> w = 1 - (31/32)^10 = 0.2720, 0.03 * 0.7280 = 0.02184; the floor is 0.02; bad counts
+    are refused."""
     from megatron_rlhf.trainer.rollout import update_yield
 
     first = update_yield(0.5, 0, 15, 16)
     assert first == pytest.approx(0.85)
-    assert update_yield(first, 16, 2, 2) == pytest.approx(0.895)
-    assert update_yield(0.03, 1000, 0, 10) == pytest.approx(0.021) and update_yield(0.02, 1000, 0, 10) == 0.02
+    assert update_yield(first, 16, 2, 2) == pytest.approx(0.85 * 10 / 11 + 1 / 11)
+    assert update_yield(0.03, 1000, 0, 10) == pytest.approx(0.02184, abs=1e-5)
+    assert update_yield(0.02, 1000, 0, 10) == 0.02
     with pytest.raises(ValueError, match="trainable"):
         update_yield(0.5, 0, 3, 2)

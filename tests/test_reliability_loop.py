@@ -82,7 +82,10 @@ def test_damaged_newer_checkpoints_fall_back_to_the_intact_one_and_leave_one_row
     assert rows[0] == first[0]
     (aside,) = run_dir.glob("metrics.crash-resumed_at_step_1-*.jsonl")
     assert [json.loads(x)["step"] for x in aside.read_text().splitlines()] == [2, 3]
-    summary = json.loads((run_dir / "summary.json").read_text())
+    def no_nan(name):   # strict JSON: NaN / Infinity are not JSON (jq, JavaScript refuse them)
+        raise AssertionError(f"summary.json holds {name}")
+
+    summary = json.loads((run_dir / "summary.json").read_text(), parse_constant=no_nan)
     assert summary["steps"] == 3 and summary["first_step"] == 1 and summary["last_step"] == 3
     assert res["tensorboard"] == str(run_dir / "tensorboard")   # and its event files agree after the resume:
     assert_tensorboard_matches_jsonl(run_dir)

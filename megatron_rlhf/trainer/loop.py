@@ -126,7 +126,7 @@ def _loop(run: Run, stop: "_StopFlag", quiet: bool) -> RunResult:
         bar.update(1)
         bar.set_postfix(reward=f"{row['reward/mean']:.3f}", stale=stale["staleness/max"],
                         loss=f"{row['loss/total'] if row['loss/total'] is None else round(row['loss/total'], 3)}",
-                        pairs=f"{row['pairs/count']}/{row['prompts/drawn']}")
+                        pairs=row["pairs/count"], drawn=row["prompts/drawn"])   # drawn: new prompts this step
         if cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0 and done < n:
             saved = _flush_and_save(run, rows, done, version, batch, lambda: run.take_for_checkpoint(stop))
         run.watchdog.end_step()   # a step's time includes its checkpoint (a hung save is caught too)

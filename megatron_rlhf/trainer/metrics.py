@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsLogger", "REQUIRED_KEYS", "adopt_rows", "summarize", "summarize_evals", "task_names",
+__all__ = ["MetricsLogger", "json_safe", "REQUIRED_KEYS", "adopt_rows", "summarize", "summarize_evals", "task_names",
            "time_breakdown",
            "wandb_run_id", "open_tensorboard", "TENSORBOARD_DIR"]
 
@@ -58,11 +58,13 @@ REQUIRED_KEYS = ("step", "weight_version", "staleness/max", "reward/mean", "pair
                  "sync/learner_blocked_s", "sync/GBps", "time/checkpoint_s")
 
 
-def _plain(v: Any) -> Any:
+def json_safe(v: Any) -> Any:
+    """``v`` (dicts, lists, tuples walked) with numpy/torch scalars as Python numbers and every
+    non-finite float as None, so ``json.dumps(..., allow_nan=False)`` writes strict JSON."""
     if isinstance(v, dict):
-        return {k: _plain(x) for k, x in v.items()}
+        return {k: json_safe(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
-        return [_plain(x) for x in v]
+        return [json_safe(x) for x in v]
     if hasattr(v, "item"):
         v = v.item()
     if isinstance(v, float) and not math.isfinite(v):
@@ -115,7 +117,7 @@ class MetricsLogger:
         missing = [k for k in REQUIRED_KEYS if k not in row]
         if missing:
             raise ValueError(f"metrics row for step {row.get('step')} lacks {missing}")
-        row = {k: _plain(v) for k, v in row.items()}
+        row = {k: json_safe(v) for k, v in row.items()}
         try:
             with open(self.path, "a") as f:
                 f.write(json.dumps(row) + "\n")

@@ -205,7 +205,10 @@ class RolloutBatch:
 
 YIELD_PRIOR_PROMPTS = 4
 """Weight of the yield prior (0.5 trainable groups per prompt) in prompts: the first requests
-replace it almost at once instead of being averaged into it at the EMA's 0.3."""
+replace it almost at once."""
+YIELD_WINDOW_PROMPTS = 32
+"""Memory of the yield estimate in prompts: each prompt's outcome enters with weight 1/32, so a
+request of 3 prompts moves it a little and one of 512 (a cluster batch) replaces it."""
 
 
 def update_yield(rate: float, seen: int, trainable: int, drawn: int) -> float:
@@ -213,18 +216,21 @@ def update_yield(rate: float, seen: int, trainable: int, drawn: int) -> float:
     prompts gave ``trainable`` trainable groups.
 
     A running mean with the prior counted as :data:`YIELD_PRIOR_PROMPTS` prompts while the
-    estimate has seen few prompts (``seen``), an exponential moving average (weight 0.3 for the new
-    request) after: ``w = max(0.3, drawn / (seen + drawn + YIELD_PRIOR_PROMPTS))``,
+    estimate has seen few prompts (``seen``), then an exponential moving average per prompt (each
+    prompt weighs ``1 / W``, ``W`` = :data:`YIELD_WINDOW_PROMPTS`):
+    ``w = max(1 - (1 - 1/W) ** drawn, drawn / (seen + drawn + YIELD_PRIOR_PROMPTS))``,
     ``rate' = max(0.02, (1 - w) rate + w trainable / drawn)``. Example: prior 0.5, a first request
-    of 16 prompts with 15 trainable: w = 16 / 20 = 0.8, rate' = 0.1 + 0.8 * 0.9375 = 0.85 (the plain
-    EMA gave 0.63 and over-drew the next batches, whose surplus one-step async cannot carry).
+    of 16 prompts with 15 trainable: w = 16 / 20 = 0.8, rate' = 0.1 + 0.8 * 0.9375 = 0.85. The
+    EMA of earlier versions weighed every request 0.3 whatever its size: at the start it lagged
+    (0.63 here), and a request of 3 prompts with 1 trainable pulled it from 0.81 to 0.55 (session
+    8's demo), so the next batches over-drew, and one-step async cannot carry that surplus.
 
     Raises:
         ValueError: ``drawn < 1`` or ``trainable`` outside ``[0, drawn]``.
     """
     if drawn < 1 or not 0 <= trainable <= drawn:
         raise ValueError(f"update_yield: {trainable} trainable of {drawn} drawn prompts; need 0 <= trainable <= drawn, drawn >= 1")
-    w = max(0.3, drawn / (seen + drawn + YIELD_PRIOR_PROMPTS))
+    w = max(1.0 - (1.0 - 1.0 / YIELD_WINDOW_PROMPTS) ** drawn, drawn / (seen + drawn + YIELD_PRIOR_PROMPTS))
     return max(0.02, (1.0 - w) * rate + w * trainable / drawn)
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from megatron_rlhf.config import Config
 from megatron_rlhf.trainer.checkpoint import CheckpointManager
-from megatron_rlhf.trainer.metrics import summarize, time_breakdown
+from megatron_rlhf.trainer.metrics import json_safe, summarize, time_breakdown
 from megatron_rlhf.trainer.rollout import ProducerError, RewardError
 from megatron_rlhf.testing.faults import kill_point
 from megatron_rlhf.trainer.watchdog import prune_empty_stack_files
@@ -367,7 +367,8 @@ class Run:
                       report=str(run_dir / "report.html"),
                       tensorboard=str(self.metrics.tensorboard_dir) if self.metrics.tensorboard_dir else None)
         result["pending_regenerated"] = getattr(self, "pending_regenerated", 0)
-        write_json(run_dir / "summary.json", result, indent=1, default=str)
+        # strict JSON (jq, JavaScript): a NaN (e.g. mfu_mean on CPU) is written as null
+        write_json(run_dir / "summary.json", json_safe(result), indent=1, default=str, allow_nan=False)
         _report(run_dir, result)
         return result
 
