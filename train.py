@@ -77,13 +77,14 @@ def format_summary(res: dict) -> str:
     if res.get("steps", 0) == 0:
         lines.append("no steps run (already complete?)")
         return "\n".join(lines)
+    w = res.get("reward_window_steps", 3)   # a summary.json written before the key: 3
     lines += [
         (f"step {res['last_step']}" if res['first_step'] == res['last_step']
          else f"steps {res['first_step']}-{res['last_step']}")
         + (f" (resumed after step {res['resumed_from_step']})" if res.get("resumed_from_step") else "")
         + (" STOPPED EARLY (checkpoint written; start again to resume)" if res.get("stopped_early") else ""),
-        *([f"mean reward: first steps {f(res['reward_first'])} -> last steps {f(res['reward_last'])}"]
-          if len(res.get("tasks") or {}) <= 1 else ["mean reward per task (first steps -> last steps):"]),
+        *([f"mean reward: first {w} steps {f(res['reward_first'])} -> last {w} steps {f(res['reward_last'])}"]
+          if len(res.get("tasks") or {}) <= 1 else [f"mean reward per task (first {w} steps -> last {w} steps):"]),
         *[f"  task {t}: reward {f(v['reward_first'])} -> {f(v['reward_last'])}; {v['pairs']} trained from "
           f"{v['drawn']} prompts, {v['skipped']} skipped" for t, v in (res.get("tasks") or {}).items()],
         f"trained {res['pairs_formed']} pairs/groups from {res['prompts_drawn']} prompts; "

@@ -57,6 +57,7 @@ def test_summary_speedup_is_serial_over_wall():
     rows[0].update({"eval/step": 0, "time/eval_s": 5.0})   # the eval before step 1 is not step time
     assert summarize(rows, wall_s=25.0, edge=1)["async_speedup"] == pytest.approx(30.0 / 20.0)
     assert s["reward_first"] == pytest.approx(0.1) and s["reward_last"] == pytest.approx(0.3)
+    assert s["reward_window_steps"] == 1 and summarize(rows, wall_s=1.0)["reward_window_steps"] == min(3, len(rows))
     assert (s["pairs_formed"], s["prompts_skipped"], s["prompts_drawn"]) == (4, 8, 12)
 
 

@@ -259,7 +259,7 @@ def summarize(rows: list[dict], wall_s: float, edge: int = 3) -> dict:
     """Run summary from the run's metric rows (every session's, see :class:`MetricsLogger`).
 
     Returns a dict: ``steps``, ``reward_first``/``reward_last`` (mean ``reward/mean`` of the first
-    and last ``edge`` steps), ``pairs_formed``, ``prompts_skipped``, ``gen_s_mean``,
+    and last ``edge`` steps; ``reward_window_steps`` = min(edge, steps)), ``pairs_formed``, ``prompts_skipped``, ``gen_s_mean``,
     ``train_s_mean``, ``sync_s_mean`` (seconds per step), ``wall_s`` and ``async_speedup`` =
     sum(gen + train + sync seconds) / ``steps_wall_s`` (``wall_s`` less the eval before step 1):
     what a synchronous run would have spent over what this run spent; > 1 means the overlap paid off, ``learner_tokens_per_s_mean``,
@@ -284,6 +284,7 @@ def summarize(rows: list[dict], wall_s: float, edge: int = 3) -> dict:
     return {
         "steps": len(rows),
         "first_step": rows[0]["step"], "last_step": rows[-1]["step"],
+        "reward_window_steps": min(edge, len(rows)),   # steps averaged in reward_first / reward_last
         "reward_first": mean("reward/mean", rows[:edge]),
         "reward_last": mean("reward/mean", rows[-edge:]),
         "pairs_formed": sum(r["pairs/count"] for r in rows),
