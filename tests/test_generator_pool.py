@@ -184,7 +184,10 @@ def _cfg(model_dir, out_dir, name, *extra):
         f"model.source={model_dir}", f"run.output_dir={out_dir}", f"run.name={name}",
         "tasks.0.reward=tests.plugins:char_parity", "logging.progress=false", "generators.cpu_core=-1",
         "generators.prompts_per_request=2", "checkpoint.interval=0", "checkpoint.export_hf=false",
-        "async.timeout_s=300", *extra])
+        "async.timeout_s=300",
+        # every step generates on every worker (what these tests check): with the surplus carry a
+        # batch may be filled by the previous batch's groups alone
+        "algorithm.carry_surplus=false", *extra])
 
 
 def _rows(run_dir):

@@ -129,7 +129,8 @@ def test_async_run_with_tp2_generator_trains_three_steps_with_checked_pushes(tp2
     from megatron_rlhf.trainer.loop import train
 
     cfg, gen = tp2_engine
-    cfg = _cfg(cfg.model.source, tmp_path, "tp2_async", "checkpoint.export_hf=false", "checkpoint.interval=0")
+    cfg = _cfg(cfg.model.source, tmp_path, "tp2_async", "checkpoint.export_hf=false", "checkpoint.interval=0",
+               "algorithm.carry_surplus=false")   # every step generates (checked below), none filled by carry
     res = train(cfg, quiet=True, generators=[gen])
     rows = [json.loads(x) for x in (Path(res["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]

@@ -58,6 +58,9 @@ SCALE = [   # the recipe's layout and lengths scaled to two 2-CPU nodes; everyth
     "algorithm.samples_per_prompt=4", "algorithm.prompts_per_step=2",
     "tasks.0.reward=tests.plugins:char_parity",   # random weights never solve GSM8K: a 50/50 reward
     "run.num_steps=3", "async.timeout_s=300",   # 3: see the module docstring
+    # every batch generated (the one after a push carries its bytes and probe check): with the
+    # surplus carry a batch may be filled by the previous batch's groups alone
+    "algorithm.carry_surplus=false",
     # the eval stays on as the recipe has it (before step 1 and after the last step, on the
     # broadcast-fed engines), on a few prompts
     "eval.num_prompts=4", "eval.samples=1",
@@ -170,6 +173,7 @@ SMOKE_SCALE = [   # one 8-GPU node -> 2 cores: everything else as the recipe has
     "algorithm.samples_per_prompt=4", "algorithm.prompts_per_step=2",
     "tasks.0.reward=tests.plugins:char_parity",   # random weights never solve GSM8K: a 50/50 reward
     "run.num_steps=3", "async.timeout_s=300",   # 3: the first batch after a push is batch 3
+    "algorithm.carry_surplus=false",   # every batch generated (see SCALE)
     "eval.num_prompts=4", "eval.samples=1",
 ]
 
