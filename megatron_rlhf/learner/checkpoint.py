@@ -434,13 +434,19 @@ def _exit_with_parent(parent_pid: int, poll_s: float = 1.0) -> None:
     """In a forked writer: a daemon thread that ends this process when ``parent_pid`` (the learner
     that forked it) is gone. Without it a writer whose learner was killed (``kill -9`` of the run,
     or Ray killing the actor) could hang for ever: seen in session 8, a writer blocked on a futex
-    holding 400 MB after the exact-resume test's kill during an async save."""
+    holding 400 MB after the exact-resume test's kill during an async save. The writer leads a
+    process group of its own, so megatron's write workers (forked by it,
+    ``write_preloaded_data_multiproc``) end with it: a later run of that test left one of them
+    behind when only the writer exited."""
+    import signal
     import threading
+
+    os.setpgid(0, 0)
 
     def watch() -> None:
         while True:
             if os.getppid() != parent_pid:
-                os._exit(1)
+                os.killpg(os.getpgid(0), signal.SIGKILL)
             time.sleep(poll_s)
 
     threading.Thread(target=watch, name="mrlhf-writer-parent-watch", daemon=True).start()
