@@ -378,7 +378,7 @@ def _orphaned_writer(pid_file: str) -> None:
             _write_in_order([(write, (), {})], [0.0, 0.0], 0.0, parent_pid=parent)
         finally:
             os._exit(0)
-    os._exit(0)   # the learner dies (kill -9 of the run) while its writer writes
+    os._exit(0)   # the learner dies (kill -9 of the run) while its writer writes; the test kills the writer (Ray does)
 
 
 @pytest.mark.timeout(60)
@@ -397,6 +397,7 @@ def test_a_forked_checkpoint_writer_ends_when_its_learner_is_gone(tmp_path):
     while not (pid_file.is_file() and pid_file.read_text()) and time.time() < deadline:
         time.sleep(0.05)
     pids = [int(x) for x in pid_file.read_text().split()]
+    os.kill(pids[0], 9)   # Ray kills the dead learner's direct children: the writer, not its workers
 
     def alive(pid: int) -> bool:
         try:

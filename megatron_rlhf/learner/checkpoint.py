@@ -431,25 +431,27 @@ def _noop() -> None:
 
 
 def _exit_with_parent(parent_pid: int, poll_s: float = 1.0) -> None:
-    """In a forked writer: a daemon thread that ends this process when ``parent_pid`` (the learner
-    that forked it) is gone. Without it a writer whose learner was killed (``kill -9`` of the run,
-    or Ray killing the actor) could hang for ever: seen in session 8, a writer blocked on a futex
-    holding 400 MB after the exact-resume test's kill during an async save. The writer leads a
-    process group of its own, so megatron's write workers (forked by it,
-    ``write_preloaded_data_multiproc``) end with it: a later run of that test left one of them
-    behind when only the writer exited."""
+    """In a forked writer: make it lead a process group of its own and fork a watchdog into it
+    that kills the whole group (the writer and megatron's write workers, which the writer forks in
+    ``write_preloaded_data_multiproc``) once ``parent_pid`` (the learner) or the writer is gone.
+
+    Why: after ``kill -9`` of a run during an async save (session 8, the exact-resume test) Ray
+    killed the learner and its direct child, the writer, but a write worker was left for ever,
+    blocked on a futex (its queue's reader was gone) holding 400 MB. The watchdog is a child of
+    the writer, which Ray does not track, so it outlives both and cleans up."""
     import signal
-    import threading
 
     os.setpgid(0, 0)
-
-    def watch() -> None:
+    writer = os.getpid()
+    if os.fork() != 0:
+        return
+    try:   # the watchdog: nothing but polling
         while True:
-            if os.getppid() != parent_pid:
-                os.killpg(os.getpgid(0), signal.SIGKILL)
             time.sleep(poll_s)
-
-    threading.Thread(target=watch, name="mrlhf-writer-parent-watch", daemon=True).start()
+            if os.getppid() != writer or not os.path.exists(f"/proc/{parent_pid}"):
+                os.killpg(writer, signal.SIGKILL)   # the writer's group: writer, workers, this one
+    finally:
+        os._exit(0)
 
 
 def _write_in_order(writers: list, times, delay_s: float, parent_pid: int | None = None) -> None:
