@@ -519,8 +519,6 @@ class RolloutProducer:
             # integer weights for the largest-remainder split (need in thousandths of a prompt)
             weights = ({t: math.ceil(v * 1000) for t, v in need.items()} if self.algo.adaptive_task_draw
                        else {t: r if need[t] > 0 else 0 for t, r in remaining.items()})
-            if not any(weights.values()):
-                weights = {t: r for t, r in remaining.items()}
             draws = allocate_draws(weights, {t: 1.0 for t in weights}, max(1, share))
         prompts = [p for t, m in draws.items() if m > 0 for p in self.sampler.next(t, m)]
         b.drawn += len(prompts)
