@@ -17,8 +17,11 @@ fixed at version 0 (no learner: only the generation side is measured):
   ``generators.prompts_per_request=--burst``, ``algorithm.carry_surplus=false``,
   ``generators.partial_rollouts=false``;
 * ``after``: the defaults with partial rollouts on: requests sized by measured yield (at most
-  ``max_num_seqs // K`` prompts per engine), surplus carried, running requests aborted and parked
-  when a batch fills, continued first in the next.
+  ``max_num_seqs // K`` prompts per engine, the expected need rounded down: the default of an
+  async run, ``generators.draw_rounding``), surplus carried, running requests aborted and parked
+  when a batch fills, continued first in the next;
+* ``after_nearest``: the same with the need rounded half up (``generators.draw_rounding=nearest``,
+  the default with ``async.sync``).
 
 Printed per mode: generated tokens per trained token (every completion token the engines sampled,
 ``generator/tokens``, over the completion tokens of the trained pairs), trainable groups dropped
@@ -69,7 +72,8 @@ def run_mode(mode: str, gens, pool, a) -> dict:
     prompts = [Prompt(index=i, task="t", token_ids=(3 + i % 11, 5, 9, 11 + i % 7)) for i in range(4096)]
     sampler = MultiTaskSampler({"t": prompts}, {"t": 1.0}, seed=0)
     gen_cfg = GeneratorConfig(prompts_per_request=a.burst if before else None, max_num_seqs=a.max_num_seqs,
-                              partial_rollouts=not before, max_new_tokens=a.long, max_model_len=a.long + 32)
+                              partial_rollouts=not before, max_new_tokens=a.long, max_model_len=a.long + 32,
+                              draw_rounding="nearest" if mode == "after_nearest" else "auto")
     algo = AlgorithmConfig(samples_per_prompt=a.samples, prompts_per_step=a.prompts_per_step,
                            max_prompts_per_step=4096, carry_surplus=not before)
     out: queue.Queue = queue.Queue(maxsize=1)
@@ -128,7 +132,7 @@ def run(a, work_dir: Path) -> list[dict]:
         gens = [cls.remote(model_dir=str(model_dir), generator_cfg=c, seed=i, cpu_core=-1) for i, c in enumerate(cfgs)]
         ray.get([g.get_weight_version.remote() for g in gens], timeout=600)
         pool = GeneratorPool(gens, transport=ObjectStoreTransport(), generator_cfg=cfgs[1], timeout_s=600)
-        return [run_mode(mode, gens, pool, a) for mode in ("before", "after")]
+        return [run_mode(mode, gens, pool, a) for mode in ("before", "after", "after_nearest")]
     finally:
         ray.shutdown()
 
@@ -152,9 +156,10 @@ def main(argv=None) -> int:
         print(f"| {r['mode']} | {r['gen_per_trained']:.2f} ({r['generated_tokens']} / {r['trained_tokens']}) | "
               f"{r['surplus_dropped']} ({r['dropped_pct']:.1f}%) | {r['drawn']} | {r['wall_per_batch_s']:.2f} | "
               f"{r['carried_at_end']} / {r['parked_at_end']} | {r['partial_resumed']} | {r['yield_ema']} |")
-    b, s = rows
-    print(f"after / before: generated per trained token {s['gen_per_trained'] / b['gen_per_trained']:.2f}, "
-          f"wall per batch {s['wall_per_batch_s'] / b['wall_per_batch_s']:.2f}")
+    b = rows[0]
+    for s in rows[1:]:
+        print(f"{s['mode']} / before: generated per trained token {s['gen_per_trained'] / b['gen_per_trained']:.2f}, "
+              f"wall per batch {s['wall_per_batch_s'] / b['wall_per_batch_s']:.2f}")
     return 0
 
 

@@ -50,6 +50,17 @@ def _check(cond: bool, key: str, value: Any, allowed: str) -> None:
         raise ConfigError(f"config key '{key}' = {value!r} is invalid: {allowed}")
 
 
+def _check_choice(key: str, value: Any, choices, note: str = "") -> None:
+    """Raise :class:`ConfigError` unless ``value`` is one of ``choices``, with the closest choice
+    (``difflib``) as a "did you mean" when the value looks like a misspelling of one."""
+    if value in choices:
+        return
+    close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise ConfigError(f"config key '{key}' = {value!r} is invalid: {hint}one of "
+                      + ", ".join(str(c) for c in choices) + note)
+
+
 def _is_plain_folder_name(name: str) -> bool:
     """A single path component that names a new folder inside its parent."""
     return bool(name) and name not in (".", "..") and not any(c in name for c in "/\\\0")
@@ -92,8 +103,7 @@ class RunConfig:
                "a plain folder name (not empty, '.' or '..'; no '/', '\\' or NUL): the run is "
                "written to <run.output_dir>/<run.name>")
         _check(self.num_steps >= 1, "run.num_steps", self.num_steps, "an integer >= 1")
-        _check(self.mode in ("train", "rollout_only", "train_only"), "run.mode", self.mode,
-               "one of train, rollout_only, train_only")
+        _check_choice("run.mode", self.mode, ("train", "rollout_only", "train_only"))
         _check(bool(self.replay) == (self.mode == "train_only"), "run.replay", self.replay,
                "a folder of saved batches exactly when run.mode is train_only (and empty otherwise)")
 
@@ -111,8 +121,7 @@ class ModelConfig:
     """Parameter dtype of learner and generator: float32 (CPU) or bfloat16 (GPU)."""
 
     def __post_init__(self):
-        _check(self.dtype in ("float32", "bfloat16"), "model.dtype", self.dtype,
-               "one of float32, bfloat16")
+        _check_choice("model.dtype", self.dtype, ("float32", "bfloat16"))
         _check(bool(str(self.source).strip()), "model.source", self.source,
                "'smollm2', a local Hugging Face model folder or a Megatron checkpoint folder (it was empty)")
         if self.source != "smollm2":
@@ -260,6 +269,16 @@ class GeneratorConfig:
     each task's measured trainable prompts per drawn prompt (``task/<t>/yield_ema``), at most
     ``max_num_seqs // samples_per_prompt`` prompts (one wave of the engine). An integer: that many
     prompts per request, always (a fixed burst: the hand-set knob of earlier versions)."""
+    draw_rounding: str = "auto"
+    """How a yield-sized draw rounds the expected need (a real number of prompts) to whole prompts.
+    ``down``: the draw is what is expected to fit in the batch, and a batch that comes out short
+    gets a small top-up request; a task whose yield ``y`` stays above ``r / (r + 1)`` for a need of
+    ``r`` prompts then never draws beyond its quota, so nothing is surplus. ``nearest``: half up
+    (one request fills the batch more often, and about half a prompt per task is drawn beyond the
+    expected need). ``auto`` (default): ``down`` in asynchronous runs, where a top-up request
+    overlaps the learner's step; ``nearest`` with ``async.sync: true``, where the learner waits
+    for it. Deterministic (it depends on the config, not on timing), so a resumed run draws
+    alike."""
     kv_cache_gib: float = 0.25
     """CPU only: KV-cache size per engine worker (GiB; vLLM ``kv_cache_memory_bytes``, which CPU
     engines need given explicitly). GPU engines size their KV cache from
@@ -327,10 +346,10 @@ class GeneratorConfig:
         if self.partial_rollouts is None:
             self.partial_rollouts = self.inflight_updates
         _check(self.kv_cache_gib > 0, "generators.kv_cache_gib", self.kv_cache_gib, "a number of GiB > 0")
-        _check(self.distributed_executor_backend in ("mp", "ray"), "generators.distributed_executor_backend",
-               self.distributed_executor_backend, "mp or ray")
-        _check(self.transport in ("object_store", "filesystem", "broadcast", "nccl"), "generators.transport",
-               self.transport, "one of: object_store, filesystem, broadcast (nccl is an alias)")
+        _check_choice("generators.distributed_executor_backend", self.distributed_executor_backend, ("mp", "ray"))
+        _check_choice("generators.transport", self.transport, ("object_store", "filesystem", "broadcast", "nccl"),
+                      " (nccl is an alias of broadcast)")
+        _check_choice("generators.draw_rounding", self.draw_rounding, ("auto", "down", "nearest"))
         _check(self.weight_sync_bucket_mb > 0, "generators.weight_sync_bucket_mb", self.weight_sync_bucket_mb,
                "a size in MiB > 0")
         if self.tensor_parallel > 1 and self.distributed_executor_backend == "ray":
@@ -368,8 +387,7 @@ class OptimizerConfig:
         _check(self.adam_eps > 0, "learner.optimizer.adam_eps", self.adam_eps, "a number > 0")
         _check(self.clip_grad >= 0, "learner.optimizer.clip_grad", self.clip_grad, ">= 0")
         _check(self.warmup_steps >= 0, "learner.optimizer.warmup_steps", self.warmup_steps, ">= 0")
-        _check(self.lr_decay in ("constant", "linear", "cosine"), "learner.optimizer.lr_decay",
-               self.lr_decay, "one of constant, linear, cosine")
+        _check_choice("learner.optimizer.lr_decay", self.lr_decay, ("constant", "linear", "cosine"))
 
 
 RECOMPUTE_MODULES = ("core_attn", "mlp")
@@ -441,8 +459,7 @@ class LearnerConfig:
                "an integer >= 1")
         for k in ("tensor_parallel", "pipeline_parallel", "data_parallel", "micro_batch_size"):
             _check(getattr(self, k) >= 1, f"learner.{k}", getattr(self, k), "an integer >= 1")
-        _check(self.recompute in ("none", "full", "selective"), "learner.recompute", self.recompute,
-               "none, full or selective")
+        _check_choice("learner.recompute", self.recompute, ("none", "full", "selective"))
         bad = sorted(set(self.recompute_modules) - set(RECOMPUTE_MODULES))
         _check(not bad and (self.recompute_modules or self.recompute != "selective"),
                "learner.recompute_modules", self.recompute_modules,
@@ -600,9 +617,8 @@ class AlgorithmConfig:
     penalty falls linearly from 0 to -1 (DAPO uses 4096 of 20480); 1 <= it <= max_new_tokens."""
 
     def __post_init__(self):
-        _check(self.loss in LOSS_NAMES, "algorithm.loss", self.loss, "one of: " + ", ".join(LOSS_NAMES))
-        _check(self.overlong in ("keep", "mask", "soft_penalty"), "algorithm.overlong", self.overlong,
-               "keep, mask or soft_penalty")
+        _check_choice("algorithm.loss", self.loss, LOSS_NAMES)
+        _check_choice("algorithm.overlong", self.overlong, ("keep", "mask", "soft_penalty"))
         _check(self.overlong_buffer >= 0, "algorithm.overlong_buffer", self.overlong_buffer, "an integer >= 0")
         _check(self.overlong != "soft_penalty" or self.overlong_buffer >= 1, "algorithm.overlong_buffer",
                self.overlong_buffer, "an integer >= 1 with algorithm.overlong=soft_penalty (the penalty's "
@@ -628,8 +644,7 @@ class AlgorithmConfig:
                f"{self.min_pair_yield:g} = {need}: at that yield a batch needs {need} prompts and the run "
                f"would stop; raise max_prompts_per_step to {need} or more (or state a higher "
                "algorithm.min_pair_yield the data is known to give)")
-        _check(self.invalid_rewards in ("error", "skip"), "algorithm.invalid_rewards",
-               self.invalid_rewards, "error or skip")
+        _check_choice("algorithm.invalid_rewards", self.invalid_rewards, ("error", "skip"))
         _check(self.updates_per_batch >= 1, "algorithm.updates_per_batch", self.updates_per_batch, "an integer >= 1")
         for key in ("nll_coef", "group_dpo_alpha", "kl_beta", "entropy_coef", "value_coef"):
             _check(getattr(self, key) >= 0, f"algorithm.{key}", getattr(self, key), "a number >= 0")
@@ -640,8 +655,7 @@ class AlgorithmConfig:
                "a number >= 1 or null (off)")
         _check(self.loss_agg in (None, "sequence_sum", "sequence_token_mean", "token_mean"),
                "algorithm.loss_agg", self.loss_agg, "sequence_sum, sequence_token_mean, token_mean or null")
-        _check(self.proximal_rloo_level in ("sequence", "token"), "algorithm.proximal_rloo_level",
-               self.proximal_rloo_level, "sequence or token")
+        _check_choice("algorithm.proximal_rloo_level", self.proximal_rloo_level, ("sequence", "token"))
         _check(self.value_clip_eps is None or self.value_clip_eps > 0, "algorithm.value_clip_eps",
                self.value_clip_eps, "a number > 0 or null")
         _check(self.critic_lr is None or self.critic_lr > 0, "algorithm.critic_lr", self.critic_lr, "> 0 or null")
@@ -650,8 +664,7 @@ class AlgorithmConfig:
 
     def _check_corrections(self) -> None:
         """``is_correction`` / ``is_bounds`` / ``kl_estimator`` / ``kl_in_reward``."""
-        _check(self.is_correction in IS_CORRECTIONS, "algorithm.is_correction", self.is_correction,
-               "one of " + ", ".join(IS_CORRECTIONS))
+        _check_choice("algorithm.is_correction", self.is_correction, IS_CORRECTIONS)
         b = self.is_bounds
         _check(len(b) == 2 and 0 <= b[0] < b[1], "algorithm.is_bounds", b,
                "[lo, hi] with 0 <= lo < hi (e.g. [0.5, 2.0])")
@@ -791,8 +804,7 @@ class LoggingConfig:
     def __post_init__(self):
         _check(self.warn_token_mult_prob_error >= 1, "logging.warn_token_mult_prob_error",
                self.warn_token_mult_prob_error, "a number >= 1 (exp of a non-negative gap)")
-        _check(self.wandb_mode in ("offline", "online", "disabled"), "logging.wandb_mode",
-               self.wandb_mode, "one of offline, online, disabled")
+        _check_choice("logging.wandb_mode", self.wandb_mode, ("offline", "online", "disabled"))
 
 
 @dataclass(kw_only=True)

@@ -211,3 +211,12 @@ def test_a_misspelled_key_is_refused_with_the_closest_allowed_key():
         load_config(REPO / "configs" / "cpu_demo.yaml", ["algorithm.samples_per_promt=4"])
     with pytest.raises(ConfigError, match=r"unknown config key 'run\.zzz' \(allowed: "):   # nothing close
         load_config(REPO / "configs" / "cpu_demo.yaml", ["run.zzz=1"])
+
+
+def test_a_misspelled_value_is_refused_with_the_closest_allowed_value():
+    with pytest.raises(ConfigError, match=r"config key 'algorithm\.loss' = 'online_dop' is invalid: "
+                                          r"did you mean 'online_dpo'\? one of .*grpo"):
+        load_config(REPO / "configs" / "cpu_demo.yaml", ["algorithm.loss=online_dop"])
+    with pytest.raises(ConfigError, match=r"'generators\.draw_rounding' = 'up' is invalid: one of auto, down, "
+                                          r"nearest$"):   # nothing close
+        load_config(REPO / "configs" / "cpu_demo.yaml", ["generators.draw_rounding=up"])

@@ -340,7 +340,7 @@ class VersionedPool:
 
 
 def _carry_producer(pool, *, first=0, num_batches=3, bound=100, state=None, ppr=None, max_num_seqs=256,
-                    partial=False, prompts_per_step=2, **algo):
+                    partial=False, prompts_per_step=2, rounding="auto", **algo):
     algo.setdefault("carry_surplus", True)   # the carry under test (off by default, config.py says why)
     sampler = MultiTaskSampler({"math": _prompts("math", 200)}, {"math": 1.0}, seed=0)
     if state is not None:
@@ -352,7 +352,7 @@ def _carry_producer(pool, *, first=0, num_batches=3, bound=100, state=None, ppr=
         pair_fn=select_pair, channel=channel, out_queue=out,
         algorithm_cfg=AlgorithmConfig(samples_per_prompt=4, prompts_per_step=prompts_per_step, **algo),
         generator_cfg=GeneratorConfig(prompts_per_request=ppr, max_num_seqs=max_num_seqs,
-                                      partial_rollouts=partial),
+                                      partial_rollouts=partial, draw_rounding=rounding),
         staleness_bound=bound, first_batch=first, num_batches=num_batches, min_version=first,
         rng_state=state["rng"] if state else None, producer_state=state["producer"] if state else None,
         seed=0, timeout_s=60)
@@ -437,15 +437,19 @@ def test_parked_partial_requests_continue_first_in_the_next_batch_and_survive_a_
     assert all(tuple(c.token_ids) == (1, 2) for x in pool2.continued for c in x.completions)
 
 
-def test_draws_follow_the_measured_yield_within_one_engine_wave():
+@pytest.mark.parametrize("rounding", ["nearest", "down"])
+def test_draws_follow_the_measured_yield_within_one_engine_wave(rounding):
     """One engine whose prompts train at a set yield of 1/4 (index % 4 == 0): nothing runs when a
-    request is drawn, so each is sized round(still needed / yield_ema) prompts (half up), at most
-    max_num_seqs // K = 12, with what earlier batches carried counted first; replayed here from
-    the recorded draws and estimates. The estimate moves from its prior 0.5 toward 1/4."""
+    request is drawn, so each is sized still needed / yield_ema prompts (rounded half up, or
+    down with at least 1), at most max_num_seqs // K = 12, with what earlier batches carried
+    counted first; replayed here from the recorded draws and estimates. The estimate moves from
+    its prior 0.5 toward 1/4."""
     import math
 
     pool = VersionedPool(every=4)
-    prod, out, ch = _carry_producer(pool, num_batches=6, prompts_per_step=4, max_num_seqs=4 * 12)
+    prod, out, ch = _carry_producer(pool, num_batches=6, prompts_per_step=4, max_num_seqs=4 * 12,
+                                    rounding=rounding)
+    half = 0.5 if rounding == "nearest" else 0.0
     batches = _step_batches(prod, out, ch, 6)
     assert all(len(b.groups) == 4 for b in batches)
     carry, k_prev = 0, None
@@ -454,12 +458,40 @@ def test_draws_follow_the_measured_yield_within_one_engine_wave():
             used = min(4, carry)
             carry, got, k_prev = carry - used, used, k
             assert batches[k].stats["rollout/surplus_used"] == used
-        assert size == min(12, math.floor((4 - got) / rates["math"] + 0.5 + 1e-9)), (k, size, got, rates)
+        assert size == min(12, max(1, math.floor((4 - got) / rates["math"] + half + 1e-9))), (k, size, got, rates)
         trained = sum(i % 4 == 0 for i in indices)
         carry += max(0, got + trained - 4)
         got = min(4, got + trained)
     assert pool.draws[0][0] == 8                                     # 4 needed / prior 0.5
     assert 0.1 < prod.rates["math"] < 0.45 and len(pool.draws) >= 6
+
+
+class HighYieldPool(VersionedPool):
+    """Seven prompts in eight train (index % 8 != 7): yield 7/8."""
+
+    def _sample(self, p, j):
+        ok = p.index % 8 != 7 and j == 0
+        return Completion(token_ids=(1, 2, 3), logprobs=(-0.1, -0.2, -0.3), finish_reason="stop",
+                          text="yes" if ok else "no", weight_version=self.version)
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "down"])
+def test_draws_rounded_down_never_train_beyond_the_quota_at_a_high_yield(rounding):
+    """Yield 7/8, quota 4: once the estimate is above 4/5 a rounded-down draw is at most the 4
+    prompts still needed, so after the prior's first over-draw (8 prompts for 4 at the prior 0.5)
+    nothing is carried out, and short batches take small top-up requests; rounded half up, 4 / 0.875
+    = 4.57 rounds to 5 and groups beyond the quota keep coming."""
+    pool = HighYieldPool()
+    prod, out, ch = _carry_producer(pool, num_batches=12, prompts_per_step=4, rounding=rounding)
+    batches = _step_batches(prod, out, ch, 12)
+    assert all(len(b.groups) == 4 for b in batches)
+    assert pool.draws[0][0] == 8
+    later = sum(b.stats["rollout/surplus_carried"] for b in batches[3:])
+    if rounding == "down":
+        assert later == 0
+        assert len(pool.draws) > 12 and prod.rates["math"] > 0.8   # top-ups: what rounding down costs
+    else:
+        assert later > 0
 
 
 def test_draws_split_the_need_over_the_free_engines():

@@ -76,3 +76,23 @@ def test_wandb_run_resumes_as_the_same_run_after_a_requeue(tmp_path, monkeypatch
     again = MetricsLogger(tmp_path, cfg, {"run": {"name": "x"}})
     assert again._wandb.id == run_id == (tmp_path / "wandb_id").read_text().strip()
     again.close()
+
+
+@pytest.mark.timeout(30)
+def test_the_mismatch_warning_names_intended_policy_lag_when_the_samples_are_stale(tmp_path, capsys):
+    """A ``token_mult_prob_error`` above the warning threshold: with samples 7.5 versions old (a
+    staleness sweep's N = 16) the warning says part of it is the intended lag; at staleness 0 it
+    says the weights may not be synced."""
+    from megatron_rlhf.config import LoggingConfig
+    from megatron_rlhf.trainer.metrics import REQUIRED_KEYS, MetricsLogger
+
+    log = MetricsLogger(tmp_path, LoggingConfig(tensorboard=False, warn_token_mult_prob_error=1.05), {})
+    for step, stale in ((1, 7.5), (2, 0.0)):
+        row = {k: 0.0 for k in REQUIRED_KEYS}
+        row.update({"step": step, "staleness/mean": stale, "logprobs/token_mult_prob_error": 1.06})
+        log.log(row)
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2
+    assert "step 1" in err[0] and "7.5 weight versions old" in err[0] and "intended policy lag" in err[0]
+    assert "step 2" in err[1] and "not synced" in err[1] and "policy lag" not in err[1]
+    log.close()

@@ -454,7 +454,7 @@ def _exit_with_parent(parent_pid: int, poll_s: float = 1.0) -> None:
         os._exit(0)
 
 
-def _write_in_order(writers: list, times, delay_s: float, parent_pid: int | None = None) -> None:
+def _write_in_order(writers: list, times, delay_s: float, parent_pid: int) -> None:
     """Run in the one forked writer process of a checkpoint: each ``(fn, args, kwargs)`` of
     ``writers`` in turn, its start and end (Unix seconds) in the shared array ``times[2i],
     times[2i+1]``; ``delay_s`` (tests only, :func:`megatron_rlhf.testing.faults.slow_writer_s`)
@@ -464,10 +464,9 @@ def _write_in_order(writers: list, times, delay_s: float, parent_pid: int | None
     results into one process-wide queue (``filesystem_async._get_write_results_queue``), and each
     finalize takes the next result from it, so two writers finishing out of order would give a
     folder the other folder's write results (its metadata then lacks its own tensors:
-    ``KeyError: MetadataIndex`` on load, seen in session 7). With ``parent_pid`` the process ends
-    when that process is gone (:func:`_exit_with_parent`)."""
-    if parent_pid is not None:
-        _exit_with_parent(parent_pid)
+    ``KeyError: MetadataIndex`` on load, seen in session 7). The process ends when
+    ``parent_pid`` (the learner) is gone (:func:`_exit_with_parent`)."""
+    _exit_with_parent(parent_pid)
     for i, (fn, args, kwargs) in enumerate(writers):
         times[2 * i] = time.time()
         if i == 0 and delay_s > 0:

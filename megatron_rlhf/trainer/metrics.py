@@ -128,10 +128,15 @@ class MetricsLogger:
         self.rows.append(row)
         err = row.get("logprobs/token_mult_prob_error")
         if err is not None and err > self.warn_mismatch:
+            stale = row.get("staleness/mean") or 0
+            cause = (f"these samples are {stale:.1f} weight versions old on average "
+                     "(async.max_staleness), so part of it is the intended policy lag the "
+                     "importance correction pays for; the rest is" if stale >= 1 else "the weights "
+                     "are not synced, or")
             print(f"[megatron-rlhf] warning: step {row['step']}: logprobs/token_mult_prob_error = "
                   f"{err:.4f} > logging.warn_token_mult_prob_error = {self.warn_mismatch}: the learner "
-                  "and the generators disagree on the sampled tokens' probabilities (weights not "
-                  "synced, or a numerics mismatch); importance corrections and KL estimates are off",
+                  f"and the generators disagree on the sampled tokens' probabilities: {cause} a "
+                  "numerics mismatch between the two",
                   file=sys.stderr, flush=True)
         numbers = {k: v for k, v in row.items() if isinstance(v, (int, float))}
         if self._tb is not None:

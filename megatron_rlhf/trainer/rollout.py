@@ -300,6 +300,8 @@ class RolloutProducer:
             self.carry = Carry.from_state_dict(producer_state.get("carry"))
         self.overlong = OverlongFilter.of(algorithm_cfg, generator_cfg.max_new_tokens)   # algorithm.overlong
         self.partial = bool(getattr(generator_cfg, "partial_rollouts", False))
+        rounding = getattr(generator_cfg, "draw_rounding", "auto")   # generators.draw_rounding
+        self.round_down = rounding == "down" or (rounding == "auto" and staleness_bound > 0)
         self.stop_event = threading.Event()
         self.phase = "not started"   # what run() is doing (the hang watchdog's report)
 
@@ -466,17 +468,21 @@ class RolloutProducer:
         needs ``r_t`` trainable prompts, and ``f_t`` of its prompts are running (each expected to
         train with probability ``y_t = task/<t>/yield_ema``), so it needs
         ``p_t = max(0, (r_t - f_t * y_t) / y_t)`` more prompts (a real number); this engine gets
-        ``round(sum_t p_t / free engines)`` of them (round half up; the free engines share the
-        need), at most ``max_num_seqs // samples_per_prompt`` (one wave of the engine), split over
-        the tasks in proportion to ``p_t`` (``allocate_draws``). The draw is what is expected to
-        fill the batch, not more: a batch that comes out short gets a small top-up draw (hidden
-        behind training when the run is training-bound), where a rounded-up draw per task left
-        about one trainable group per task beyond the quota in every batch, which one-step async
-        cannot carry (session 8: 19% of the demo's drawn prompts, all older than the staleness
-        bound by the next batch). When the rounded need is 0 and prompts of the batch are
-        running, this returns ``[]`` and the engine waits for their results; with nothing running
-        it draws 1. With ``algorithm.adaptive_task_draw: false`` every ``y_t`` is taken as 1 in the
-        split.
+        ``round(sum_t p_t / free engines)`` of them (the free engines share the need; rounded as
+        ``generators.draw_rounding`` says), at most ``max_num_seqs // samples_per_prompt`` (one
+        wave of the engine), split over the tasks in proportion to ``p_t`` (``allocate_draws``).
+        Rounded down (the default in async runs) the draw is what is expected to fit in the batch:
+        with one engine and one task, a need of ``r`` and a yield ``y > r / (r + 1)`` it is at
+        most ``r`` prompts, so it never trains beyond the quota, and a batch that comes out short gets a
+        small top-up request, which overlaps the learner's step in an async run. Rounded half up
+        (``nearest``, the default with ``async.sync``: there the learner waits for a top-up) one
+        request fills the batch more often, and about half a prompt per batch is drawn beyond the
+        expected need: session 8's demo dropped 6-9% of its drawn prompts that way (one-step
+        async cannot carry them: by the next batch they are older than the staleness bound),
+        against 19% when each task's need was rounded up. When the rounded need is 0 and prompts
+        of the batch are running, this returns ``[]`` and the engine waits for their results; with
+        nothing running it draws 1. With ``algorithm.adaptive_task_draw: false`` every ``y_t`` is
+        taken as 1 in the split.
 
         Raises:
             RuntimeError: ``algorithm.max_prompts_per_step`` prompts drawn and a quota still short.
@@ -510,7 +516,8 @@ class RolloutProducer:
         else:
             need = {t: max(0.0, (r - b.inflight[t] * self.rates[t]) / self.rates[t]) if r > 0 else 0.0
                     for t, r in remaining.items()}
-            share = math.floor(sum(need.values()) / max(1, getattr(self.pool, "free_workers", 1)) + 0.5 + 1e-9)
+            per_engine = sum(need.values()) / max(1, getattr(self.pool, "free_workers", 1))
+            share = math.floor(per_engine + (1e-9 if self.round_down else 0.5 + 1e-9))
             if share == 0:
                 if any(b.inflight[t] > 0 for t in remaining):
                     return []   # what runs is expected to fill the batch: wait for it
