@@ -50,13 +50,19 @@ def _check(cond: bool, key: str, value: Any, allowed: str) -> None:
         raise ConfigError(f"config key '{key}' = {value!r} is invalid: {allowed}")
 
 
+def _closest(name: str, names) -> str | None:
+    """The entry of ``names`` that ``name`` most likely misspells (``difflib``, cutoff 0.6), or None."""
+    close = difflib.get_close_matches(name, list(names), n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
 def _check_choice(key: str, value: Any, choices, note: str = "") -> None:
     """Raise :class:`ConfigError` unless ``value`` is one of ``choices``, with the closest choice
     (``difflib``) as a "did you mean" when the value looks like a misspelling of one."""
     if value in choices:
         return
-    close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.6)
-    hint = f"did you mean {close[0]!r}? " if close else ""
+    close = _closest(str(value), [str(c) for c in choices])
+    hint = f"did you mean {close!r}? " if close else ""
     raise ConfigError(f"config key '{key}' = {value!r} is invalid: {hint}one of "
                       + ", ".join(str(c) for c in choices) + note)
 
@@ -993,8 +999,8 @@ def _build(cls: type, data: Any, key: str) -> Any:
         name = _YAML_ALIASES.get(raw_name, raw_name)
         if name not in fields:
             names = [_YAML_NAMES.get(n, n) for n in fields]
-            close = difflib.get_close_matches(str(raw_name), names, n=1, cutoff=0.6)
-            hint = f"did you mean '{key}.{close[0]}'? ".replace("'.", "'") if close else ""
+            close = _closest(str(raw_name), names)
+            hint = f"did you mean '{key}.{close}'? ".replace("'.", "'") if close else ""
             raise ConfigError(f"unknown config key '{key}.{raw_name}' ({hint}allowed: {', '.join(names)})"
                               .replace("'.", "'"))
         kwargs[name] = _coerce(hints[name], value, f"{key}.{raw_name}".lstrip("."))
