@@ -256,7 +256,9 @@ def test_async_checkpoints_hold_their_steps_weights_while_the_next_step_trains(
             t_trained = time.time()
             assert a.finalize_checkpoint(blocking=False)["done"] is False
             info = a.finalize_checkpoint(blocking=True)
-            assert info["done"] and info["write_end"] > t_trained > info["write_start"], (info, t_trained)
+            # the writer was still writing when the next step had trained (it may start after that
+            # step on a loaded machine: the weights check below then proves it read a snapshot)
+            assert info["done"] and info["write_end"] > t_trained, (info, t_trained)
             assert info["write_s"] >= 3.0 > blocked, (info, blocked)
             assert (tmp_path / f"ck{step}" / "policy" / "metadata.json").is_file()
         assert a.finalize_checkpoint() is None

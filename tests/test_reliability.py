@@ -40,7 +40,7 @@ BAD_CONFIG = [  # (override, what the error must say)
     ("async.timeout_s=.inf", r"'async\.timeout_s' = inf must be a finite number"),
     ("algorithm.max_prompts_per_step=1", r"'algorithm\.max_prompts_per_step' = 1.*prompts_per_step \(2\)"),
     ("learner.max_skipped_steps=0", r"'learner\.max_skipped_steps'"),
-    ("algorithm.invalid_rewards=ignore", r"'algorithm\.invalid_rewards'.*error or skip"),
+    ("algorithm.invalid_rewards=ignore", r"'algorithm\.invalid_rewards' = 'ignore'.*one of error, skip"),
     ("logging.warn_token_mult_prob_error=0.5", r"'logging\.warn_token_mult_prob_error'"),
 ]
 

@@ -93,6 +93,7 @@ NOT_ENGINE_KEYS: dict[str, str] = {
     "check_weight_sync": "generator pool",
     "check_weight_sync_tol": "generator pool",
     "max_restarts": "Ray actor options / generator pool",
+    "draw_rounding": "rollout producer (engine-wave draw sizing)",
 }
 """``generators`` keys that never reach ``LLM(...)``, and who reads them."""
 
