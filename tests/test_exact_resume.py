@@ -54,7 +54,8 @@ def _train(model_dir: Path, out_dir: Path, name: str, log: Path, kill_at: str | 
            f"run.output_dir={out_dir}", f"run.name={name}", "tasks.0.reward=tests.plugins:char_parity",
            "logging.progress=false", f"run.num_steps={NUM_STEPS}", "checkpoint.interval=1",
            "checkpoint.keep_last=2", "checkpoint.export_hf=false", "generators.inflight_updates=false",
-           "algorithm.carry_surplus=true", *extra]   # the carry (issue 23) is part of what a checkpoint keeps
+           "algorithm.carry_surplus=true",   # the carry (issue 23) is part of what a checkpoint keeps;
+           "generators.draw_rounding=nearest", *extra]   # draws beyond the need, so a group is carried
     with open(log, "ab") as f:
         f.write(f"\n===== {name} kill_at={kill_at}\n".encode())
         f.flush()

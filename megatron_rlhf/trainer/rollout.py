@@ -300,7 +300,7 @@ class RolloutProducer:
             self.carry = Carry.from_state_dict(producer_state.get("carry"))
         self.overlong = OverlongFilter.of(algorithm_cfg, generator_cfg.max_new_tokens)   # algorithm.overlong
         self.partial = bool(getattr(generator_cfg, "partial_rollouts", False))
-        rounding = getattr(generator_cfg, "draw_rounding", "nearest")   # generators.draw_rounding
+        rounding = getattr(generator_cfg, "draw_rounding", "auto")   # generators.draw_rounding
         self.round_down = rounding == "down" or (rounding == "auto" and staleness_bound > 0)
         self.stop_event = threading.Event()
         self.phase = "not started"   # what run() is doing (the hang watchdog's report)
@@ -475,7 +475,7 @@ class RolloutProducer:
         with one engine and one task, a need of ``r`` and a yield ``y > r / (r + 1)`` it is at
         most ``r`` prompts, so it never trains beyond the quota, and a batch that comes out short gets a
         small top-up request, which overlaps the learner's step in an async run. Rounded half up
-        (``nearest``, the default, and ``auto`` with ``async.sync``: there the learner waits for a
+        (``nearest``, and ``auto`` with ``async.sync``: there the learner waits for a
         top-up) one
         request fills the batch more often, and about half a prompt per batch is drawn beyond the
         expected need: session 8's demo dropped 6-9% of its drawn prompts that way (one-step
