@@ -311,19 +311,41 @@ class LocalRayHead:
 
 
 def guard_main(argv: list[str]) -> int:
-    """``python -m megatron_rlhf.runtime guard -- CMD ...``: run CMD (a ``ray start --block``) in a
-    session of its own and ignore SIGTERM/SIGINT, so that a signal SLURM sends to the whole job
-    step does not stop the Ray node under the trainer's checkpoint; SIGUSR1 (which srun forwards,
-    sent by slurm/ray_cluster.sh once the trainer has exited) stops CMD with SIGTERM, then SIGKILLs
-    what is left of its session after 30 s. If this guard dies (SIGKILL at the end of the job),
-    CMD gets SIGTERM from the kernel. Returns CMD's exit status (0 after a SIGUSR1 stop)."""
+    """``python -m megatron_rlhf.runtime guard [--start-retries N] [--start-window-s S] -- CMD ...``:
+    run CMD (a ``ray start --block``) in a session of its own and ignore SIGTERM/SIGINT, so that a
+    signal SLURM sends to the whole job step does not stop the Ray node under the trainer's
+    checkpoint; SIGUSR1 (which srun forwards, sent by slurm/ray_cluster.sh once the trainer has
+    exited) stops CMD with SIGTERM, then SIGKILLs what is left of its session after 30 s. If this
+    guard dies (SIGKILL at the end of the job), CMD gets SIGTERM from the kernel.
+
+    A CMD that fails (exit status not 0) within ``S`` seconds of its start (default 120) is started
+    again, at most ``N`` times (default 0), after its session is killed: ``ray start`` gives up when
+    its raylet has not registered with the GCS within a fixed 30 s ("The current node timed out
+    during startup"), which an overloaded node can exceed; :class:`LocalRayHead` retries the same.
+
+    Returns:
+        CMD's exit status (its last start's; 0 after a SIGUSR1 stop); 64 on a usage error.
+    """
+    retries, window_s = 0, 120.0
+    try:
+        while argv and argv[0] != "--":
+            opt, value = argv[0], argv[1]
+            if opt == "--start-retries":
+                retries = int(value)
+            elif opt == "--start-window-s":
+                window_s = float(value)
+            else:
+                raise ValueError(opt)
+            argv = argv[2:]
+    except (IndexError, ValueError):
+        argv = []
     if argv[:1] == ["--"]:
         argv = argv[1:]
-    if not argv:
-        print("usage: python -m megatron_rlhf.runtime guard -- CMD [ARG ...]", file=sys.stderr)
+    if not argv or retries < 0:
+        print("usage: python -m megatron_rlhf.runtime guard [--start-retries N] [--start-window-s S] "
+              "-- CMD [ARG ...]", file=sys.stderr)
         return 64
-    proc = subprocess.Popen(argv, preexec_fn=_own_session_fate_shared)
-    stopping = []
+    stopping, running = [], []
 
     def on_stop_signal(signum, frame):
         print(f"[guard] {signal.Signals(signum).name} ignored: the trainer stops Ray after its checkpoint",
@@ -331,19 +353,31 @@ def guard_main(argv: list[str]) -> int:
 
     def on_usr1(signum, frame):
         stopping.append(True)
-        if proc.poll() is None:
-            proc.terminate()
+        if running and running[-1].poll() is None:
+            running[-1].terminate()
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, on_stop_signal)
     signal.signal(signal.SIGUSR1, on_usr1)
-    while True:
-        try:
-            rc = proc.wait()
+    for attempt in range(retries + 1):
+        started = time.monotonic()
+        proc = subprocess.Popen(argv, preexec_fn=_own_session_fate_shared)
+        running.append(proc)
+        while True:
+            try:
+                rc = proc.wait()
+                break
+            except InterruptedError:
+                continue
+        _kill_session(proc.pid, grace_s=30.0 if stopping else 1.0)
+        elapsed = time.monotonic() - started
+        if stopping or rc == 0 or elapsed > window_s or attempt == retries:
             break
-        except InterruptedError:
-            continue
-    _kill_session(proc.pid, grace_s=30.0 if stopping else 1.0)
+        print(f"[guard] {Path(argv[0]).name} exited with status {rc} {elapsed:.0f} s after its start: "
+              f"starting it again ({attempt + 1} of {retries})", file=sys.stderr, flush=True)
+        time.sleep(2.0)   # the failed start's ports and sockets are released
+        if stopping:
+            break
     return 0 if stopping else rc
 
 

@@ -59,6 +59,9 @@
 #   MRLHF_RAY_TMPDIR          Ray's temp dir on the head (default /tmp/ray_mrlhf_<job>)
 #   MRLHF_RAY_START_ARGS      extra `ray start` arguments for every node, word-split
 #   MRLHF_RAY_JOIN_TIMEOUT_S  seconds to wait for all nodes to join (default 300)
+#   MRLHF_RAY_START_RETRIES   times a node's `ray start` that fails within 120 s of its start is
+#                             started again (default 2; `ray start` gives up when its raylet has not
+#                             registered within a fixed 30 s, which a loaded node can exceed)
 #   MRLHF_NET_IFNAME          network interface for NCCL and gloo bootstrap (NCCL_SOCKET_IFNAME,
 #                             GLOO_SOCKET_IFNAME); "auto" = the one holding this node's address;
 #                             unset = NCCL's own choice and gloo on loopback (one node only)
@@ -185,7 +188,7 @@ SRUN_PIDS=()
 # (`scancel --full`) does not reach them (srun ends its step on SIGTERM: "forcing job termination")
 setsid srun --overlap --job-name=ray-head --nodes=1 --ntasks=1 -w "$HEAD" "${GPU_STEP[@]}" --kill-on-bad-exit=0 \
      --output="$LOG_DIR/ray-$HEAD-$JOB.log" --open-mode=append \
-  "$PY" -m megatron_rlhf.runtime guard -- "$RAY_BIN" start --head --block --node-ip-address="$HEAD_IP" --port="$PORT" \
+  "$PY" -m megatron_rlhf.runtime guard --start-retries "${MRLHF_RAY_START_RETRIES:-2}" -- "$RAY_BIN" start --head --block --node-ip-address="$HEAD_IP" --port="$PORT" \
      --num-cpus="$CPUS" --num-gpus="$GPUS" --resources="$(role_resources 0)" \
      --include-dashboard=false --disable-usage-stats \
      --temp-dir="${MRLHF_RAY_TMPDIR:-/tmp/ray_mrlhf_$JOB}" "${EXTRA[@]}" &
@@ -198,7 +201,7 @@ for ((i = 1; i < NNODES; i++)); do
   setsid srun --overlap --job-name=ray-worker --nodes=1 --ntasks=1 -w "${NODES[$i]}" "${GPU_STEP[@]}" --kill-on-bad-exit=0 \
        --output="$LOG_DIR/ray-${NODES[$i]}-$JOB.log" --open-mode=append \
     env RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1 \
-    "$PY" -m megatron_rlhf.runtime guard -- "$RAY_BIN" start --block --address="$JOIN_ADDRESS" --num-cpus="$CPUS" --num-gpus="$GPUS" \
+    "$PY" -m megatron_rlhf.runtime guard --start-retries "${MRLHF_RAY_START_RETRIES:-2}" -- "$RAY_BIN" start --block --address="$JOIN_ADDRESS" --num-cpus="$CPUS" --num-gpus="$GPUS" \
        --resources="$(role_resources "$i")" --disable-usage-stats "${EXTRA[@]}" &
   SRUN_PIDS+=($!)
 done

@@ -244,3 +244,33 @@ def test_local_ray_head_ports_are_distinct():
     for _ in range(20):
         ports = _free_ports(5)
         assert len(set(ports)) == 5 and all(1024 <= p < 65536 for p in ports)
+
+
+@pytest.mark.timeout(60)
+def test_guard_starts_a_command_again_that_fails_at_start_up_but_not_one_that_fails_later(tmp_path):
+    """The SLURM Ray step's guard (``runtime guard --start-retries``): a ``ray start`` that exits
+    non-zero within the start window (Ray's fixed 30 s raylet wait, exceeded on a loaded node: it
+    failed a resubmitted job in a full local test run) is started again; one that fails after the
+    window, or one without retries, is not, and its status comes back."""
+    counter = tmp_path / "starts"
+    # fails on its first start, succeeds on its second
+    flaky = f"import pathlib,sys; p=pathlib.Path({str(counter)!r}); n=len(p.read_text()) if p.exists() else 0; " \
+            "p.write_text('x'*(n+1)); sys.exit(3 if n == 0 else 0)"
+
+    def guard(*opts: str, code: str) -> subprocess.CompletedProcess:
+        counter.unlink(missing_ok=True)
+        return subprocess.run([sys.executable, "-m", "megatron_rlhf.runtime", "guard", *opts, "--",
+                               sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                              env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=50)
+
+    out = guard("--start-retries", "2", code=flaky)
+    assert out.returncode == 0 and counter.read_text() == "xx", out.stderr
+    assert "exited with status 3" in out.stderr and "starting it again (1 of 2)" in out.stderr
+    out = guard(code=flaky)   # no retries: the first start's status
+    assert out.returncode == 3 and counter.read_text() == "x", out.stderr
+    out = guard("--start-retries", "2", "--start-window-s", "0", code=flaky)   # failed after the window
+    assert out.returncode == 3 and counter.read_text() == "x", out.stderr
+    always = "import sys; sys.exit(5)"
+    out = guard("--start-retries", "1", code=always)   # retries spent: the last status
+    assert out.returncode == 5 and out.stderr.count("starting it again") == 1, out.stderr
+    assert guard("--start-retries", code=always).returncode == 64   # a usage error
