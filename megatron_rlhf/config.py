@@ -219,9 +219,10 @@ class TaskConfig:
         if isinstance(self.reward, dict):  # built in Python rather than loaded from YAML
             self.reward = _build(RewardModelSpec, self.reward, key)
         if not isinstance(self.reward, RewardModelSpec):
+            close = _closest(self.reward, ["math_verify"]) if isinstance(self.reward, str) else None
             _check(isinstance(self.reward, str) and (self.reward == "math_verify" or _is_dotted_fn(self.reward)),
-                   key, self.reward, "'math_verify', a plug-in 'package.module:function', or a mapping "
-                   "{reward_model: PATH_OR_NAME}")
+                   key, self.reward, (f"did you mean {close!r}? " if close else "")
+                   + "'math_verify', a plug-in 'package.module:function', or a mapping {reward_model: PATH_OR_NAME}")
         _check(self.weight > 0, f"tasks[{self.name}].weight", self.weight, "a number > 0")
         if self.instruction is None:
             self.instruction = "" if self.kind == "reward_model" else MATH_INSTRUCTION

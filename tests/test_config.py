@@ -220,3 +220,6 @@ def test_a_misspelled_value_is_refused_with_the_closest_allowed_value():
     with pytest.raises(ConfigError, match=r"'generators\.draw_rounding' = 'up' is invalid: one of auto, down, "
                                           r"nearest$"):   # nothing close
         load_config(REPO / "configs" / "cpu_demo.yaml", ["generators.draw_rounding=up"])
+    with pytest.raises(ConfigError, match=r"'tasks\[math\]\.reward' = 'math_verfy' is invalid: did you mean "
+                                          r"'math_verify'\? 'math_verify', a plug-in"):
+        load_config(REPO / "configs" / "cpu_demo.yaml", ["tasks.0.reward=math_verfy"])
