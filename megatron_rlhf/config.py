@@ -56,14 +56,18 @@ def _closest(name: str, names) -> str | None:
     return close[0] if close else None
 
 
+def _did_you_mean(value: Any, choices) -> str:
+    """``"did you mean 'X'? "`` for the choice ``value`` most likely misspells, else ``""``."""
+    close = _closest(str(value), [str(c) for c in choices])
+    return f"did you mean {close!r}? " if close else ""
+
+
 def _check_choice(key: str, value: Any, choices, note: str = "") -> None:
     """Raise :class:`ConfigError` unless ``value`` is one of ``choices``, with the closest choice
     (``difflib``) as a "did you mean" when the value looks like a misspelling of one."""
     if value in choices:
         return
-    close = _closest(str(value), [str(c) for c in choices])
-    hint = f"did you mean {close!r}? " if close else ""
-    raise ConfigError(f"config key '{key}' = {value!r} is invalid: {hint}one of "
+    raise ConfigError(f"config key '{key}' = {value!r} is invalid: {_did_you_mean(value, choices)}one of "
                       + ", ".join(str(c) for c in choices) + note)
 
 
@@ -219,9 +223,8 @@ class TaskConfig:
         if isinstance(self.reward, dict):  # built in Python rather than loaded from YAML
             self.reward = _build(RewardModelSpec, self.reward, key)
         if not isinstance(self.reward, RewardModelSpec):
-            close = _closest(self.reward, ["math_verify"]) if isinstance(self.reward, str) else None
             _check(isinstance(self.reward, str) and (self.reward == "math_verify" or _is_dotted_fn(self.reward)),
-                   key, self.reward, (f"did you mean {close!r}? " if close else "")
+                   key, self.reward, _did_you_mean(self.reward, ["math_verify"])
                    + "'math_verify', a plug-in 'package.module:function', or a mapping {reward_model: PATH_OR_NAME}")
         _check(self.weight > 0, f"tasks[{self.name}].weight", self.weight, "a number > 0")
         if self.instruction is None:

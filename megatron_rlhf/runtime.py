@@ -345,7 +345,7 @@ def guard_main(argv: list[str]) -> int:
         print("usage: python -m megatron_rlhf.runtime guard [--start-retries N] [--start-window-s S] "
               "-- CMD [ARG ...]", file=sys.stderr)
         return 64
-    stopping, running = [], []
+    stopping, proc = [], None
 
     def on_stop_signal(signum, frame):
         print(f"[guard] {signal.Signals(signum).name} ignored: the trainer stops Ray after its checkpoint",
@@ -353,8 +353,8 @@ def guard_main(argv: list[str]) -> int:
 
     def on_usr1(signum, frame):
         stopping.append(True)
-        if running and running[-1].poll() is None:
-            running[-1].terminate()
+        if proc is not None and proc.poll() is None:   # the current start (read when the signal comes)
+            proc.terminate()
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, on_stop_signal)
@@ -362,7 +362,6 @@ def guard_main(argv: list[str]) -> int:
     for attempt in range(retries + 1):
         started = time.monotonic()
         proc = subprocess.Popen(argv, preexec_fn=_own_session_fate_shared)
-        running.append(proc)
         while True:
             try:
                 rc = proc.wait()

@@ -471,13 +471,12 @@ class RolloutProducer:
         ``round(sum_t p_t / free engines)`` of them (the free engines share the need; rounded as
         ``generators.draw_rounding`` says), at most ``max_num_seqs // samples_per_prompt`` (one
         wave of the engine), split over the tasks in proportion to ``p_t`` (``allocate_draws``).
-        Rounded down (``down``, or ``auto`` in an async run) the draw is what is expected to fit in the batch:
-        with one engine and one task, a need of ``r`` and a yield ``y > r / (r + 1)`` it is at
-        most ``r`` prompts, so it never trains beyond the quota, and a batch that comes out short gets a
-        small top-up request, which overlaps the learner's step in an async run. Rounded half up
-        (``nearest``, and ``auto`` with ``async.sync``: there the learner waits for a
-        top-up) one
-        request fills the batch more often, and about half a prompt per batch is drawn beyond the
+        Rounded down (``down``, or ``auto`` in an async run) the draw is what is expected to fit
+        in the batch: with one engine and one task, a need of ``r`` and a yield ``y > r / (r + 1)``
+        it is at most ``r`` prompts, so it never trains beyond the quota, and a batch that comes
+        out short gets a small top-up request, which overlaps the learner's step in an async run.
+        Rounded half up (``nearest``, and ``auto`` with ``async.sync``: there the learner waits for
+        a top-up) one request fills the batch more often, and about half a prompt per batch is drawn beyond the
         expected need: session 8's demo dropped 6-9% of its drawn prompts that way (one-step
         async cannot carry them: by the next batch they are older than the staleness bound),
         against 19% when each task's need was rounded up. When the rounded need is 0 and prompts
