@@ -42,12 +42,13 @@ def pytest_configure(config):
 
 # Under pytest-xdist (the README's ``-n 2 --dist loadfile``) a test module runs whole on one worker,
 # so its module-scoped Ray cluster and vLLM engine are built once. Longest modules first, so the two
-# workers finish together (per-module times from ``--junitxml`` of a full run, session 6), except
+# workers finish together (per-module times of full runs, sessions 6-10), except
 # that the two modules starting a real SLURM on this machine go first and last: they take turns
 # anyway (``tests.test_slurm.running_slurm`` holds a machine-wide lock), so they should not meet.
-_LONGEST_FIRST = ["test_slurm", "test_weight_broadcast", "test_exact_resume", "test_convergence",
-                  "test_loop_losses", "test_async_loop", "test_generator_pool", "test_learner_parallel",
-                  "test_replay", "test_convert_tools", "test_reliability_loop"]
+_LONGEST_FIRST = ["test_slurm", "test_weight_broadcast", "test_exact_resume", "test_stop_signals",
+                  "test_convergence", "test_loop_losses", "test_cli_args", "test_async_loop",
+                  "test_generator_pool", "test_learner_parallel", "test_replay", "test_convert_tools",
+                  "test_reliability_loop"]
 _LAST = ["test_recipe_rehearsal"]
 
 

@@ -30,9 +30,8 @@ pytestmark = [pytest.mark.integration]
 REPO = Path(__file__).resolve().parents[1]
 NUM_STEPS = 4
 # each entry: a kill -9 of the driver, then a re-run; one line per point (megatron_rlhf.testing.faults)
-KILLS = ["generation:3",   # mid-generation of step 3's batch (on the tiny model: while checkpoint 1 is
-                           # still being written, so this re-run starts over; rows moved aside)
-         "row:3",          # after step 3's metrics row, before its checkpoint
+KILLS = ["row:3",          # after step 3's metrics row, before its checkpoint (a fresh run: the
+                           # re-run resumes with batch 3 generated but untrained)
          "save:3",         # mid-save of checkpoint 3 (learner files written, no COMPLETE marker)
          "async_save:3"]   # the learner is writing checkpoint 3 in the background (async_save)
 ASYNC = "checkpoint.async_save=true"

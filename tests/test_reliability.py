@@ -652,6 +652,29 @@ def test_resume_false_on_a_used_folder_is_refused_before_the_model_is_prepared(u
         setup.prepare(Run(cfg("checkpoint.resume=false"), lambda *a: None))
 
 
+@pytest.mark.parametrize("override, message", [
+    ("tasks.0.data.path=data/no_such_file.jsonl", r"tasks\[math\]\.data\.path='data/no_such_file\.jsonl': file not found"),
+    ("tasks.0.eval_data={path: /nowhere/eval.jsonl}", r"tasks\[math\]\.eval_data\.path='/nowhere/eval\.jsonl': file not found"),
+    ("tasks.0.reward={reward_model: no/such/rm}", r"tasks\[math\]\.reward\.reward_model = 'no/such/rm': the folder does not exist"),
+], ids=["data_path", "eval_data_path", "reward_model_folder"])
+def test_a_missing_data_file_or_reward_model_folder_is_refused_before_the_model_is_prepared(
+        tiny_llama_dir, tmp_path, monkeypatch, override, message):
+    """A fresh-user finding: these were refused only after the model was prepared (a cold smollm2
+    conversion takes 40-60 s); ``preflight.check_task_files`` runs first."""
+    from megatron_rlhf.trainer import setup
+    from megatron_rlhf.trainer.run import Run
+
+    def no_conversion(model_cfg):
+        raise AssertionError("the model was prepared before the missing file was refused")
+
+    monkeypatch.setattr(setup, "resolve_model_dir", no_conversion)
+    cfg = load_config(REPO / "configs" / "ci_tiny.yaml", [
+        f"model.source={tiny_llama_dir}", f"run.output_dir={tmp_path / 'runs'}", override])
+    with pytest.raises(ConfigError, match=message):
+        setup.prepare(Run(cfg, lambda *a: None))
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
 def test_a_pending_batch_of_another_loss_is_regenerated_not_trained(tmp_path):
     """A checkpoint's untrained batch was built for online_dpo (pairs); resumed with grpo it is
     dropped and counted, and generation restarts from the position before it."""

@@ -229,9 +229,9 @@ def test_sbatch_term_checkpoints_exits_0_and_requeue_resumes_to_the_end(slurm_en
 def test_sbatch_whole_step_sigterm_checkpoints_exits_0_and_resubmit_resumes(slurm_env, tiny_llama_dir, tmp_path):
     """``scancel --signal=TERM --full`` (every process of the batch step: the batch shell, train.py,
     the log's tee, the srun clients) and ``scancel --signal=TERM JOB.S`` (S: the step named ray-head, which runs the Ray
-    head; step 0 is the pre-flight). The Ray step ignores it (its guard), the srun clients never see it (own session), train.py finishes its step and writes a checkpoint (made slow here, 20 s, by the test
+    head; step 0 is the pre-flight). The Ray step ignores it (its guard), the srun clients never see it (own session), train.py finishes its step and writes a checkpoint (made slow here, 12 s, by the test
     hook), the job exits 0 with no Ray process left, and a resubmitted job resumes and finishes."""
-    env = dict(slurm_env, MRLHF_TEST_SLOW_SAVE_S="20")
+    env = dict(slurm_env, MRLHF_TEST_SLOW_SAVE_S="12")
     runs = tmp_path / "runs"
     runs.mkdir()
     # a tiny-model step takes about 0.2 s on an idle machine: 50 steps leave the signal (sent once

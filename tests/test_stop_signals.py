@@ -130,28 +130,25 @@ def test_group_sigterm_then_sigint_each_checkpoint_exit_0_and_leave_no_process(t
     # 1. SIGTERM to the whole group (timeout, kill -- -PGID) while the run is at step >= 1; the
     #    stop checkpoint is made slow (20 s) so that Ray's processes are seen alive 5 s after the
     #    signal, while the driver still needs them (a 65 s save, which also outlasted the 60 s a
-    #    driver survives a dead GCS, passed in session 5; CI time is counted)
-    helpers, at, text = _stop_with_group_signal(tiny_llama_dir, tmp_path, log, num_steps, signal.SIGTERM, 20)
+    #    driver survives a dead GCS, passed in session 5; CI time is counted; the save starts after
+    #    the signal, so 12 s keeps 7 s of margin past the 5 s check)
+    helpers, at, text = _stop_with_group_signal(tiny_llama_dir, tmp_path, log, num_steps, signal.SIGTERM, 12)
     first = metrics_steps(run)
     assert first[-1] >= at and checkpoint_steps(run) == [first[-1]] and first[-1] < num_steps, (first, text[-3000:])
     assert not _alive(helpers), f"left behind: {_alive(helpers)}"
 
     # 2. the re-run resumes; Ctrl-C (SIGINT to the foreground group) during it does the same (a
-    #    15 s save here: the same mechanism as step 1, and CI time is counted)
-    helpers, at, text = _stop_with_group_signal(tiny_llama_dir, tmp_path, log, num_steps, signal.SIGINT, 15)
+    #    10 s save here: the same mechanism as step 1, and CI time is counted)
+    helpers, at, text = _stop_with_group_signal(tiny_llama_dir, tmp_path, log, num_steps, signal.SIGINT, 10)
     second = metrics_steps(run)
     assert second[:len(first)] == first and second[len(first)] == first[-1] + 1, second
     assert second[-1] < num_steps and "STOPPED EARLY" in text.rsplit("resuming from", 1)[1], text[-3000:]
     assert checkpoint_steps(run)[-1] == second[-1], (checkpoint_steps(run), second)
     assert not _alive(helpers), f"left behind: {_alive(helpers)}"
 
-    # 3. a last re-run completes the run
-    if second[-1] < num_steps:
-        proc = _train(tiny_llama_dir, tmp_path, log, f"run.num_steps={num_steps}")
-        assert _finish(proc, log) == 0, log.read_text()[-4000:]
-    assert metrics_steps(run) == list(range(1, num_steps + 1))
-    assert checkpoint_steps(run)[-1] == num_steps
-    assert_tensorboard_matches_jsonl(run)   # three sessions, one TensorBoard value per step
+    # the two sessions wrote one TensorBoard value per step (a resume to the end after a stop is
+    # test_exact_resume's and test_slurm's requeue test's; a third run here cost CI ~2 min)
+    assert_tensorboard_matches_jsonl(run)
 
 
 @pytest.mark.timeout(300)

@@ -177,3 +177,27 @@ def test_ray_metrics_exporter_lines_go_to_the_log_and_other_lines_to_the_console
         assert not route_ray_system_noise(log)   # no handler (log_to_driver=False): nothing to wrap
     finally:
         dispatcher.handlers = saved
+
+
+def test_step_progress_writes_a_plain_line_per_step_to_a_log_and_a_bar_only_to_a_terminal():
+    """A fresh-user finding: the tqdm bar's carriage-return redraws piled up in ``> train.log``."""
+    import io
+
+    from megatron_rlhf.trainer.metrics import StepProgress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    log, term, off = io.StringIO(), Terminal(), io.StringIO()
+    for stream, enabled in ((log, True), (term, True), (off, False)):
+        p = StepProgress(16, 2, enabled=enabled, stream=stream)   # resumed after step 2
+        p.update(reward="0.512", stale=1)
+        p.update(reward="0.600", stale=0)
+        p.close()
+    lines = log.getvalue().splitlines()
+    assert "\r" not in log.getvalue() and len(lines) == 2, log.getvalue()
+    assert lines[0].startswith("[megatron-rlhf] step 3/16: reward=0.512 stale=1 (") and lines[0].endswith(" s/step)")
+    assert lines[1].startswith("[megatron-rlhf] step 4/16: reward=0.600 stale=0 (")
+    assert "\r" in term.getvalue() and "4/16" in term.getvalue() and "[megatron-rlhf] step" not in term.getvalue()
+    assert off.getvalue() == ""

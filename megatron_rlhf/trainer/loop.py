@@ -30,6 +30,7 @@ import time
 
 from megatron_rlhf.config import Config
 from megatron_rlhf.trainer.evaluate import PendingRows, eval_due
+from megatron_rlhf.trainer.metrics import StepProgress
 from megatron_rlhf.trainer.run import LearnerDiedError, Run, RunResult
 from megatron_rlhf.trainer.run_lock import hold_run_folder
 from megatron_rlhf.trainer.setup import StoppedBeforeStart, resolve_model_dir
@@ -83,11 +84,8 @@ def train(cfg: Config, *, quiet: bool = False, generators: list | None = None) -
 
 
 def _loop(run: Run, stop: "_StopFlag", quiet: bool) -> RunResult:
-    from tqdm import tqdm
-
     cfg, n = run.cfg, run.cfg.run.num_steps
-    bar = tqdm(total=n, initial=run.start_step, desc="steps", unit="step",
-               disable=quiet or not cfg.logging.progress, dynamic_ncols=True)
+    bar = StepProgress(n, run.start_step, enabled=not quiet and cfg.logging.progress)   # a line per step in a log
     done = saved = run.start_step
     version, last_batch, t_start = run.version, None, time.perf_counter()
     rows = PendingRows(run.metrics.log, run.thread, run.batches, run.timeout)   # rows wait for their evals
@@ -123,10 +121,9 @@ def _loop(run: Run, stop: "_StopFlag", quiet: bool) -> RunResult:
                "time/step_s": time.perf_counter() - t_wait}
         rows.add(row, futures)
         kill_point("row", done)
-        bar.update(1)
-        bar.set_postfix(reward=f"{row['reward/mean']:.3f}", stale=stale["staleness/max"],
-                        loss=f"{row['loss/total'] if row['loss/total'] is None else round(row['loss/total'], 3)}",
-                        pairs=row["pairs/count"], drawn=row["prompts/drawn"])   # drawn: new prompts this step
+        bar.update(reward=f"{row['reward/mean']:.3f}", stale=stale["staleness/max"],
+                   loss=f"{row['loss/total'] if row['loss/total'] is None else round(row['loss/total'], 3)}",
+                   pairs=row["pairs/count"], drawn=row["prompts/drawn"])   # drawn: new prompts this step
         if cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0 and done < n:
             saved = _flush_and_save(run, rows, done, version, batch, lambda: run.take_for_checkpoint(stop))
         run.watchdog.end_step()   # a step's time includes its checkpoint (a hung save is caught too)

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsLogger", "json_safe", "REQUIRED_KEYS", "adopt_rows", "summarize", "summarize_evals", "task_names",
+__all__ = ["MetricsLogger", "StepProgress", "json_safe", "REQUIRED_KEYS", "adopt_rows", "summarize", "summarize_evals", "task_names",
            "time_breakdown",
            "wandb_run_id", "open_tensorboard", "TENSORBOARD_DIR"]
 
@@ -156,6 +156,46 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+
+
+class StepProgress:
+    """The console's step progress (``logging.progress``): a tqdm bar on a terminal, one plain line
+    per step otherwise (a SLURM log, ``> train.log``, a pipe), where a bar's carriage-return redraws
+    would pile up on one line.
+
+    The line: ``[megatron-rlhf] step 3/16: reward=0.512 stale=1 loss=-0.61 pairs=4 drawn=9 (31.2 s/step)``,
+    seconds per step averaged over the steps this session ran.
+
+    Args:
+        total: ``run.num_steps``; initial: the step the session starts after (a resume).
+        enabled: false for none at all (``logging.progress=false`` or a quiet run).
+        stream: where it goes (default ``sys.stderr``); a bar only when ``stream.isatty()``.
+    """
+
+    def __init__(self, total: int, initial: int = 0, *, enabled: bool = True, stream=None):
+        from tqdm import tqdm
+
+        self.stream = stream if stream is not None else sys.stderr
+        self.total, self.done, self.initial, self.t0 = total, initial, initial, time.perf_counter()
+        self.enabled = enabled
+        tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.bar = tqdm(total=total, initial=initial, desc="steps", unit="step", file=self.stream,
+                        disable=not (enabled and tty), dynamic_ncols=True)
+        self.lines = enabled and not tty
+
+    def update(self, **postfix) -> None:
+        """One more step done; ``postfix`` (``reward=..., stale=...``) shown beside it."""
+        self.done += 1
+        self.bar.update(1)
+        self.bar.set_postfix(**postfix)
+        if self.lines:
+            per = (time.perf_counter() - self.t0) / max(self.done - self.initial, 1)
+            fields = " ".join(f"{k}={v}" for k, v in postfix.items())
+            print(f"[megatron-rlhf] step {self.done}/{self.total}: {fields} ({per:.1f} s/step)",
+                  file=self.stream, flush=True)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def open_tensorboard(log_dir: str | os.PathLike, first_step: int, config_dict: dict | None = None):

@@ -5,6 +5,9 @@ Each failure is a :class:`~megatron_rlhf.config.ConfigError` naming the config k
 value and the fix, instead of an error from deep inside Megatron, vLLM or transformers after the
 actors started:
 
+* Before the model is prepared (a cold conversion takes a minute): every ``tasks[].data.path`` and
+  ``tasks[].eval_data.path`` is an existing file, and every ``tasks[].reward.reward_model`` that is
+  no demo name is a folder with a ``config.json`` (:func:`check_task_files`).
 * ``model.source``: an HF folder needs ``config.json`` of a supported architecture
   (:func:`megatron_rlhf.convert.mapping.supported_model_types`), a tokenizer and readable
   ``*.safetensors`` files (each header is parsed; a truncated or corrupt file is named); any other
@@ -29,7 +32,7 @@ from pathlib import Path
 
 from megatron_rlhf.config import Config, ConfigError
 
-__all__ = ["check_model_source", "check_device", "check_layout_before_conversion", "preflight",
+__all__ = ["check_model_source", "check_task_files", "check_device", "check_layout_before_conversion", "preflight",
            "check_model_folder", "check_output_folder", "import_plugins", "check_logging"]
 
 
@@ -60,6 +63,31 @@ def check_model_source(model_cfg) -> None:
     raise ConfigError(f"{key}: {src} has no config.json, so it is no Hugging Face model folder "
                       "(config.json, *.safetensors, tokenizer files), and no Megatron checkpoint "
                       "either; point model.source at one of those, or use 'smollm2'")
+
+
+def check_task_files(cfg: Config) -> None:
+    """Every task's data files and reward-model folder exist, checked before the model is prepared.
+
+    A demo reward-model name (``smollm2-demo``) is trained on first use later; any other
+    ``tasks[].reward.reward_model`` must already be a folder with a ``config.json``.
+
+    Raises:
+        ConfigError: names the key (``tasks[<name>].data.path``, ``tasks[<name>].eval_data.path``,
+            ``tasks[<name>].reward.reward_model``), the value and where it looked.
+    """
+    from megatron_rlhf.data.jsonrecords import resolve_data_path
+    from megatron_rlhf.rewards.train import DEMO_REWARD_MODELS, resolve_reward_model
+
+    for task in cfg.tasks:
+        try:
+            resolve_data_path(task.data.path, key=f"tasks[{task.name}].data.path")
+            if task.eval_data is not None:
+                resolve_data_path(task.eval_data.path, key=f"tasks[{task.name}].eval_data.path")
+            if task.kind == "reward_model" and task.reward.reward_model not in DEMO_REWARD_MODELS:
+                resolve_reward_model(task.reward.reward_model, os.path.expanduser(cfg.model.cache_dir),
+                                     key=f"tasks[{task.name}].reward.reward_model")
+        except (ValueError, FileNotFoundError) as e:
+            raise ConfigError(str(e)) from e
 
 
 def check_device(cfg: Config) -> None:

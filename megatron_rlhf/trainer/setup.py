@@ -28,7 +28,7 @@ from megatron_rlhf.generator.weight_sync import PublishedWeights, make_transport
 from megatron_rlhf.trainer.checkpoint import CheckpointManager
 from megatron_rlhf.trainer.metrics import MetricsLogger
 from megatron_rlhf.trainer.preflight import (check_device, check_layout_before_conversion, check_model_source,
-                                             preflight)
+                                             check_task_files, preflight)
 from megatron_rlhf.trainer.rollout import RolloutProducer, WeightChannel
 from megatron_rlhf.trainer.run import RunResult, learner_guard
 from megatron_rlhf.trainer.watchdog import HangWatchdog, dump_actor_stacks
@@ -75,6 +75,7 @@ def _prepare_checked(run) -> "RunResult | None":
     cfg, say, run_dir = run.cfg, run.say, run.run_dir
     say(f"run folder {run_dir}")
     check_model_source(cfg.model)
+    check_task_files(cfg)   # a wrong data path or reward-model folder: refused before the model is prepared
     check_device(cfg)
     check_layout_before_conversion(cfg)   # a cold smollm2 conversion takes a minute: refuse a bad layout first
     run.restart_aside = None   # checkpoint.resume=false on a used folder: refused before the conversion too
