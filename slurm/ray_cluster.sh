@@ -59,7 +59,7 @@
 #   MRLHF_RAY_TMPDIR          Ray's temp dir on the head (default /tmp/ray_mrlhf_<job>)
 #   MRLHF_RAY_START_ARGS      extra `ray start` arguments for every node, word-split
 #   MRLHF_RAY_JOIN_TIMEOUT_S  seconds to wait for all nodes to join (default 300)
-#   MRLHF_RAY_START_RETRIES   times a node's `ray start` that fails within 120 s of its start is
+#   MRLHF_RAY_START_RETRIES   times a node's `ray start` that fails within 300 s of its start is
 #                             started again (default 2; `ray start` gives up when its raylet has not
 #                             registered within a fixed 30 s, which a loaded node can exceed)
 #   MRLHF_NET_IFNAME          network interface for NCCL and gloo bootstrap (NCCL_SOCKET_IFNAME,

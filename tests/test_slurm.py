@@ -99,10 +99,30 @@ def _slurm_turn():
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _running_slurm(state: Path, nodes: int):
-    from megatron_rlhf.runtime import _free_ports
+def _fixed_ports(n: int, low: int = 20000, high: int = 32000) -> list[int]:
+    """``n`` distinct loopback ports free now, from ``[low, high)``: below Linux's ephemeral range
+    (``ip_local_port_range``, 32768-60999 by default) and above Ray's worker ports (10002-19999).
+    These ports are held by the module's jobs for 10+ minutes; an ephemeral one (what binding port
+    0 hands out) was taken meanwhile by another process's outgoing connection in a full run
+    (``ray_client_server``: "Address already in use" for the second job)."""
+    import random
+    import socket
 
-    ports = iter(_free_ports(nodes + 7))   # distinct: SLURM's and Ray's
+    picked: list[int] = []
+    for port in random.Random(os.getpid()).sample(range(low, high), high - low):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        picked.append(port)
+        if len(picked) == n:
+            return picked
+    raise RuntimeError(f"no {n} free ports in [{low}, {high})")
+
+
+def _running_slurm(state: Path, nodes: int):
+    ports = iter(_fixed_ports(nodes + 7))   # distinct: SLURM's and Ray's
     env = dict(os.environ, SLURM_CPUS="2", SLURM_NODES=str(nodes), SLURM_CTLD_PORT=str(next(ports)),
                SLURM_SLURMD_PORT=",".join(str(next(ports)) for _ in range(nodes)))
     res = subprocess.run(["bash", str(REPO / "tests/slurm/start_slurm.sh"), str(state)], env=env,
