@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     apply_process_env()
     from megatron_rlhf.trainer.loop import train
     from megatron_rlhf.trainer.run_lock import RunLockedError
-    from megatron_rlhf.trainer.setup import ResumeRefusedError
+    from megatron_rlhf.trainer.setup import ActorStartError, ResumeRefusedError
 
     try:
         res = train(cfg)
@@ -59,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     except RunLockedError as e:
         print(f"run folder in use: {e}", file=sys.stderr)
         return 3
+    except ActorStartError as e:
+        print(f"start-up failed: {e}", file=sys.stderr)
+        return 1
     print(format_summary(res), flush=True)
     return 0
 

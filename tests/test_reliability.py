@@ -656,7 +656,15 @@ def test_resume_false_on_a_used_folder_is_refused_before_the_model_is_prepared(u
     ("tasks.0.data.path=data/no_such_file.jsonl", r"tasks\[math\]\.data\.path='data/no_such_file\.jsonl': file not found"),
     ("tasks.0.eval_data={path: /nowhere/eval.jsonl}", r"tasks\[math\]\.eval_data\.path='/nowhere/eval\.jsonl': file not found"),
     ("tasks.0.reward={reward_model: no/such/rm}", r"tasks\[math\]\.reward\.reward_model = 'no/such/rm': the folder does not exist"),
-], ids=["data_path", "eval_data_path", "reward_model_folder"])
+    ("tasks.0.reward={reward_model: {tiny}}", r"reward_model = '.*' is not a reward model \(.*\): its config\.json has 2 labels "
+                                              r"\(architectures: LlamaForCausalLM, a causal language model\)"),
+    ("tasks.0.data.path=data", r"tasks\[math\]\.data\.path='data': .*data is a directory; give one JSON/JSONL file"),
+    ("tasks.0.data.prompt_field=questoin", r"tasks\[math\]\.data\.prompt_field = 'questoin': no such field in the first "
+                                           r"\d+ rows of .*; its rows have the fields \[.*'input'.*\]"),
+    ("tasks.0.eval_data={path: data/gsm8k/dev.jsonl, prompt_field: question, answer_field: solution}",
+     r"tasks\[math\]\.eval_data\.answer_field = 'solution': no such field .*'answer'"),
+], ids=["data_path", "eval_data_path", "reward_model_folder", "causal_lm_as_reward_model", "data_path_is_a_directory",
+        "prompt_field", "eval_answer_field"])
 def test_a_missing_data_file_or_reward_model_folder_is_refused_before_the_model_is_prepared(
         tiny_llama_dir, tmp_path, monkeypatch, override, message):
     """A fresh-user finding: these were refused only after the model was prepared (a cold smollm2
@@ -669,7 +677,7 @@ def test_a_missing_data_file_or_reward_model_folder_is_refused_before_the_model_
 
     monkeypatch.setattr(setup, "resolve_model_dir", no_conversion)
     cfg = load_config(REPO / "configs" / "ci_tiny.yaml", [
-        f"model.source={tiny_llama_dir}", f"run.output_dir={tmp_path / 'runs'}", override])
+        f"model.source={tiny_llama_dir}", f"run.output_dir={tmp_path / 'runs'}", override.replace("{tiny}", str(tiny_llama_dir))])
     with pytest.raises(ConfigError, match=message):
         setup.prepare(Run(cfg, lambda *a: None))
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())

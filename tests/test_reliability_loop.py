@@ -174,6 +174,28 @@ def test_a_start_up_wait_names_the_actors_and_async_timeout_s_and_polls_the_stop
         ray.kill(slow)
 
 
+class _BadRewardModel:
+    def __init__(self):
+        raise ValueError("reward_model='/models/llama': num_labels=2, expected 1 (a scalar reward head)")
+
+
+@pytest.mark.timeout(60)
+def test_a_reward_model_that_fails_to_start_is_named_with_its_cause_not_called_the_learner(ray_cluster):
+    """A fresh-user finding: a reward-model actor's constructor error surfaced as "the learner
+    died during start-up"; the learner's own death still goes to ``learner_guard``."""
+    import ray
+
+    from megatron_rlhf.trainer.setup import ActorStartError, wait_ready
+
+    bad = ray.remote(num_cpus=0, max_restarts=0)(_BadRewardModel).remote()
+    with pytest.raises(ActorStartError, match=r"^start-up: the reward model of task chat failed to start: "
+                                              r"ValueError: reward_model='/models/llama': num_labels=2, expected 1"):
+        wait_ready({"the reward model of task chat": bad}, 30.0, "start-up")
+    learner = ray.remote(num_cpus=0, max_restarts=0)(_BadRewardModel).remote()
+    with pytest.raises(ray.exceptions.RayActorError):
+        wait_ready({"the learner": learner}, 30.0, "start-up")
+
+
 class _RefusingLearner:
     def load_checkpoint(self, path):
         raise KeyError("policy/decoder.layers.0.mlp.linear_fc1.weight missing in the checkpoint\n(more lines)")

@@ -96,11 +96,17 @@ def test_long_sequences_are_cut_from_the_left_keeping_the_reply_end(tiny_rm_dir)
 
 
 @pytest.mark.timeout(60)
-def test_folder_without_scalar_head_is_rejected(tiny_llama_dir):
+def test_folder_without_scalar_head_is_rejected_by_the_loader_and_by_its_config_alone(tiny_llama_dir, tiny_rm_dir):
+    """``scalar_head_problem`` (read before any actor starts) agrees with the loader: a causal LM
+    (transformers' default of 2 labels) is refused, a one-label model passes."""
+    from megatron_rlhf.rewards.reward_model import scalar_head_problem
+
     with pytest.raises(ValueError, match="num_labels"):
         RewardModel(tiny_llama_dir)  # a causal LM config (num_labels defaults to 2)
     with pytest.raises(ValueError, match="config.json"):
         RewardModel("/nonexistent/rm")
+    assert "2 labels (architectures: LlamaForCausalLM, a causal language model)" in scalar_head_problem(tiny_llama_dir)
+    assert scalar_head_problem(tiny_rm_dir) is None
 
 
 @pytest.mark.timeout(10)

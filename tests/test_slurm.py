@@ -150,6 +150,9 @@ def _running_slurm(state: Path, nodes: int):
     finally:
         subprocess.run(["bash", str(REPO / "tests/slurm/stop_slurm.sh"), str(state)], env=env,
                        capture_output=True, text=True, timeout=120)
+        # a job that failed (or a test that timed out) may leave its Ray head behind, outside
+        # SLURM's process tracking (its own session): it would hold ports and a core for hours
+        subprocess.run(["pkill", "-9", "-f", str(ray_tmp)], capture_output=True)
         shutil.rmtree(ray_tmp, ignore_errors=True)
 
 

@@ -192,12 +192,46 @@ def test_step_progress_writes_a_plain_line_per_step_to_a_log_and_a_bar_only_to_a
     log, term, off = io.StringIO(), Terminal(), io.StringIO()
     for stream, enabled in ((log, True), (term, True), (off, False)):
         p = StepProgress(16, 2, enabled=enabled, stream=stream)   # resumed after step 2
-        p.update(reward="0.512", stale=1)
+        p.update(31.25, reward="0.512", stale=1)
         p.update(reward="0.600", stale=0)
         p.close()
     lines = log.getvalue().splitlines()
     assert "\r" not in log.getvalue() and len(lines) == 2, log.getvalue()
-    assert lines[0].startswith("[megatron-rlhf] step 3/16: reward=0.512 stale=1 (") and lines[0].endswith(" s/step)")
+    assert lines[0].startswith("[megatron-rlhf] step 3/16: reward=0.512 stale=1 (31.2 s; mean ") and lines[0].endswith(" s/step)")
     assert lines[1].startswith("[megatron-rlhf] step 4/16: reward=0.600 stale=0 (")
     assert "\r" in term.getvalue() and "4/16" in term.getvalue() and "[megatron-rlhf] step" not in term.getvalue()
     assert off.getvalue() == ""
+
+
+def test_progress_off_a_terminal_writes_plain_lines_at_most_every_every_s_and_a_final_one():
+    """The reward model's ``features`` and the converter's tensor bars: in a log, plain lines (a
+    fresh-user finding: tqdm's carriage returns piled up in ``> train.log``), on a terminal a bar."""
+    import io
+
+    from megatron_rlhf.utils.progress import LineProgress, progress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    log, sparse, term = io.StringIO(), io.StringIO(), Terminal()
+    with progress(4000, "features", "tok", stream=log, every_s=0.0) as bar:
+        assert isinstance(bar, LineProgress)
+        bar.update(1000)
+        bar.update(3000)
+    assert log.getvalue().splitlines() == [
+        "[megatron-rlhf] features: 1,000/4,000 tok (25%, 0 s)", "[megatron-rlhf] features: 4,000/4,000 tok (100%, 0 s)",
+        "[megatron-rlhf] features: 4,000/4,000 tok (100%, 0 s)"]   # the last update's line, then close's
+    bar = progress(10, "reshard", "tensor", stream=sparse, every_s=3600.0)
+    for _ in range(10):
+        bar.update(1)
+    bar.close()
+    bar.close()
+    assert sparse.getvalue() == "[megatron-rlhf] reshard: 10/10 tensor (100%, 0 s)\n"   # only the final line, once
+    quiet = io.StringIO()
+    with progress(5, "x", "tensor", stream=quiet, enabled=False, every_s=0.0) as bar:
+        bar.update(5)
+    assert quiet.getvalue() == ""
+    with progress(3, "hf->megatron", "tensor", stream=term) as bar:
+        bar.update(3)
+    assert "\r" in term.getvalue() and "3/3" in term.getvalue() and "[megatron-rlhf]" not in term.getvalue()

@@ -134,14 +134,10 @@ def _atomic_dir(out: Path):
 
 
 def _progress(total: int, desc: str, enabled: bool):
-    """A tensor-count bar; to a log or a pipe a redraw every 30 s, not ten a second (carriage
-    returns pile up there)."""
-    import sys
+    """A tensor-count bar on a terminal; to a log or a pipe a plain line every 30 s."""
+    from megatron_rlhf.utils.progress import progress
 
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, unit="tensor", disable=not enabled, dynamic_ncols=True,
-                mininterval=0.1 if sys.stderr.isatty() else 30.0)
+    return progress(total, desc, "tensor", enabled=enabled)
 
 
 def _layer_of(mname: str) -> int | None:

@@ -26,17 +26,21 @@ def resolve_data_path(path: str | Path, *, key: str = "data.path") -> Path:
     Returns:
         The existing file's path.
     Raises:
-        ValueError: the file exists in neither place (the message names ``key`` and both tries).
+        ValueError: the file exists in neither place, or the path is a directory (the message
+            names ``key`` and both tries).
     """
     p = Path(path).expanduser()
-    if p.is_absolute():
-        if p.is_file():
-            return p
-        raise ValueError(f"{key}={str(path)!r}: file not found; give an existing JSON/JSONL file")
     repo = Path(__file__).resolve().parents[2]
-    for base in (repo, Path.cwd()):
-        if (base / p).is_file():
-            return (base / p).resolve()
+    tries = [p] if p.is_absolute() else [repo / p, Path.cwd() / p]
+    for t in tries:
+        if t.is_file():
+            return t.resolve() if not p.is_absolute() else t
+    folders = [t for t in tries if t.is_dir()]
+    if folders:
+        raise ValueError(f"{key}={str(path)!r}: {folders[0]} is a directory; give one JSON/JSONL file in it "
+                         "(a task reads one file; several files are several tasks)")
+    if p.is_absolute():
+        raise ValueError(f"{key}={str(path)!r}: file not found; give an existing JSON/JSONL file")
     raise ValueError(f"{key}={str(path)!r}: file not found under the repo root ({repo}) or the "
                      f"working directory ({Path.cwd()}); give an existing JSON/JSONL file")
 

@@ -41,7 +41,7 @@ from pathlib import Path
 
 __all__ = ["RewardModel", "RunningRewardNormalizer", "length_normalized_rewards", "bradley_terry_loss",
            "FeatureSpec", "reward_features", "encode_for_reward", "encode_reward_parts",
-           "HEAD_CONFIG", "HEAD_WEIGHTS"]
+           "HEAD_CONFIG", "HEAD_WEIGHTS", "scalar_head_problem"]
 
 HEAD_CONFIG = "reward_head.json"
 """File name of the pooled-feature head's JSON description (format 2 of the module docstring)."""
@@ -49,6 +49,35 @@ HEAD_WEIGHTS = "reward_head.safetensors"
 """File name of the pooled-feature head's tensors ``mean``, ``std``, ``weight`` (each ``[D]``)."""
 HEAD_FORMAT = "megatron_rlhf.pooled_linear_reward_head/v1"
 POOLINGS = ("last", "reply_mean")
+
+
+def scalar_head_problem(model_dir: str | Path) -> str | None:
+    """Why ``model_dir`` is not a reward model, read from its ``config.json`` alone, or ``None``.
+
+    Cheap (no transformers import, no weights read): used before any actor starts, so that a
+    causal-LM folder given as a reward model is refused at once instead of after the policy is
+    prepared. A folder with :data:`HEAD_CONFIG` (format 2) passes; otherwise the config must have
+    one label (``num_labels: 1`` or a one-entry ``id2label``; transformers' default is 2).
+
+    Returns:
+        ``None`` when it looks like a reward model, else a sentence naming what was found
+        (``architectures``, the label count).
+    """
+    d = Path(model_dir).expanduser()
+    if (d / HEAD_CONFIG).is_file():
+        return None
+    try:
+        cfg = json.loads((d / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        return f"its config.json cannot be read ({e})"
+    labels = len(cfg["id2label"]) if isinstance(cfg.get("id2label"), dict) else cfg.get("num_labels", 2)
+    if labels == 1:
+        return None
+    arch = ", ".join(cfg.get("architectures") or []) or "none given"
+    kind = ", a causal language model" if arch.endswith("ForCausalLM") else ""
+    return (f"its config.json has {labels} labels (architectures: {arch}{kind}) and there is no {HEAD_CONFIG}: a reward "
+            "model needs a scalar head (num_labels: 1, e.g. LlamaForSequenceClassification) or the "
+            "pooled head tools/train_reward_model.py writes")
 
 
 def bradley_terry_loss(r_chosen, r_rejected):

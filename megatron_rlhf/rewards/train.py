@@ -56,7 +56,6 @@ import math
 import os
 import random
 import shutil
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -125,15 +124,21 @@ def resolve_reward_model(name_or_path: str, cache_dir: str | os.PathLike = "~/.c
     Returns:
         The absolute folder path (not loaded: load it with ``RewardModel``).
     Raises:
-        ValueError: the folder is missing or has no ``config.json``; or a demo model is not cached and
-            its training data is missing (the message names ``key``, the value and the fix).
+        ValueError: the folder is missing, has no ``config.json`` or no scalar head
+            (:func:`~megatron_rlhf.rewards.reward_model.scalar_head_problem`); or a demo model is not
+            cached and its training data is missing (the message names ``key``, the value and the fix).
     """
+    from megatron_rlhf.rewards.reward_model import scalar_head_problem
+
     if name_or_path in DEMO_REWARD_MODELS:
         return ensure_demo_reward_model(name_or_path, cache_dir, key=key)
     p = Path(os.path.expanduser(str(name_or_path)))
     candidates = [p] if p.is_absolute() else list(dict.fromkeys([Path.cwd() / p, REPO / p]))
     for c in candidates:
         if (c / "config.json").is_file():
+            problem = scalar_head_problem(c)
+            if problem is not None:
+                raise ValueError(f"{key} = {str(name_or_path)!r} is not a reward model ({c.resolve()}): {problem}")
             return c.resolve()
     where = " or ".join(str(c) for c in candidates)
     what = "has no config.json" if any(c.is_dir() for c in candidates) else "does not exist"
@@ -427,9 +432,9 @@ def extract_features(trunk, pairs: list[dict], cache_file: Path, pad_id: int, ba
     """
     import torch
     from safetensors.torch import load_file, save_file
-    from tqdm import tqdm
 
     from megatron_rlhf.rewards.reward_model import reward_features
+    from megatron_rlhf.utils.progress import progress
 
     have: dict[str, tuple] = {}
     if cache_file.is_file():
@@ -459,9 +464,8 @@ def extract_features(trunk, pairs: list[dict], cache_file: Path, pad_id: int, ba
                   str(tmp), metadata={"uids": json.dumps(uids)})
         os.replace(tmp, cache_file)
 
-    # to a pipe or a log file a line every 30 s, not ten a second (carriage returns pile up there)
-    bar = tqdm(total=sum(min(len(s[2]), max_len) for s in seqs), unit="tok", desc="features", disable=not seqs,
-               mininterval=0.1 if sys.stderr.isatty() else 30.0)
+    # to a pipe or a log file a plain line every 30 s (a bar's carriage returns pile up there)
+    bar = progress(sum(min(len(s[2]), max_len) for s in seqs), "features", "tok", enabled=bool(seqs))
     last_flush = time.time()
     with torch.no_grad():
         for b in range(0, len(seqs), batch_size):

@@ -121,7 +121,7 @@ def _loop(run: Run, stop: "_StopFlag", quiet: bool) -> RunResult:
                "time/step_s": time.perf_counter() - t_wait}
         rows.add(row, futures)
         kill_point("row", done)
-        bar.update(reward=f"{row['reward/mean']:.3f}", stale=stale["staleness/max"],
+        bar.update(row["time/step_s"], reward=f"{row['reward/mean']:.3f}", stale=stale["staleness/max"],
                    loss=f"{row['loss/total'] if row['loss/total'] is None else round(row['loss/total'], 3)}",
                    pairs=row["pairs/count"], drawn=row["prompts/drawn"])   # drawn: new prompts this step
         if cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0 and done < n:

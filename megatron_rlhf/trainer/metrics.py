@@ -163,8 +163,9 @@ class StepProgress:
     per step otherwise (a SLURM log, ``> train.log``, a pipe), where a bar's carriage-return redraws
     would pile up on one line.
 
-    The line: ``[megatron-rlhf] step 3/16: reward=0.512 stale=1 loss=-0.61 pairs=4 drawn=9 (31.2 s/step)``,
-    seconds per step averaged over the steps this session ran.
+    The line: ``[megatron-rlhf] step 3/16: reward=0.512 stale=1 loss=-0.61 pairs=4 drawn=9 (31.2 s;
+    mean 30.4 s/step)``: this step's own seconds (``time/step_s``), then the mean over the steps this
+    session ran (the first of a fresh run also waits for the eval before step 1).
 
     Args:
         total: ``run.num_steps``; initial: the step the session starts after (a resume).
@@ -182,16 +183,20 @@ class StepProgress:
         self.bar = tqdm(total=total, initial=initial, desc="steps", unit="step", file=self.stream,
                         disable=not (enabled and tty), dynamic_ncols=True)
         self.lines = enabled and not tty
+        self._last = self.t0
 
-    def update(self, **postfix) -> None:
-        """One more step done; ``postfix`` (``reward=..., stale=...``) shown beside it."""
-        self.done += 1
+    def update(self, step_s: float | None = None, **postfix) -> None:
+        """One more step done, which took ``step_s`` seconds (default: since the last update);
+        ``postfix`` (``reward=..., stale=...``) shown beside it."""
+        now = time.perf_counter()
+        step_s = now - self._last if step_s is None else step_s
+        self.done, self._last = self.done + 1, now
         self.bar.update(1)
         self.bar.set_postfix(**postfix)
         if self.lines:
-            per = (time.perf_counter() - self.t0) / max(self.done - self.initial, 1)
+            mean = (now - self.t0) / max(self.done - self.initial, 1)
             fields = " ".join(f"{k}={v}" for k, v in postfix.items())
-            print(f"[megatron-rlhf] step {self.done}/{self.total}: {fields} ({per:.1f} s/step)",
+            print(f"[megatron-rlhf] step {self.done}/{self.total}: {fields} ({step_s:.1f} s; mean {mean:.1f} s/step)",
                   file=self.stream, flush=True)
 
     def close(self) -> None:

@@ -6,8 +6,9 @@ value and the fix, instead of an error from deep inside Megatron, vLLM or transf
 actors started:
 
 * Before the model is prepared (a cold conversion takes a minute): every ``tasks[].data.path`` and
-  ``tasks[].eval_data.path`` is an existing file, and every ``tasks[].reward.reward_model`` that is
-  no demo name is a folder with a ``config.json`` (:func:`check_task_files`).
+  ``tasks[].eval_data.path`` is an existing file whose first rows have the task's ``prompt_field``
+  and ``answer_field`` (math and plug-in tasks), and every ``tasks[].reward.reward_model`` that is
+  no demo name is a folder with a ``config.json`` of a scalar-head model (:func:`check_task_files`).
 * ``model.source``: an HF folder needs ``config.json`` of a supported architecture
   (:func:`megatron_rlhf.convert.mapping.supported_model_types`), a tokenizer and readable
   ``*.safetensors`` files (each header is parsed; a truncated or corrupt file is named); any other
@@ -33,7 +34,7 @@ from pathlib import Path
 from megatron_rlhf.config import Config, ConfigError
 
 __all__ = ["check_model_source", "check_task_files", "check_device", "check_layout_before_conversion", "preflight",
-           "check_model_folder", "check_output_folder", "import_plugins", "check_logging"]
+           "check_model_folder", "check_output_folder", "import_plugins", "check_logging", "check_prompt_fields"]
 
 
 def check_model_source(model_cfg) -> None:
@@ -80,14 +81,68 @@ def check_task_files(cfg: Config) -> None:
 
     for task in cfg.tasks:
         try:
-            resolve_data_path(task.data.path, key=f"tasks[{task.name}].data.path")
+            path = resolve_data_path(task.data.path, key=f"tasks[{task.name}].data.path")
+            if task.kind != "reward_model":   # chat files have formats of their own (data/chat.py)
+                check_prompt_fields(task.data, path, f"tasks[{task.name}].data")
             if task.eval_data is not None:
-                resolve_data_path(task.eval_data.path, key=f"tasks[{task.name}].eval_data.path")
+                path = resolve_data_path(task.eval_data.path, key=f"tasks[{task.name}].eval_data.path")
+                if task.kind != "reward_model":
+                    check_prompt_fields(task.eval_data, path, f"tasks[{task.name}].eval_data")
             if task.kind == "reward_model" and task.reward.reward_model not in DEMO_REWARD_MODELS:
                 resolve_reward_model(task.reward.reward_model, os.path.expanduser(cfg.model.cache_dir),
                                      key=f"tasks[{task.name}].reward.reward_model")
         except (ValueError, FileNotFoundError) as e:
             raise ConfigError(str(e)) from e
+
+
+def _head_rows(path: Path, n: int) -> list[dict]:
+    """The JSON objects among the first ``n`` non-blank lines of a JSONL file (the whole array of a
+    ``.json`` file under 64 MiB; nothing for a larger one)."""
+    import json
+
+    if path.suffix == ".json":
+        if path.stat().st_size > 64 << 20:
+            return []
+        try:
+            rows = json.loads(path.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError):
+            return []   # the loader reports it, naming the line
+        return [r for r in rows[:n] if isinstance(r, dict)] if isinstance(rows, list) else []
+    rows = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    r = json.loads(line)
+                except ValueError:
+                    r = None
+                rows += [r] if isinstance(r, dict) else []
+                n -= 1
+                if n == 0:
+                    break
+    return rows
+
+
+def check_prompt_fields(data, path: Path, key: str, n: int = 50) -> None:
+    """``<key>.prompt_field`` (each part of ``Body+Question``) and ``answer_field`` of ``data`` (a
+    ``DataConfig``) occur in the first ``n`` rows of ``path``: a misspelled field would otherwise
+    skip every row as malformed and stop the run after the model was prepared.
+
+    Raises:
+        ConfigError: names the key, the missing field(s) and the keys the rows do have.
+    """
+    rows = _head_rows(path, n)
+    if not rows:
+        return   # empty or unreadable: the loader names the file and the line
+    seen = sorted({k for r in rows for k in r})
+    wanted = [("prompt_field", f.strip()) for f in data.prompt_field.split("+")]
+    wanted += [("answer_field", data.answer_field)] if data.answer_field else []
+    missing = [(k, f) for k, f in wanted if not any(f in r for r in rows)]
+    if missing:
+        what = ", ".join(f"{key}.{k} = {f!r}" for k, f in missing)
+        raise ConfigError(f"{what}: no such field in the first {len(rows)} rows of {path}; its rows have "
+                          f"the fields {seen}; set {' and '.join(sorted({f'{key}.{k}' for k, _ in missing}))} "
+                          "to one of them")
 
 
 def check_device(cfg: Config) -> None:

@@ -33,7 +33,7 @@ from megatron_rlhf.trainer.rollout import RolloutProducer, WeightChannel
 from megatron_rlhf.trainer.run import RunResult, learner_guard
 from megatron_rlhf.trainer.watchdog import HangWatchdog, dump_actor_stacks
 
-__all__ = ["prepare", "start", "resolve_model_dir", "init_ray", "worker_pythonpath", "load_prompts", "resolve_reward_models",
+__all__ = ["ActorStartError", "prepare", "start", "resolve_model_dir", "init_ray", "worker_pythonpath", "load_prompts", "resolve_reward_models",
            "build_reward_models", "reward_fns", "build_actors", "build_generators"]
 
 
@@ -52,6 +52,21 @@ class ResumeRefusedError(ConfigError):
 
 class StartupTimeoutError(TimeoutError):
     """A start-up wait exceeded ``async.timeout_s``; the message names the actors and the key."""
+
+
+class ActorStartError(RuntimeError):
+    """A generator or reward-model actor raised in its constructor or died while starting: the
+    message names the actor and the root cause (the learner's own death is a ``LearnerDiedError``)."""
+
+
+def _root_cause(e: Exception) -> str:
+    """The last ``SomeError: message`` line of a Ray actor error (the constructor's exception),
+    else its last line."""
+    import re
+
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    causes = [ln for ln in lines if re.match(r"^[\w.]+(Error|Exception)\b", ln)]
+    return (causes or lines or [type(e).__name__])[-1]
 
 
 def prepare(run) -> "RunResult | None":
@@ -211,7 +226,8 @@ def wait_ready(actors: dict, timeout: float, what: str, stop=None, next_step: in
     Raises:
         StartupTimeoutError: some are not ready within ``async.timeout_s`` (names them and the key).
         StoppedBeforeStart: ``stop.requested`` (a SIGTERM/SIGINT during start-up).
-        ray.exceptions.RayActorError: an actor died while starting.
+        ActorStartError: a generator or reward-model actor died while starting (names it and the cause).
+        ray.exceptions.RayActorError: the learner (``"the learner"``) died while starting.
     """
     import ray
 
@@ -228,7 +244,13 @@ def wait_ready(actors: dict, timeout: float, what: str, stop=None, next_step: in
                 f"of {len(refs)} actors ready): raise async.timeout_s (a slow first model load or vLLM "
                 "start), or check the Ray cluster's resources (ray status)")
         ready, pending = ray.wait(pending, num_returns=len(pending), timeout=min(1.0, left))
-        ray.get(ready)   # an actor that died while starting raises here
+        for ref in ready:
+            try:
+                ray.get(ref)   # an actor that died while starting raises here
+            except ray.exceptions.RayActorError as e:
+                if refs[ref] == "the learner":
+                    raise   # learner_guard: LearnerDiedError, naming the last checkpoint
+                raise ActorStartError(f"{what}: {refs[ref]} failed to start: {_root_cause(e)}") from e
 
 
 def check_stop(run, stop) -> None:
