@@ -46,7 +46,7 @@ def run(requests: int, per_request: int, samples: int, short: int, long: int, wo
 
     apply_process_env(str(work_dir / "tmp"))
     model_dir = make_tiny_model(work_dir / "tiny", "llama")
-    ray.init(num_cpus=3, include_dashboard=False, runtime_env={"env_vars": process_env()},
+    ray.init(address="local", num_cpus=3, include_dashboard=False, runtime_env={"env_vars": process_env()},
              logging_level="WARNING")
     try:
         cls = ray.remote(num_cpus=1, **RAY_ACTOR_OPTIONS)(VLLMGenerator)

@@ -123,7 +123,7 @@ def run(a, work_dir: Path) -> list[dict]:
 
     apply_process_env(str(work_dir / "tmp"))
     model_dir = make_tiny_model(work_dir / "tiny", "llama")
-    ray.init(num_cpus=3, include_dashboard=False, runtime_env={"env_vars": process_env()},
+    ray.init(address="local", num_cpus=3, include_dashboard=False, runtime_env={"env_vars": process_env()},
              logging_level="WARNING")
     try:
         cls = ray.remote(num_cpus=1, **RAY_ACTOR_OPTIONS)(VLLMGenerator)

@@ -612,7 +612,7 @@ def run_cells(args, cells: list[Cell], todo: list[Cell], results: dict, pilot_lr
 
         model_dir = str(resolve_model_dir(load_config(RECIPE, []).model))   # converts SmolLM2 on first use
     if own:
-        ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": process_env()},
+        ray.init(address="local", num_cpus=4, include_dashboard=False, runtime_env={"env_vars": process_env()},
                  logging_level="WARNING")
     t_all = time.perf_counter()
     try:

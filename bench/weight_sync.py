@@ -158,7 +158,8 @@ def run(model: str, workers: int, repeats: int, transports: list[str], work_dir:
     else:
         model_dir = Path(model)
     tp, pp, dp = LAYOUTS[layout]
-    ray.init(num_cpus=workers + tp * pp * dp, include_dashboard=False, runtime_env={"env_vars": process_env()},
+    ray.init(address="local", num_cpus=workers + tp * pp * dp, include_dashboard=False,
+             runtime_env={"env_vars": process_env()},
              logging_level="WARNING")
     rows = []
     try:

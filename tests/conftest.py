@@ -95,7 +95,7 @@ def ray_cluster():
 
     from megatron_rlhf.runtime import process_env
 
-    ray.init(num_cpus=4, include_dashboard=False, runtime_env={"env_vars": process_env()},
+    ray.init(address="local", num_cpus=4, include_dashboard=False, runtime_env={"env_vars": process_env()},
              logging_level="WARNING")
     yield
     ray.shutdown()

@@ -127,7 +127,7 @@ def test_update_weights_makes_prompt_logprobs_match_the_new_weights(env):
 def test_update_weights_from_ray_object_refs(env):
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         new = _perturbed(env.base, seed=2)
         names = list(new)

@@ -285,7 +285,7 @@ def test_checkpoint_save_and_load_work_inside_a_ray_actor(tiny_llama_dir, tmp_pa
     ray = pytest.importorskip("ray")
     from megatron_rlhf.runtime import process_env
 
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": process_env(os.environ.get("TMPDIR"))})
     try:
         @ray.remote(num_cpus=1)

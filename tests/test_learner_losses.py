@@ -281,7 +281,7 @@ def test_grpo_with_entropy_and_temperature_in_a_group_equals_one_process(tp, dp,
     m1 = one.train_step(batch)
     w1 = {k: v for b in one.export_weights() for k, v in b.items()}
     one.close()
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": process_env()},
+    ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": process_env()},
              logging_level="WARNING")
     try:
         cfg = LearnerConfig(tensor_parallel=tp, data_parallel=dp, micro_batch_size=2, optimizer=opt)

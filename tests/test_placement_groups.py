@@ -31,6 +31,10 @@ def cluster():
         return {"num_cpus": GPUS, "num_gpus": GPUS, "resources": {f"mrlhf_{role}": GPUS}}
 
     c = Cluster(initialize_head=True, head_node_args={**args("learner"), "include_dashboard": False})
+    # Cluster writes its address to /tmp/ray/ray_current_cluster, where a plain ray.init() of a
+    # test on the other xdist worker would find it and join this fake cluster (seen: "When
+    # connecting to an existing cluster, num_cpus and num_gpus must not be provided")
+    ray._common.utils.reset_ray_address()
     learner_b = c.add_node(**args("learner"))
     gen = c.add_node(**args("generator"))
     c.wait_for_nodes()

@@ -73,7 +73,7 @@ def test_stack_dump_shows_where_a_busy_ray_actor_is(tmp_path):
     from megatron_rlhf.trainer.watchdog import STACKS_ENV, dump_actor_stacks
 
     folder = tmp_path / "stacks"
-    ray.init(num_cpus=1, include_dashboard=False, logging_level="WARNING", runtime_env={
+    ray.init(address="local", num_cpus=1, include_dashboard=False, logging_level="WARNING", runtime_env={
         "env_vars": {**process_env(), STACKS_ENV: str(folder)},
         "worker_process_setup_hook": "megatron_rlhf.trainer.watchdog.register_stack_dump"})
     try:

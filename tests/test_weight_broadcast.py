@@ -165,7 +165,7 @@ def ray_cluster():
 
     from megatron_rlhf.runtime import process_env
 
-    ray.init(num_cpus=8, include_dashboard=False, runtime_env={"env_vars": process_env()},
+    ray.init(address="local", num_cpus=8, include_dashboard=False, runtime_env={"env_vars": process_env()},
              logging_level="WARNING")
     yield
     ray.shutdown()
@@ -242,7 +242,9 @@ def engines(ray_cluster):
             ray.kill(h)
 
 
-LAYOUTS = {"tp2pp2_tied": (2, 2, 1, True), "tp2dp2_untied": (2, 1, 2, False), "tp2pp2_untied": (2, 2, 1, False)}
+# TP x PP untied (the last stage sends lm_head.weight) is the loop test's layout below: PP=2 on an
+# untied model with the probe check; its own byte-level run here cost 41-100 s of CI
+LAYOUTS = {"tp2pp2_tied": (2, 2, 1, True), "tp2dp2_untied": (2, 1, 2, False)}
 
 
 @pytest.mark.integration
