@@ -70,7 +70,11 @@ def test_resolve_reward_model_errors_name_the_config_key(tmp_path, monkeypatch):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="has no config.json"):
         resolve_reward_model(str(tmp_path / "empty"), tmp_path, key=key)
-    (tmp_path / "empty" / "config.json").write_text("{}")
+    (tmp_path / "empty" / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')   # 2 labels by default
+    with pytest.raises(ValueError, match=r"tasks\[chat\]\.reward\.reward_model = '.*empty' is not a reward model .*2 labels "
+                                         r"\(architectures: LlamaForCausalLM, a causal language model\)"):
+        resolve_reward_model(str(tmp_path / "empty"), tmp_path, key=key)
+    (tmp_path / "empty" / "config.json").write_text('{"id2label": {"0": "LABEL_0"}}')   # what num_labels=1 saves
     assert resolve_reward_model(str(tmp_path / "empty"), tmp_path) == (tmp_path / "empty").resolve()
     monkeypatch.setitem(rm_train.DEMO_REWARD_MODELS, "nodata-demo", rm_train.DemoRewardModel(
         name="nodata-demo", folder="x", train_kwargs={"data": [str(tmp_path / "no_prefs")]}))
