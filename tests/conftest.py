@@ -30,6 +30,7 @@ def checkpoint_steps(run_dir: Path) -> list[int]:
 
 
 def pytest_configure(config):
+    _CONFIG["config"] = config
     if os.environ.get("MRLHF_TEST_TMP"):
         tmp = Path(os.environ["MRLHF_TEST_TMP"])
         tmp.mkdir(parents=True, exist_ok=True)
@@ -38,6 +39,27 @@ def pytest_configure(config):
 
         tmp = Path(tempfile.mkdtemp(prefix="mrlhf_tests_"))
     apply_process_env(str(tmp))
+
+
+def pytest_runtest_logreport(report):
+    """A failure is named the moment it happens (``[failed] nodeid (phase, s): last error line``),
+    not only in the end summary: a CI run stopped by ``.ci/run``'s time limit prints no summary
+    (session 11's CI log showed two ``F`` and no names). On the xdist controller this sees every
+    worker's reports; on a worker it does nothing (the controller prints)."""
+    if not report.failed or report.when not in ("setup", "call", "teardown"):
+        return
+    config = _CONFIG.get("config")
+    if config is None or hasattr(config, "workerinput"):
+        return
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    text = getattr(report, "longreprtext", "") or ""
+    errors = [ln for ln in text.splitlines() if ln.startswith("E ")]
+    last = (errors[-1][1:].strip() if errors else (text.strip().splitlines() or [""])[-1])[:300]
+    if reporter is not None:
+        reporter.write_line(f"\n[failed] {report.nodeid} ({report.when}, {report.duration:.0f} s): {last}")
+
+
+_CONFIG: dict = {}
 
 
 # Under pytest-xdist (the README's ``-n 2 --dist loadfile``) a test module runs whole on one worker,
