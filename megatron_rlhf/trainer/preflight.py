@@ -6,8 +6,8 @@ value and the fix, instead of an error from deep inside Megatron, vLLM or transf
 actors started:
 
 * Before the model is prepared (a cold conversion takes a minute): every ``tasks[].data.path`` and
-  ``tasks[].eval_data.path`` is an existing file whose first rows have the task's ``prompt_field``
-  and ``answer_field`` (math and plug-in tasks), and every ``tasks[].reward.reward_model`` that is
+  ``tasks[].eval_data.path`` is an existing file whose first rows have the task's ``prompt_field``,
+  ``answer_field`` and ``filter`` keys (math and plug-in tasks), and every ``tasks[].reward.reward_model`` that is
   no demo name is a folder with a ``config.json`` of a scalar-head model (:func:`check_task_files`).
 * ``model.source``: an HF folder needs ``config.json`` of a supported architecture
   (:func:`megatron_rlhf.convert.mapping.supported_model_types`), a tokenizer and readable
@@ -124,9 +124,9 @@ def _head_rows(path: Path, n: int) -> list[dict]:
 
 
 def check_prompt_fields(data, path: Path, key: str, n: int = 50) -> None:
-    """``<key>.prompt_field`` (each part of ``Body+Question``) and ``answer_field`` of ``data`` (a
-    ``DataConfig``) occur in the first ``n`` rows of ``path``: a misspelled field would otherwise
-    skip every row as malformed and stop the run after the model was prepared.
+    """``<key>.prompt_field`` (each part of ``Body+Question``), ``answer_field`` and every ``filter``
+    key of ``data`` (a ``DataConfig``) occur in the first ``n`` rows of ``path``: a misspelled field
+    would otherwise skip (or filter out) every row and stop the run after the model was prepared.
 
     Raises:
         ConfigError: names the key, the missing field(s) and the keys the rows do have.
@@ -137,9 +137,10 @@ def check_prompt_fields(data, path: Path, key: str, n: int = 50) -> None:
     seen = sorted({k for r in rows for k in r})
     wanted = [("prompt_field", f.strip()) for f in data.prompt_field.split("+")]
     wanted += [("answer_field", data.answer_field)] if data.answer_field else []
+    wanted += [("filter", f) for f in (data.filter or {})]   # a misspelled key filters every row out
     missing = [(k, f) for k, f in wanted if not any(f in r for r in rows)]
     if missing:
-        what = ", ".join(f"{key}.{k} = {f!r}" for k, f in missing)
+        what = ", ".join(f"{key}.{k} key {f!r}" if k == "filter" else f"{key}.{k} = {f!r}" for k, f in missing)
         raise ConfigError(f"{what}: no such field in the first {len(rows)} rows of {path}; its rows have "
                           f"the fields {seen}; set {' and '.join(sorted({f'{key}.{k}' for k, _ in missing}))} "
                           "to one of them")
