@@ -62,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     except ActorStartError as e:
         print(f"start-up failed: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:   # a second Ctrl-C: stop now (the first one finishes the step and checkpoints)
+        print("interrupted: stopped at once without a checkpoint; the last complete one is intact "
+              "(run the same command again to resume from it)", file=sys.stderr)
+        return 130
     print(format_summary(res), flush=True)
     return 0
 

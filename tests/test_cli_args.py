@@ -34,6 +34,24 @@ def test_train_print_config_with_overrides_on_both_sides(capsys):
     assert code == 0 and "num_steps: 3" in out and "beta: 0.05" in out
 
 
+def test_a_second_ctrl_c_exits_130_with_one_line_and_no_traceback(capsys, monkeypatch):
+    """A fresh-user finding: the second Ctrl-C (the first finishes the step and checkpoints)
+    printed a KeyboardInterrupt traceback from deep inside the run's shutdown."""
+    import train
+
+    from megatron_rlhf import runtime
+    from megatron_rlhf.trainer import loop
+
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop, "train", interrupted)
+    monkeypatch.setattr(runtime, "apply_process_env", lambda *a, **k: None)
+    code = train.main(["--config", str(REPO / "configs" / "ci_tiny.yaml")])
+    err = capsys.readouterr().err
+    assert code == 130 and err.startswith("interrupted: stopped at once without a checkpoint") and "Traceback" not in err
+
+
 def test_plan_memory_passes_overrides_after_options_to_the_config(capsys):
     import plan_memory
 

@@ -664,8 +664,9 @@ def test_resume_false_on_a_used_folder_is_refused_before_the_model_is_prepared(u
     ("tasks.0.eval_data={path: data/gsm8k/dev.jsonl, prompt_field: question, answer_field: solution}",
      r"tasks\[math\]\.eval_data\.answer_field = 'solution': no such field .*'answer'"),
     ("tasks.0.data.filter={typ: [singleop]}", r"tasks\[math\]\.data\.filter key 'typ': no such field .*'type'"),
+    ("tasks.0.data.path=README.md", r"tasks\[math\]\.data\.path: none of the first \d+ lines of .*README\.md is a JSON object"),
 ], ids=["data_path", "eval_data_path", "reward_model_folder", "causal_lm_as_reward_model", "data_path_is_a_directory",
-        "prompt_field", "eval_answer_field", "filter_key"])
+        "prompt_field", "eval_answer_field", "filter_key", "not_jsonl"])
 def test_a_missing_data_file_or_reward_model_folder_is_refused_before_the_model_is_prepared(
         tiny_llama_dir, tmp_path, monkeypatch, override, message):
     """A fresh-user finding: these were refused only after the model was prepared (a cold smollm2

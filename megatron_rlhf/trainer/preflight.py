@@ -95,20 +95,20 @@ def check_task_files(cfg: Config) -> None:
             raise ConfigError(str(e)) from e
 
 
-def _head_rows(path: Path, n: int) -> list[dict]:
+def _head_rows(path: Path, n: int) -> tuple[list[dict], int]:
     """The JSON objects among the first ``n`` non-blank lines of a JSONL file (the whole array of a
-    ``.json`` file under 64 MiB; nothing for a larger one)."""
+    ``.json`` file under 64 MiB; nothing for a larger one), and how many lines (entries) were read."""
     import json
 
     if path.suffix == ".json":
         if path.stat().st_size > 64 << 20:
-            return []
+            return [], 0
         try:
             rows = json.loads(path.read_text(encoding="utf-8"))
         except (ValueError, UnicodeDecodeError):
-            return []   # the loader reports it, naming the line
-        return [r for r in rows[:n] if isinstance(r, dict)] if isinstance(rows, list) else []
-    rows = []
+            return [], 0   # the loader reports it, naming the line
+        return ([r for r in rows[:n] if isinstance(r, dict)], min(n, len(rows))) if isinstance(rows, list) else ([], 0)
+    rows, read = [], 0
     with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
             if line.strip():
@@ -117,10 +117,10 @@ def _head_rows(path: Path, n: int) -> list[dict]:
                 except ValueError:
                     r = None
                 rows += [r] if isinstance(r, dict) else []
-                n -= 1
-                if n == 0:
+                read += 1
+                if read == n:
                     break
-    return rows
+    return rows, read
 
 
 def check_prompt_fields(data, path: Path, key: str, n: int = 50) -> None:
@@ -129,9 +129,13 @@ def check_prompt_fields(data, path: Path, key: str, n: int = 50) -> None:
     would otherwise skip (or filter out) every row and stop the run after the model was prepared.
 
     Raises:
-        ConfigError: names the key, the missing field(s) and the keys the rows do have.
+        ConfigError: names the key, the missing field(s) and the keys the rows do have; or no
+            line read is a JSON object (not a JSONL file).
     """
-    rows = _head_rows(path, n)
+    rows, read = _head_rows(path, n)
+    if read and not rows:
+        raise ConfigError(f"{key}.path: none of the first {read} lines of {path} is a JSON object; give a "
+                          "JSONL file (one JSON object per line) or a .json array of objects")
     if not rows:
         return   # empty or unreadable: the loader names the file and the line
     seen = sorted({k for r in rows for k in r})
