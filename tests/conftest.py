@@ -29,6 +29,10 @@ def checkpoint_steps(run_dir: Path) -> list[int]:
     return sorted(int(p.name.split("_")[1]) for p in d.glob("step_*") if p.is_dir()) if d.is_dir() else []
 
 
+_CONFIG: dict = {}
+"""``{"config": pytest.Config}`` of this process, for :func:`pytest_runtest_logreport`."""
+
+
 def pytest_configure(config):
     _CONFIG["config"] = config
     if os.environ.get("MRLHF_TEST_TMP"):
@@ -57,9 +61,6 @@ def pytest_runtest_logreport(report):
     last = (errors[-1][1:].strip() if errors else (text.strip().splitlines() or [""])[-1])[:300]
     if reporter is not None:
         reporter.write_line(f"\n[failed] {report.nodeid} ({report.when}, {report.duration:.0f} s): {last}")
-
-
-_CONFIG: dict = {}
 
 
 # Under pytest-xdist (the README's ``-n 2 --dist loadfile``) a test module runs whole on one worker,

@@ -193,7 +193,7 @@ def test_step_progress_writes_a_plain_line_per_step_to_a_log_and_a_bar_only_to_a
     for stream, enabled in ((log, True), (term, True), (off, False)):
         p = StepProgress(16, 2, enabled=enabled, stream=stream)   # resumed after step 2
         p.update(31.25, reward="0.512", stale=1)
-        p.update(reward="0.600", stale=0)
+        p.update(20.0, reward="0.600", stale=0)
         p.close()
     lines = log.getvalue().splitlines()
     assert "\r" not in log.getvalue() and len(lines) == 2, log.getvalue()

@@ -34,7 +34,7 @@ def resolve_data_path(path: str | Path, *, key: str = "data.path") -> Path:
     tries = [p] if p.is_absolute() else [repo / p, Path.cwd() / p]
     for t in tries:
         if t.is_file():
-            return t.resolve() if not p.is_absolute() else t
+            return t if p.is_absolute() else t.resolve()
     folders = [t for t in tries if t.is_dir()]
     if folders:
         raise ValueError(f"{key}={str(path)!r}: {folders[0]} is a directory; give one JSON/JSONL file in it "

@@ -183,18 +183,15 @@ class StepProgress:
         self.bar = tqdm(total=total, initial=initial, desc="steps", unit="step", file=self.stream,
                         disable=not (enabled and tty), dynamic_ncols=True)
         self.lines = enabled and not tty
-        self._last = self.t0
 
-    def update(self, step_s: float | None = None, **postfix) -> None:
-        """One more step done, which took ``step_s`` seconds (default: since the last update);
-        ``postfix`` (``reward=..., stale=...``) shown beside it."""
-        now = time.perf_counter()
-        step_s = now - self._last if step_s is None else step_s
-        self.done, self._last = self.done + 1, now
+    def update(self, step_s: float, **postfix) -> None:
+        """One more step done, which took ``step_s`` seconds (``time/step_s``); ``postfix``
+        (``reward=..., stale=...``) shown beside it."""
+        self.done += 1
         self.bar.update(1)
         self.bar.set_postfix(**postfix)
         if self.lines:
-            mean = (now - self.t0) / max(self.done - self.initial, 1)
+            mean = (time.perf_counter() - self.t0) / max(self.done - self.initial, 1)
             fields = " ".join(f"{k}={v}" for k, v in postfix.items())
             print(f"[megatron-rlhf] step {self.done}/{self.total}: {fields} ({step_s:.1f} s; mean {mean:.1f} s/step)",
                   file=self.stream, flush=True)

@@ -81,13 +81,13 @@ def check_task_files(cfg: Config) -> None:
 
     for task in cfg.tasks:
         try:
-            path = resolve_data_path(task.data.path, key=f"tasks[{task.name}].data.path")
-            if task.kind != "reward_model":   # chat files have formats of their own (data/chat.py)
-                check_prompt_fields(task.data, path, f"tasks[{task.name}].data")
-            if task.eval_data is not None:
-                path = resolve_data_path(task.eval_data.path, key=f"tasks[{task.name}].eval_data.path")
-                if task.kind != "reward_model":
-                    check_prompt_fields(task.eval_data, path, f"tasks[{task.name}].eval_data")
+            for data, part in ((task.data, "data"), (task.eval_data, "eval_data")):
+                if data is None:
+                    continue
+                key = f"tasks[{task.name}].{part}"
+                path = resolve_data_path(data.path, key=f"{key}.path")
+                if task.kind != "reward_model":   # chat files have formats of their own (data/chat.py)
+                    check_prompt_fields(data, path, key)
             if task.kind == "reward_model" and task.reward.reward_model not in DEMO_REWARD_MODELS:
                 resolve_reward_model(task.reward.reward_model, os.path.expanduser(cfg.model.cache_dir),
                                      key=f"tasks[{task.name}].reward.reward_model")

@@ -33,7 +33,7 @@ from megatron_rlhf.trainer.rollout import RolloutProducer, WeightChannel
 from megatron_rlhf.trainer.run import RunResult, learner_guard
 from megatron_rlhf.trainer.watchdog import HangWatchdog, dump_actor_stacks
 
-__all__ = ["ActorStartError", "prepare", "start", "resolve_model_dir", "init_ray", "worker_pythonpath", "load_prompts", "resolve_reward_models",
+__all__ = ["ActorStartError", "LEARNER", "prepare", "start", "resolve_model_dir", "init_ray", "worker_pythonpath", "load_prompts", "resolve_reward_models",
            "build_reward_models", "reward_fns", "build_actors", "build_generators"]
 
 
@@ -52,6 +52,10 @@ class ResumeRefusedError(ConfigError):
 
 class StartupTimeoutError(TimeoutError):
     """A start-up wait exceeded ``async.timeout_s``; the message names the actors and the key."""
+
+
+LEARNER = "the learner"
+"""The learner's name in :func:`wait_ready`'s ``actors``: its death there is left to ``learner_guard``."""
 
 
 class ActorStartError(RuntimeError):
@@ -227,7 +231,7 @@ def wait_ready(actors: dict, timeout: float, what: str, stop=None, next_step: in
         StartupTimeoutError: some are not ready within ``async.timeout_s`` (names them and the key).
         StoppedBeforeStart: ``stop.requested`` (a SIGTERM/SIGINT during start-up).
         ActorStartError: a generator or reward-model actor died while starting (names it and the cause).
-        ray.exceptions.RayActorError: the learner (``"the learner"``) died while starting.
+        ray.exceptions.RayActorError: the learner (:data:`LEARNER`) died while starting.
     """
     import ray
 
@@ -248,7 +252,7 @@ def wait_ready(actors: dict, timeout: float, what: str, stop=None, next_step: in
             try:
                 ray.get(ref)   # an actor that died while starting raises here
             except ray.exceptions.RayActorError as e:
-                if refs[ref] == "the learner":
+                if refs[ref] == LEARNER:
                     raise   # learner_guard: LearnerDiedError, naming the last checkpoint
                 raise ActorStartError(f"{what}: {refs[ref]} failed to start: {_root_cause(e)}") from e
 
@@ -298,7 +302,7 @@ def start(run, generators: list | None, stop=None) -> None:
     run.probe = (probe_tokens(run.sampler, cfg.generators.max_model_len)
                   if cfg.generators.check_weight_sync else None)
     with learner_guard("start-up", run.ckpts):   # polls the stop flag; names what it waits for
-        actors = {"the learner": run.learner, **{f"generator {i}": g for i, g in enumerate(run.generators)},
+        actors = {LEARNER: run.learner, **{f"generator {i}": g for i, g in enumerate(run.generators)},
                   **{f"the reward model of task {t}": a for t, a in run.rm_actors.items()}}
         wait_ready(actors, timeout, "start-up", stop, run.start_step + 1)
         if live and hasattr(run.transport, "setup"):   # broadcast: form the groups
