@@ -19,8 +19,38 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megatron_rlhf.utils.stop import StoppedBeforeStart
+
 
 def main(argv: list[str] | None = None) -> int:
+    restore = _stop_while_starting()   # first: a stop while the config loads is a stop, never an error
+    try:
+        return _main(argv)
+    except StoppedBeforeStart as e:   # a BaseException: no library's `except Exception` rewraps it
+        print(f"{e}: nothing trained in this session (start again to run it)", file=sys.stderr)
+        return 0
+    finally:
+        restore()
+
+
+def _stop_while_starting():
+    """Until ``trainer.loop.train`` installs its own handler: SIGTERM/SIGINT raise
+    :class:`StoppedBeforeStart` at once (nothing is written yet). Returns a function that puts the
+    previous handlers back."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def stop(signum, frame):
+        raise StoppedBeforeStart(None)
+
+    old = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    return lambda: [signal.signal(sig, h) for sig, h in old.items()]
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML recipe, e.g. configs/cpu_demo.yaml")
@@ -47,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_rlhf.trainer.loop import train
     from megatron_rlhf.trainer.run_lock import RunLockedError
     from megatron_rlhf.trainer.setup import ActorStartError, ResumeRefusedError
+    from megatron_rlhf.utils.atomic import AtomicWriteError
 
     try:
         res = train(cfg)
@@ -61,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     except ActorStartError as e:
         print(f"start-up failed: {e}", file=sys.stderr)
+        return 1
+    except AtomicWriteError as e:   # a full disk, a read-only folder, a name too long: path, cause, fix
+        print(f"write failed: {e.strerror or e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:   # a second Ctrl-C: stop now (the first one finishes the step and checkpoints)
         print("interrupted: stopped at once without a checkpoint; the last complete one is intact "

@@ -179,6 +179,17 @@ def env_row(workdir: Path) -> dict:
     return row
 
 
+def layer_submodules(layer_spec):
+    """The submodules of one transformer layer of a GPT ``layer_spec``, for both shapes megatron
+    takes: the local spec's ``ModuleSpec(TransformerBlock)`` (``submodules.layer_specs[0]``,
+    :func:`megatron_rlhf.platform.local_spec.local_layer_spec`) and Transformer Engine's
+    ``ModuleSpec(TransformerLayer)`` (its ``submodules`` are the layer's;
+    ``get_gpt_layer_with_transformer_engine_spec``). Review 2, N3: reading ``layer_specs`` of the
+    TE spec raised AttributeError on every TE node."""
+    sm = layer_spec.submodules
+    return sm.layer_specs[0].submodules if hasattr(sm, "layer_specs") else sm
+
+
 def prepare(preset: str, a, workdir: Path, state: dict) -> dict:
     from bench.learner import write_random_llama
 
@@ -190,7 +201,7 @@ def prepare(preset: str, a, workdir: Path, state: dict) -> dict:
     learner = _learner(model_dir, a, total_steps=a.warmup + a.steps + 2)
     state["learner"] = learner
     spec = learner.model_spec
-    layer = spec.layer_spec.submodules.layer_specs[0].submodules
+    layer = layer_submodules(spec.layer_spec)
     return {"weights_write_s": round(write_s, 1), "build_s": round(time.perf_counter() - t, 1),
             "params_M": round(sum(p.numel() for p in learner.policy.parameters()) / 1e6, 1),
             "core_attention": getattr(layer.self_attention.submodules.core_attention, "__name__", "?"),
@@ -221,10 +232,44 @@ def logprobs_vs_transformers(a, state: dict) -> dict:
     d = (mine - ref).abs()[mask]
     row = {"tokens": int(mask.sum()), "mean_abs_diff": round(float(d.mean()), 5),
            "max_abs_diff": round(float(d.max()), 4), "hf_logprob_std": round(float(ref[mask].std()), 3),
-           "mean_tol": a.logprob_tol}
+           "mean_tol": a.logprob_tol, **rope_vs_transformers(learner, state["model_dir"])}
     if not row["mean_abs_diff"] <= a.logprob_tol:
         row.update(status="failed", error=f"mean |diff| {row['mean_abs_diff']} > --logprob-tol {a.logprob_tol}")
+    elif not row["rope_inv_freq_max_rel_diff"] <= ROPE_TOL:
+        row.update(status="failed", error=f"RoPE inverse frequencies ({row['rope_type']}) differ from transformers' "
+                                          f"by {row['rope_inv_freq_max_rel_diff']} (relative) > {ROPE_TOL}")
     return row
+
+
+#: relative tolerance of megatron's RoPE inverse frequencies against transformers' (both fp32)
+ROPE_TOL = 1e-5
+
+
+def rope_vs_transformers(learner, model_dir) -> dict:
+    """Megatron's RoPE inverse frequencies (the policy's ``RotaryEmbedding.inv_freq``) against
+    transformers' for the same HF config (``ROPE_INIT_FUNCTIONS[rope_type]``), with the rope type.
+    A short sequence hardly exercises the low frequencies that Llama-3.1 scaling changes (their
+    angles stay small), so the logprob gate alone would pass a dropped ``rope_scaling``; the
+    frequencies are compared directly. Returns ``rope_type`` and ``rope_inv_freq_max_rel_diff``."""
+    import torch
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = AutoConfig.from_pretrained(str(model_dir))
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    kind = params.get("rope_type", "default") or "default"
+    if kind == "default":
+        base = float(params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+        dim = cfg.hidden_size // cfg.num_attention_heads
+        ref = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    else:
+        ref = ROPE_INIT_FUNCTIONS[kind](cfg, "cpu")[0].float()
+    rope = [m for m in learner.policy.modules() if type(m).__name__ == "RotaryEmbedding"]
+    if not rope:
+        raise RuntimeError("the policy has no RotaryEmbedding module (megatron GPTModel.rotary_pos_emb)")
+    mine = rope[0].inv_freq.detach().float().cpu()
+    rel = float(((mine - ref).abs() / ref.abs()).max()) if mine.shape == ref.shape else float("inf")
+    return {"rope_type": kind, "rope_inv_freq_max_rel_diff": rel}
 
 
 def train_steps(a, state: dict) -> dict:

@@ -44,15 +44,24 @@ import tempfile
 import time
 from pathlib import Path
 
+#: Llama 3.1's RoPE scaling (its config.json, with max_position_embeddings 131072): the rule the
+#: 8B/70B recipes' models use, which megatron implements as ``rope_scaling=True``
+#: (``megatron_rlhf.convert.mapping._rope_scaling``). Presets carrying it (``tiny``: gpu_check's
+#: dry run in CI; ``llama-3b``: gpu_check on a GPU) compare that conversion against transformers
+#: (review 2, N15); ``llama-1b`` stays unscaled, so the GPU run checks both.
+LLAMA31_ROPE = dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                    max_position_embeddings=131072)
+
 PRESETS = {  # HF LlamaConfig fields; random weights
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=512, tie_word_embeddings=False),
+                 num_key_value_heads=2, vocab_size=512, tie_word_embeddings=False, **LLAMA31_ROPE),
     "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                      tie_word_embeddings=True),   # Llama-3.2-1B shape
     "llama-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
                      num_attention_heads=24, num_key_value_heads=8, vocab_size=128256,
-                     tie_word_embeddings=True),   # Llama-3.2-3B shape
+                     tie_word_embeddings=True, **LLAMA31_ROPE),   # Llama-3.2-3B shape, Llama-3.1 RoPE
     "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                          num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
                          tie_word_embeddings=True),   # the CPU demo's model shape (SmolLM2-135M)
@@ -70,8 +79,8 @@ def write_random_llama(out: Path, preset: str, dtype: str) -> Path:
     from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
-                      **PRESETS[preset])
+    cfg = LlamaConfig(**{"max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+                         **PRESETS[preset]})
     cfg.dtype = dtype
     out.mkdir(parents=True, exist_ok=True)
     with torch.device("meta"):

@@ -64,8 +64,8 @@ def run_mode(mode: str, gens, pool, a) -> dict:
     from megatron_rlhf.data.mix import MultiTaskSampler
     from megatron_rlhf.generator.weight_sync import PublishedWeights
     from megatron_rlhf.rollout.pairs import select_pair
-    from megatron_rlhf.trainer.rollout import RolloutProducer, WeightChannel
-    from megatron_rlhf.trainer.staleness import trained_rollouts
+    from megatron_rlhf.rollout.producer import RolloutProducer, WeightChannel
+    from megatron_rlhf.rollout.staleness import trained_rollouts
     from megatron_rlhf.types import Prompt
 
     before = mode == "before"

@@ -33,8 +33,12 @@ z-score (computed as in ``bench/demo_seeds.py``), KL to the reference (``kl/ref_
 over the last 4 steps, the batch's own samples), the staleness, the loop's wall time
 (``summary.json`` ``wall_s``: setup excluded), the 1-minute load average sampled every 15 s during
 the run, and per step every ``logprobs/*``, ``tis/*``, ``staleness/*``, ``kl/*``, reward and time
-key of ``metrics.jsonl`` (so the mismatch paid for staleness sits next to quality). After each run
-it rewrites ``OUT/results.md`` and the plots ``gain_vs_N.png`` and ``gain_vs_wall.png``.
+key of ``metrics.jsonl`` (so the mismatch paid for staleness sits next to quality); ``outcomes``:
+the greedy 0/1 of every eval prompt before and after (``eval/math/outcomes``), their row ids and
+product ids, each eval's step and weight version and cluster-robust se (intermediate evals too);
+``gain_paired``: the gain's paired se; ``started``: the commit and a dirty flag when the cell
+started (``commit``: when it finished). After each run it rewrites ``OUT/results.md`` and the
+plots ``gain_vs_N.png`` and ``gain_vs_wall.png``.
 
 One Ray cluster and one vLLM generator (``setup.build_generators`` of the first cell's config,
 reset to the base weights at each run's start and reseeded per batch, so results do not depend on
@@ -42,10 +46,17 @@ the order the cells run in) serve every cell of an invocation, as ``bench/offpol
 (which this replaces) did.
 
 Statistics. Gain = after - before of held-out greedy pass@1; z = gain / sqrt(se_b^2 + se_a^2)
-(``demo_seeds.seed_row``; the evals treated as independent: conservative). Async - sync per seed:
-the greedy "before" is identical (same base weights, greedy decoding), so the difference of gains
-is after_async - after_sync with se = sqrt(se_async^2 + se_sync^2) over prompts; over seeds, the
-mean of the per-seed differences with std/sqrt(n_seeds). Wall times measured under load (the
+(``demo_seeds.seed_row``; the evals treated as independent: conservative). The greedy "before" is
+identical in every cell (same base weights, greedy decoding), so a difference of two cells' gains
+is a difference of afters (:func:`gain_diff`): paired over prompts (McNemar: the se of the
+per-prompt differences) when both cells store per-prompt outcomes (``outcomes``: the eval rows'
+``eval/math/outcomes`` and ids, from ``trainer/evaluate.py``), else the unpaired
+sqrt(after_se1^2 + after_se2^2) (never the gain ses, which count the shared before twice). Async -
+sync over seeds: the mean of the per-seed differences with sd/sqrt(n), its t-interval (the t
+multiplier of n - 1 df), the exact sign-flip p over the 2^n sign patterns and the exact unpaired
+permutation p of the afters. Cells with outcomes also carry a cluster-robust se by product (the
+eval's wordings and orders of one product are not independent). Each cell records the commit and
+a dirty flag at its start (``started``). Wall times measured under load (the
 load average is recorded beside each) are not the paper's comparison; quality numbers are valid
 under load (the handshake bounds staleness whatever the speed).
 """
@@ -78,7 +89,7 @@ B_LOSSES = ("online_dpo", "grpo", "rloo")
 SEEDS = (0, 1, 2)
 TAIL = 4                   # KL = mean over the last TAIL steps
 PER_STEP_PREFIXES = ("logprobs/", "tis/", "staleness/", "kl/", "reward/mean", "time/", "pairs/count",
-                     "loss/total", "pg/", "entropy/")
+                     "loss/total", "pg/", "entropy/", "prompts/", "generator/weight_version")
 # Policy-gradient losses train every completion of a group: 4 prompts x K=4 = 16 sequences a step,
 # as many as Online DPO's 6 pairs x 2 + a margin; Online DPO keeps the demo's K = 8 (pairs of best
 # vs worst of 8).
@@ -215,9 +226,30 @@ def _eval_metric(ev: dict) -> str:
     return "pass@1" if "pass@1" in ev else "reward_mean"
 
 
+def eval_outcomes(rows: list[dict], task: str = "math") -> dict | None:
+    """The per-prompt greedy outcomes of the run's first and last eval of ``task`` (metrics rows'
+    ``eval/<task>/outcomes``, ``ids``, ``groups``: ``trainer.evaluate``), with each eval's step,
+    weight version and cluster-robust se; None when the rows hold no outcomes (runs before them)."""
+    from megatron_rlhf.trainer.metrics import eval_records
+
+    evs = [e for e in eval_records(rows) if e.get(f"eval/{task}/outcomes") is not None]
+    if not evs:
+        return None
+    first, last, pre = evs[0], evs[-1], f"eval/{task}/"
+    return {"before": first[pre + "outcomes"], "after": last[pre + "outcomes"], "ids": last.get(pre + "ids"),
+            "groups": last.get(pre + "groups"), "before_step": first.get("eval/step"),
+            "after_step": last.get("eval/step"), "before_weight_version": first.get("eval/weight_version"),
+            "after_weight_version": last.get("eval/weight_version"),
+            "before_se_cluster": first.get(pre + "pass@1/se_cluster"),
+            "after_se_cluster": last.get(pre + "pass@1/se_cluster"),
+            "intermediate": [{"step": e.get("eval/step"), "pass@1": e.get(pre + "pass@1"),
+                              "outcomes": e[pre + "outcomes"]} for e in evs[1:-1]]}
+
+
 def cell_result(cell: Cell, lr: float, ov: list[str], summary: dict, rows: list[dict], load_avg: dict,
-                call_wall_s: float) -> dict:
-    """The JSON of one finished cell (see the module docstring) from the run's summary and rows."""
+                call_wall_s: float, started: dict | None = None) -> dict:
+    """The JSON of one finished cell (see the module docstring) from the run's summary and rows;
+    ``started``: :func:`provenance` taken when the cell started (the code that ran)."""
     ev = summary["eval"]["math"]
     key = _eval_metric(ev)
     e = ev[key]
@@ -230,6 +262,7 @@ def cell_result(cell: Cell, lr: float, ov: list[str], summary: dict, rows: list[
         return sum(vals) / len(vals) if vals else None
 
     per_step = [{k: v for k, v in r.items() if k == "step" or k.startswith(PER_STEP_PREFIXES)} for r in rows]
+    outcomes = eval_outcomes(rows)   # before and after share the eval's prompts and order
     mk = ev.get("mean@k")
     return {
         "cell": asdict(cell), "lr": lr, "overrides": ov, "metric": key,
@@ -249,7 +282,11 @@ def cell_result(cell: Cell, lr: float, ov: list[str], summary: dict, rows: list[
         "steps": summary["steps"], "loop_wall_s": summary["wall_s"], "call_wall_s": call_wall_s,
         "gen_s_mean": summary.get("gen_s_mean"), "train_s_mean": summary.get("train_s_mean"),
         "async_speedup": summary.get("async_speedup"), "load": load_avg, "data": summary.get("data"),
-        "per_step": per_step,
+        "per_step": per_step, "outcomes": outcomes, "started": started,
+        "gain_paired": (paired_outcome_diff({"outcomes": outcomes["after"], "ids": outcomes["ids"],
+                                             "groups": outcomes["groups"]},
+                                            {"outcomes": outcomes["before"], "ids": outcomes["ids"]})
+                        if outcomes else None),
         "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": _commit(),
     }
 
@@ -260,6 +297,21 @@ def _commit() -> str | None:
                               text=True, timeout=10).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+def provenance() -> dict:
+    """The code a cell is about to run: ``{"commit", "dirty", "utc"}`` (``git rev-parse --short
+    HEAD``; ``dirty`` = tracked files differ from it, ``git status --porcelain --untracked-files=no``;
+    None where git is not available). Taken at the *start* of a cell (``commit`` in a cell JSON is the
+    one at its end)."""
+    dirty = None
+    try:
+        st = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                            capture_output=True, text=True, timeout=30)
+        dirty = bool(st.stdout.strip()) if st.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {"commit": _commit(), "dirty": dirty, "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 def read_results(out: Path) -> dict[str, dict]:
@@ -283,6 +335,191 @@ def pilot_choice(results: dict[str, dict], loss: str, pilot_lrs) -> tuple[float 
     return best["lr"], found
 
 
+# ----- statistics -----------------------------------------------------------------------------
+
+
+def _betacf(a: float, b: float, x: float) -> float:
+    """Continued fraction of the regularized incomplete beta function (Numerical Recipes 6.4)."""
+    tiny, qab, qap, qam = 1e-300, a + b, a + 1.0, a - 1.0
+    c, d = 1.0, 1.0 - qab * x / qap
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 300):
+        m2 = 2 * m
+        for aa in (m * (b - m) * x / ((qam + m2) * (a + m2)), -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2))):
+            d = 1.0 + aa * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + aa / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1.0) < 1e-14:
+            break
+    return h
+
+
+def _betai(a: float, b: float, x: float) -> float:
+    """Regularized incomplete beta ``I_x(a, b)`` (Numerical Recipes 6.4, eq. 6.4.5-6.4.6)."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    lbt = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log(1.0 - x)
+    if x < (a + 1.0) / (a + b + 2.0):
+        return math.exp(lbt) * _betacf(a, b, x) / a
+    return 1.0 - math.exp(lbt) * _betacf(b, a, 1.0 - x) / b
+
+
+def t_two_sided_p(t: float, df: int) -> float:
+    """Two-sided p of Student's t statistic ``t`` with ``df`` degrees of freedom:
+    ``I_{df / (df + t^2)}(df / 2, 1 / 2)`` (Abramowitz and Stegun 26.7.1; df = 2: ``1 - |t| / sqrt(2 + t^2)``).
+
+    Raises:
+        ValueError: ``df < 1``.
+    """
+    if df < 1:
+        raise ValueError(f"t_two_sided_p: df={df}, need >= 1")
+    if not math.isfinite(t):
+        return 0.0
+    return _betai(df / 2.0, 0.5, df / (df + t * t))
+
+
+def t_quantile(q: float, df: int) -> float:
+    """The ``q`` quantile (0.5 < q < 1) of Student's t with ``df`` degrees of freedom, by bisection on
+    :func:`t_two_sided_p` (``t_quantile(0.975, 2)`` = 4.303, the multiplier of a 95% interval of 3 seeds).
+
+    Raises:
+        ValueError: ``q`` not in (0.5, 1) or ``df < 1``.
+    """
+    if not 0.5 < q < 1.0:
+        raise ValueError(f"t_quantile: q={q}, need 0.5 < q < 1")
+    target, lo, hi = 2.0 * (1.0 - q), 0.0, 1.0
+    while t_two_sided_p(hi, df) > target:
+        hi *= 2.0
+    for _ in range(200):
+        mid = (lo + hi) / 2.0
+        lo, hi = (mid, hi) if t_two_sided_p(mid, df) > target else (lo, mid)
+    return (lo + hi) / 2.0
+
+
+def t_interval(values: list[float], level: float = 0.95) -> dict:
+    """Mean of ``values`` (one per seed) with its se = sd / sqrt(n), the t multiplier of a ``level``
+    interval (df = n - 1), the interval, t = mean / se and its two-sided p (None entries below 2 values).
+    """
+    n = len(values)
+    out = {"n": n, "mean": statistics.mean(values) if values else None, "sd": None, "se": None, "t_mult": None,
+           "lo": None, "hi": None, "t": None, "p_two_sided": None, "level": level}
+    if n < 2:
+        return out
+    sd = statistics.stdev(values)
+    se, mult = sd / math.sqrt(n), t_quantile(0.5 + level / 2.0, n - 1)
+    t = out["mean"] / se if se > 0 else math.copysign(math.inf, out["mean"]) if out["mean"] else 0.0
+    out.update(sd=sd, se=se, t_mult=mult, lo=out["mean"] - mult * se, hi=out["mean"] + mult * se, t=t,
+               p_two_sided=t_two_sided_p(t, n - 1) if se > 0 else (0.0 if out["mean"] else 1.0))
+    return out
+
+
+def sign_flip_p(diffs: list[float]) -> dict:
+    """Exact sign-flip (paired permutation) test of mean(``diffs``) = 0 over seeds: every one of the
+    2^n sign patterns; ``less`` = share of patterns whose mean is <= the observed one, ``greater`` >=,
+    ``two_sided`` = share with |mean| >= |observed| (3 of 3 negative: 1/8 = 0.125 one-sided).
+    Source: Fisher 1935 (The Design of Experiments, sec. 21); Good 2005 (Permutation Tests, ch. 3).
+    """
+    import itertools
+
+    n = len(diffs)
+    if n == 0:
+        return {"n": 0, "less": None, "greater": None, "two_sided": None}
+    obs, eps = sum(diffs) / n, 1e-12
+    means = [sum(s * d for s, d in zip(signs, diffs)) / n for signs in itertools.product((1, -1), repeat=n)]
+    k = len(means)
+    return {"n": n, "less": sum(m <= obs + eps for m in means) / k, "greater": sum(m >= obs - eps for m in means) / k,
+            "two_sided": sum(abs(m) >= abs(obs) - eps for m in means) / k}
+
+
+def permutation_p(x: list[float], y: list[float]) -> dict:
+    """Exact two-sample permutation test of mean(``x``) - mean(``y``) = 0 (unpaired: seeds as
+    exchangeable units): every split of the pooled values into groups of ``len(x)`` and ``len(y)``;
+    ``less`` = share of splits whose difference is <= the observed one, ``greater`` >=, ``two_sided``
+    |.| >= (3 vs 3 with every x below every y: 1/20 = 0.05 one-sided). Source: Good 2005, ch. 3.
+    """
+    import itertools
+
+    pooled, nx = list(x) + list(y), len(x)
+    if not x or not y:
+        return {"less": None, "greater": None, "two_sided": None}
+    obs, eps = statistics.mean(x) - statistics.mean(y), 1e-12
+    diffs = []
+    for idx in itertools.combinations(range(len(pooled)), nx):
+        sel = set(idx)
+        a = [pooled[i] for i in idx]
+        b = [pooled[i] for i in range(len(pooled)) if i not in sel]
+        diffs.append(statistics.mean(a) - statistics.mean(b))
+    k = len(diffs)
+    return {"less": sum(d <= obs + eps for d in diffs) / k, "greater": sum(d >= obs - eps for d in diffs) / k,
+            "two_sided": sum(abs(d) >= abs(obs) - eps for d in diffs) / k}
+
+
+def paired_outcome_diff(a: dict, b: dict) -> dict | None:
+    """Paired (McNemar-style) difference of two greedy evals of the same prompts: ``a`` minus ``b``.
+
+    Args:
+        a, b: ``{"outcomes": "0110...", "ids": [...], "groups": [...] or None}`` (a cell's
+            ``outcomes`` entry for one eval; aligned by ``ids``).
+    Returns:
+        ``{"diff", "se", "se_cluster", "n", "a_only", "b_only"}``: diff = (a_only - b_only) / n, se =
+        sd of the per-prompt differences d_i in {-1, 0, 1} / sqrt(n) (= sqrt(a_only + b_only -
+        (a_only - b_only)^2 / n) / sqrt(n (n - 1)); McNemar 1947, Miller 2024 "Adding Error Bars to
+        Evals" sec. 4 on paired differences), ``se_cluster`` the same clustered by product
+        (``trainer.evaluate.cluster_se``; None without groups); None when either side has no outcomes.
+    Raises:
+        ValueError: the two evals are not of the same prompts.
+    """
+    from megatron_rlhf.trainer.evaluate import cluster_se, mean_se
+
+    if not a or not b or a.get("outcomes") is None or b.get("outcomes") is None:
+        return None
+    ia, ib = list(a.get("ids") or range(len(a["outcomes"]))), list(b.get("ids") or range(len(b["outcomes"])))
+    if sorted(ia) != sorted(ib):
+        raise ValueError("paired_outcome_diff: the two evals hold different prompts (ids differ)")
+    ob = dict(zip(ib, b["outcomes"]))
+    d = [float(x) - float(ob[i]) for i, x in zip(ia, a["outcomes"])]   # "0110..." chars or rewards
+    n = len(d)
+    diff, se = mean_se(d)
+    groups = a.get("groups")
+    return {"diff": diff, "se": se, "n": n, "a_only": sum(v > 0 for v in d), "b_only": sum(v < 0 for v in d),
+            "se_cluster": cluster_se(d, groups) if groups else None}
+
+
+def gain_diff(r1: dict, r2: dict) -> dict:
+    """Gain of cell ``r1`` minus gain of cell ``r2`` with the right standard error.
+
+    When both cells' greedy before-evals are the same (same base weights and prompts: bit-identical
+    scores), the difference of gains is the difference of afters, so the shared before must not count:
+    ``how = "paired"`` (both cells store per-prompt outcomes: :func:`paired_outcome_diff` of the
+    afters), else ``"after-after"`` (se = hypot(after_se1, after_se2): unpaired, the afters treated as
+    independent; conservative). Different befores: ``"gain-gain"`` (se = hypot(gain_se1, gain_se2)).
+    Also ``z_double_counted`` = diff / hypot(gain_se1, gain_se2), the old verdicts' z, for comparison.
+    """
+    diff = r1["gain"] - r2["gain"]
+    wrong = math.hypot(r1["gain_se"], r2["gain_se"])
+    out = {"diff": diff, "z_double_counted": diff / wrong if wrong > 0 else None, "se_cluster": None}
+    same_before = abs(r1["before"] - r2["before"]) < 1e-12
+    o1, o2 = r1.get("outcomes") or {}, r2.get("outcomes") or {}
+    paired = None
+    if same_before and o1.get("after") is not None and o2.get("after") is not None:
+        paired = paired_outcome_diff({"outcomes": o1["after"], "ids": o1.get("ids"), "groups": o1.get("groups")},
+                                     {"outcomes": o2["after"], "ids": o2.get("ids"), "groups": o2.get("groups")})
+    if paired is not None:
+        out.update(how="paired", se=paired["se"], se_cluster=paired["se_cluster"],
+                   discordant=(paired["a_only"], paired["b_only"]))
+    elif same_before:
+        out.update(how="after-after", se=math.hypot(r1["after_se"], r2["after_se"]))
+    else:
+        out.update(how="gain-gain", se=wrong)
+    out["z"] = diff / out["se"] if out["se"] > 0 else None
+    return out
+
+
 # ----- table and plots ------------------------------------------------------------------------
 
 
@@ -291,11 +528,16 @@ def _f(x, fmt=".3f") -> str:
 
 
 def _ba(r: dict) -> str:
-    return f"{r['before']:.3f} ± {r['before_se']:.3f} -> {r['after']:.3f} ± {r['after_se']:.3f}"
+    o = r.get("outcomes") or {}
+    cb = f" [cl. {o['before_se_cluster']:.3f}]" if o.get("before_se_cluster") is not None else ""
+    ca = f" [cl. {o['after_se_cluster']:.3f}]" if o.get("after_se_cluster") is not None else ""
+    return f"{r['before']:.3f} ± {r['before_se']:.3f}{cb} -> {r['after']:.3f} ± {r['after_se']:.3f}{ca}"
 
 
 def _gain(r: dict) -> str:
-    return f"{r['gain']:+.3f} ± {r['gain_se']:.3f} ({_f(r['z'], '.1f')})"
+    g = r.get("gain_paired")
+    paired = f"; paired ± {g['se']:.3f}" if g else ""
+    return f"{r['gain']:+.3f} ± {r['gain_se']:.3f} ({_f(r['z'], '.1f')}{paired})"
 
 
 def _load(r: dict) -> str:
@@ -304,24 +546,64 @@ def _load(r: dict) -> str:
 
 
 def async_vs_sync(results: dict[str, dict], seeds=SEEDS) -> dict:
-    """Per seed with both A cells: ``diff`` = gain_async - gain_sync = after_async - after_sync (the
-    greedy before is the same) with its se over prompts, and ``wall_ratio`` = loop wall async / sync;
-    pooled over those seeds: mean diff ± std/sqrt(n) (None below 2 seeds) and mean wall ratio."""
+    """Grid A's async - sync difference of gains, per seed and over seeds.
+
+    Per seed with both A cells: ``diff`` = gain_async - gain_sync = after_async - after_sync (the
+    greedy before is the same) with its se from :func:`gain_diff` (``how``: ``paired`` McNemar over
+    prompts when both cells store per-prompt outcomes, else ``after-after``, the unpaired
+    hypot(after_se_async, after_se_sync)), and ``wall_ratio`` = loop wall async / sync. Over those
+    seeds: ``diff_mean`` ± ``diff_se`` = sd / sqrt(n) (one seed: its se over prompts),
+    ``interval`` (:func:`t_interval`: the t multiplier, 95% interval, t and its two-sided p),
+    ``sign_flip`` (:func:`sign_flip_p` of the per-seed differences), ``permutation``
+    (:func:`permutation_p` of the afters, unpaired), and the mean wall ratio.
+    """
     per = []
     for s in seeds:
         a, y = results.get(f"A_async_s{s}"), results.get(f"A_sync_s{s}")
         if a and y:
-            per.append({"seed": s, "diff": a["gain"] - y["gain"], "diff_se": math.hypot(a["after_se"], y["after_se"]),
+            g = gain_diff(a, y)
+            per.append({"seed": s, "diff": g["diff"], "diff_se": g["se"], "how": g["how"], "z": g["z"],
+                        "se_cluster": g["se_cluster"], "discordant": g.get("discordant"),
+                        "after_async": a["after"], "after_sync": y["after"],
                         "wall_ratio": a["loop_wall_s"] / y["loop_wall_s"],
                         "load_mean": (a["load"]["mean"], y["load"]["mean"])})
     out = {"per_seed": per, "n": len(per)}
     if len(per) >= 2:
         d = [p["diff"] for p in per]
         out.update(diff_mean=statistics.mean(d), diff_se=statistics.stdev(d) / math.sqrt(len(d)),
-                   wall_ratio_mean=statistics.mean(p["wall_ratio"] for p in per))
+                   wall_ratio_mean=statistics.mean(p["wall_ratio"] for p in per), interval=t_interval(d),
+                   sign_flip=sign_flip_p(d),
+                   permutation=permutation_p([p["after_async"] for p in per], [p["after_sync"] for p in per]))
     elif per:
         out.update(diff_mean=per[0]["diff"], diff_se=per[0]["diff_se"], wall_ratio_mean=per[0]["wall_ratio"])
     return out
+
+
+def b_comparisons(results: dict[str, dict], cells: list[Cell]) -> list[dict]:
+    """Grid B: every N > 1 cell against the N = 1 cell of the same loss (:func:`gain_diff`), in grid order."""
+    def res(c):
+        return results.get(c.alias) if c.alias else results.get(c.name)
+
+    out = []
+    for c in cells:
+        if not c.name.startswith("B_") or c.n == 1:
+            continue
+        base = next((b for b in cells if b.name == f"B_{c.loss}_N1"), None)
+        r, r1 = res(c), res(base) if base else None
+        if r and r1:
+            g = gain_diff(r, r1)
+            n = len((r.get("outcomes") or {}).get("after") or "") or _n_prompts(r)
+            out.append({"loss": c.loss, "n": c.n, "prompts": round(g["diff"] * n) if n else None, **g})
+    return out
+
+
+def _n_prompts(r: dict) -> int | None:
+    """Prompts of a cell's eval: from its stored outcomes, else from before = k / n with se (the
+    Bernoulli se^2 = p (1 - p) / (n - 1) solved for n); None when neither gives it."""
+    p, se = r.get("before"), r.get("before_se")
+    if p is None or not se or not 0 < p < 1:
+        return None
+    return round(p * (1 - p) / (se * se)) + 1
 
 
 def write_tables(out: Path, results: dict[str, dict], cells: list[Cell], pilot_lrs, *, dry_run: bool,
@@ -335,12 +617,27 @@ def write_tables(out: Path, results: dict[str, dict], cells: list[Cell], pilot_l
         "SmolLM2-135M-Instruct, single-digit multiplication, math-verify"
     lines = [f"# Async and off-policyness on a real model ({model})", "",
              f"`bench/seeds_repro.py` (issue 22); recipe `configs/repro_math.yaml`; {steps} steps per grid run, "
-             f"{pilot_steps} per pilot. Held-out: greedy pass@1 on the demo's 128 eval rows (32 products "
-             "training never sees), before step 1 and after the last; ± = standard error over prompts; "
-             "(z) = gain / sqrt(se_before² + se_after²). KL = mean `kl/ref_k1` over the last 4 steps "
+             f"{pilot_steps} per pilot. Held-out: greedy pass@1 on the demo's 128 eval rows, before step 1 "
+             "and after the last; ± = standard error over prompts; (z) = gain / sqrt(se_before² + se_after²) "
+             "(conservative: the two evals are of the same prompts). KL = mean `kl/ref_k1` over the last 4 steps "
              "(nats per completion token, the batch's own samples). Load = 1-minute load average during the "
              "run: **wall times and their ratios measured under load are not the paper's comparison** "
              "(quality numbers are: the handshake bounds staleness at any speed).", ""]
+    pv = provenance()
+    lines += [f"Table written {pv['utc'][:10]} at commit {pv['commit']}"
+              + (" + uncommitted changes" if pv["dirty"] else "") + f" on {_machine()}, from the cell files; "
+              "each cell's code is in its JSON (`started`: commit and dirty flag at its start, newer cells "
+              "only; `commit`: at its end).", ""]
+    stored = [n for n, r in results.items() if r.get("outcomes")]
+    lines += [f"Per-prompt outcomes: stored in {len(stored)} of {len(results)} cell files"
+              + (f" ({' '.join(sorted(stored))})" if stored else "") + ". "
+              + ("The cells without them ran before `trainer/evaluate.py` kept them, on the *old* held-out "
+                 "split (32 ordered products; 17 of its 28 unordered products are trained on in the commuted "
+                 "order): their differences below use the unpaired after-after se, and no cluster-robust se "
+                 "exists for them. Cells with outcomes ran on the unordered split (no eval product trained in "
+                 "either order) and get paired (McNemar) differences and a by-product cluster se [cl.]."
+                 if len(stored) < len(results) else
+                 "Differences are paired over prompts (McNemar); [cl.] = cluster-robust se by product."), ""]
     a_cells = [c for c in cells if c.group == "A"]
     lines += ["## A. Sync vs one-step async Online DPO (Noukhovitch et al. 2024, Tables 1-2)", "",
               "| cell | seed | mode | pass@1 before -> after | gain ± se (z) | mean@2 before -> after | KL k1 | "
@@ -355,12 +652,26 @@ def write_tables(out: Path, results: dict[str, dict], cells: list[Cell], pilot_l
     avs = async_vs_sync(results)
     lines.append("")
     for p in avs["per_seed"]:
-        lines.append(f"- seed {p['seed']}: gain async - sync = {p['diff']:+.3f} ± {p['diff_se']:.3f}; loop wall "
-                     f"async / sync = {p['wall_ratio']:.2f} (load {p['load_mean'][0]:.1f} / {p['load_mean'][1]:.1f})")
+        how = {"paired": "paired over prompts (McNemar), discordant {}/{}".format(*(p["discordant"] or (0, 0))),
+               "after-after": "unpaired after-after se: no per-prompt outcomes stored",
+               "gain-gain": "different befores: hypot of the gain ses"}[p["how"]]
+        cl = f" [cl. ± {p['se_cluster']:.3f}]" if p.get("se_cluster") is not None else ""
+        lines.append(f"- seed {p['seed']}: gain async - sync = {p['diff']:+.3f} ± {p['diff_se']:.3f}{cl} "
+                     f"(z {_f(p['z'], '.2f')}; {how}); loop wall async / sync = {p['wall_ratio']:.2f} "
+                     f"(load {p['load_mean'][0]:.1f} / {p['load_mean'][1]:.1f})")
     if avs["n"]:
         how = "std/sqrt(n) over seeds" if avs["n"] >= 2 else "se over prompts, one seed"
         lines.append(f"- **{avs['n']} seed(s): gain async - sync = {avs['diff_mean']:+.3f} ± {avs['diff_se']:.3f} "
                      f"({how}); wall async / sync = {avs['wall_ratio_mean']:.2f}** (under the load shown)")
+    if avs.get("interval"):
+        iv, sf, pm = avs["interval"], avs["sign_flip"], avs["permutation"]
+        below = sum(p["diff"] < 0 for p in avs["per_seed"])
+        lines.append(f"- across seeds: {iv['level']:.0%} t-interval [{iv['lo']:+.3f}, {iv['hi']:+.3f}] (mean ± "
+                     f"t_{{0.975, {iv['n'] - 1}}} = {iv['t_mult']:.2f} × se), t = {iv['t']:.2f}, two-sided p = "
+                     f"{iv['p_two_sided']:.3f}; exact sign-flip p ({below} of {iv['n']} seeds below 0; "
+                     f"{2 ** iv['n']} sign patterns): one-sided {sf['less']:.3f}, two-sided {sf['two_sided']:.3f}; "
+                     f"exact permutation p of the afters, unpaired ({math.comb(2 * iv['n'], iv['n'])} splits): "
+                     f"one-sided {pm['less']:.3f}, two-sided {pm['two_sided']:.3f}")
     lines.append("")
     lines += [f"## Pilot: lr per policy-gradient loss at N = 1 ({pilot_steps} steps, seed 0)", "",
               "Scored on a validation slice of the *training* rows (64 rows, sha256 order, taken out of "
@@ -384,6 +695,20 @@ def write_tables(out: Path, results: dict[str, dict], cells: list[Cell], pilot_l
                          f"{_f(r['staleness_mean'], '.2f')} | {_f(r['token_mult_prob_error_mean'], '.4f')} | "
                          f"{_f(r['tis_weight_mean'], '.4f')} | {_f(r['tis_capped_frac'], '.4f')} | "
                          f"{r['loop_wall_s'] / 60:.1f} | {_load(r)} |")
+    comps = b_comparisons(results, cells)
+    if comps:
+        lines += ["", "Each N against N = 1 of the same loss (seed 0). The greedy before is the same in every "
+                  "cell, so a difference of gains is a difference of afters: se = hypot(after_se, after_se) "
+                  "(unpaired; paired McNemar when both cells store outcomes). The last column is the z the "
+                  "earlier verdicts used, hypot(gain_se, gain_se): it counts the shared before twice. No B "
+                  "se includes run-to-run variance (one seed; grid A's seed sd of a DPO gain is 0.005-0.016).",
+                  "", "| loss | N vs 1 | diff of gains (prompts) | se | how | z | z (old, before counted twice) |",
+                  "|---|---|---|---|---|---|---|"]
+        for g in comps:
+            cl = f" [cl. {g['se_cluster']:.3f}]" if g.get("se_cluster") is not None else ""
+            lines.append(f"| {g['loss']} | {g['n']} - 1 | {g['diff']:+.3f} ({_f(g['prompts'], '+d')}) | "
+                         f"{g['se']:.3f}{cl} | {g['how']} | {_f(g['z'], '+.2f')} | "
+                         f"{_f(g['z_double_counted'], '+.2f')} |")
     missing = [c.name for c in cells if res(c) is None and c.group != "ppo"]
     optional = [c.name for c in cells if res(c) is None and c.group == "ppo"]
     lines += ["", "## Not run yet", ""]
@@ -400,6 +725,17 @@ def write_tables(out: Path, results: dict[str, dict], cells: list[Cell], pilot_l
     return text
 
 
+def _machine() -> str:
+    """``"2-core AMD EPYC ..."``: this machine's core count and CPU model (``/proc/cpuinfo``)."""
+    model = ""
+    try:
+        model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                      if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    return f"{os.cpu_count()}-core {model}".strip()
+
+
 def _save(fig, ax, title: str, path: Path) -> None:
     """Title, legend (when anything is labelled), tight layout; write ``path`` (PNG) and close."""
     import matplotlib.pyplot as plt
@@ -413,7 +749,8 @@ def _save(fig, ax, title: str, path: Path) -> None:
 
 
 def _plot(out: Path, results: dict[str, dict], cells: list[Cell]) -> None:
-    """``gain_vs_N.png`` (per loss, error bars = se) and ``gain_vs_wall.png`` (grid A)."""
+    """``gain_vs_N.png`` (per loss) and ``gain_vs_wall.png`` (grid A); error bars = the after-eval's se
+    (every cell's greedy before is the same, so the gap between two points is after - after)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -425,8 +762,8 @@ def _plot(out: Path, results: dict[str, dict], cells: list[Cell]) -> None:
         for c in cells:
             if c.name.startswith("B_") and c.loss == loss:
                 r = results.get(c.alias or c.name)
-                if r:
-                    pts.append((c.n * (1 + 0.04 * (i - 1)), r["gain"], r["gain_se"]))
+                if r:   # the before is shared by every cell: what separates two points is the after's se
+                    pts.append((c.n * (1 + 0.04 * (i - 1)), r["gain"], r["after_se"]))
         if pts:
             ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o",
                         capsize=3, label=loss)
@@ -434,12 +771,14 @@ def _plot(out: Path, results: dict[str, dict], cells: list[Cell]) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xticks(list(N_VALUES), [str(n) for n in N_VALUES])
     ax.set_xlabel("N = async.sync_interval = max_staleness (16 = never synced)")
-    ax.set_ylabel("held-out gain (after - before), ± se")
+    ax.set_ylabel("held-out gain (after - before), ± se of the after")
+    ax.text(0.01, 0.01, "bars: se of the after-eval (the before is the same in every cell)", fontsize=7,
+            transform=ax.transAxes, color="grey")
     _save(fig, ax, "Held-out gain vs off-policyness N (seed 0)", out / "gain_vs_N.png")
 
     fig, ax = plt.subplots(figsize=(6, 4.2))
     for mode, marker in (("sync", "s"), ("async", "o")):
-        pts = [(r["loop_wall_s"] / 60, r["gain"], r["gain_se"], c.seed) for c in cells
+        pts = [(r["loop_wall_s"] / 60, r["gain"], r["after_se"], c.seed) for c in cells
                if c.group == "A" and (c.sync == (mode == "sync")) and (r := results.get(c.name))]
         if pts:
             ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker=marker,
@@ -448,7 +787,7 @@ def _plot(out: Path, results: dict[str, dict], cells: list[Cell]) -> None:
                 ax.annotate(f"s{p[3]}", (p[0], p[1]), textcoords="offset points", xytext=(5, 4), fontsize=8)
     ax.axhline(0, color="grey", lw=0.8)
     ax.set_xlabel("loop wall time (min; under the load average recorded in results.md)")
-    ax.set_ylabel("held-out gain, ± se")
+    ax.set_ylabel("held-out gain, ± se of the after (shared before)")
     _save(fig, ax, "Gain vs wall time: sync vs one-step async", out / "gain_vs_wall.png")
 
 
@@ -499,6 +838,7 @@ def run_cell(cell: Cell, lr: float, args, model_dir: str, gen) -> dict:
     """Train ``cell`` from step 0 (its run folder is removed first) and write its JSON."""
     from megatron_rlhf.trainer.loop import train
 
+    started = provenance()   # before anything runs: the code of this cell
     cfg, ov = load(args, cell, lr, model_dir)
     shutil.rmtree(cfg.run_dir, ignore_errors=True)
     print(f"[seeds_repro] {cell.name}: {cell.loss}, {'sync' if cell.sync else f'N={cell.n}'}, "
@@ -510,7 +850,7 @@ def run_cell(cell: Cell, lr: float, args, model_dir: str, gen) -> dict:
     if summary.get("stopped_early"):
         raise RuntimeError(f"{cell.name}: the run stopped early (signal); not recorded")
     rows = [json.loads(x) for x in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
-    res = cell_result(cell, lr, ov, summary, rows, load_avg, call_wall)
+    res = cell_result(cell, lr, ov, summary, rows, load_avg, call_wall, started)
     path = args.out / f"{cell.name}.json"
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(res, indent=1, default=str))

@@ -28,7 +28,17 @@ The device-side pack (``learner.weights.measure_pack``, on the exporting learner
 per ``--pack-bucket-mb``): GB/s of HF conversion + packing of the stage into bucket buffers on the
 learner's device (what the broadcast exporter does per publish besides the TP gathers) against a
 same-device memcpy of the same bytes; on CPU both are host memory, on a GPU this is the number
-that replaces the former GPU -> host -> GPU staging.
+that replaces the former GPU -> host -> GPU staging. The same numbers with ``staging=host`` (pack
+into a host staging buffer, then copy each chunk into one of two device wire buffers) are the
+host-staged pack, ``bench/gpu_check.py``'s ``pack-host`` row on a GPU.
+
+``broadcast-host`` (review N14): the ``broadcast`` transport forced onto the host-staged path a
+stage too large for its GPU takes (``broadcast_sync.exporter_force_host_staging``: host staging,
+then each chunk copied into one of two wire buffers before its broadcast, double-buffered), printed
+with ``host/device`` = its sync seconds over ``broadcast``'s in the same run. On CPU what it
+measures is the extra chunk copy and the double-buffered send loop; it does not measure what a GPU
+adds (page-locked allocation, PCIe bandwidth of the D2H pack and H2D copies, their overlap with
+NCCL on the side stream): that needs the GPU row.
 """
 
 from __future__ import annotations
@@ -62,7 +72,7 @@ def copy_floor_s(nbytes: int, repeats: int = 5) -> float:
 
 def available_transports() -> list[str]:
     """Every transport (``broadcast`` runs on gloo without CUDA)."""
-    return ["object_store", "filesystem", "broadcast"]
+    return ["object_store", "filesystem", "broadcast", "broadcast-host"]
 
 
 LAYOUTS = {"tp1": (1, 1, 1), "tp2pp2": (2, 2, 1), "tp2dp2": (2, 1, 2)}
@@ -113,7 +123,9 @@ def _measure_pack_on_rank(learner, bucket_mb, repeats):
         return None
     from megatron_rlhf.learner.weights import measure_pack
 
-    return measure_pack(learner._model("policy"), learner.hf_config, bucket_mb=tuple(bucket_mb), repeats=repeats)
+    return [r for staging in ("device", "host")
+            for r in measure_pack(learner._model("policy"), learner.hf_config, bucket_mb=tuple(bucket_mb),
+                                  repeats=repeats, staging=staging)]
 
 
 def broadcast_profile(transport, gens, learner, version: int, probe, timeout: float) -> dict:
@@ -193,11 +205,15 @@ def run(model: str, workers: int, repeats: int, transports: list[str], work_dir:
                                                       list(pack_bucket_mb), max(1, repeats))) if r][0]
         probe = list(range(10, 74))
         version = 0
-        for name in transports:
-            cfg.generators.transport = name
+        for name in sorted(transports, key=lambda n: n == "broadcast-host"):   # host-staged last: it sticks
+            cfg.generators.transport = "broadcast" if name == "broadcast-host" else name
             transport = make_transport(cfg.generators, work_dir / f"run_{name}", 600)
             if hasattr(transport, "setup"):
                 transport.setup(learner, gens, 600)
+            if name == "broadcast-host":
+                from megatron_rlhf.generator import broadcast_sync as bs
+
+                ray.get(on_learner_ranks(learner, is_learner_group(learner, 60), bs.exporter_force_host_staging))
             pool = GeneratorPool(gens, transport=transport, generator_cfg=cfg.generators, timeout_s=600,
                                  probe=probe, log=lambda m: print(m, file=sys.stderr))
             res = []
@@ -216,7 +232,7 @@ def run(model: str, workers: int, repeats: int, transports: list[str], work_dir:
                    "GBps": nbytes * workers / total / 1e9, "floor_GBps": nbytes / floor / 1e9,
                    "check_max_abs_diff": max(r["sync/check_max_abs_diff"] for r in res),
                    "blocked_s": export_s, "train_step_s": train_step_s}
-            if name in ("broadcast", "nccl"):
+            if name in ("broadcast", "nccl", "broadcast-host"):
                 fl = [broadcast_floor(learner, is_learner_group(learner, 60), gens, w.payload, 600)
                       for _ in range(max(1, min(repeats, 3)))]
                 row["floor_bcast_s"] = statistics.median(f["floor_bcast_s"] for f in fl)
@@ -266,10 +282,16 @@ def main(argv=None) -> int:
               f"{r['blocked_s'] / r['train_step_s']:>13.1%}{fl}")
     print(f"\ndevice-side pack vs same-device memcpy (stage 0 exporter, best of {max(1, args.repeats)}; "
           f"load average {os.getloadavg()[0]:.1f})")
-    print(f"{'bucket MB':>10}{'MB':>9}{'pack GB/s':>11}{'memcpy GB/s':>13}{'pack/memcpy':>13}")
+    print(f"{'staging':>8}{'bucket MB':>10}{'MB':>9}{'pack GB/s':>11}{'memcpy GB/s':>13}{'pack/memcpy':>13}")
     for p in packs:
-        print(f"{p['bucket_mb']:>10g}{p['bytes'] / 1e6:>9.1f}{p['pack_GBps']:>11.2f}{p['memcpy_GBps']:>13.2f}"
-              f"{p['ratio']:>13.2f}")
+        print(f"{p['staging']:>8}{p['bucket_mb']:>10g}{p['bytes'] / 1e6:>9.1f}{p['pack_GBps']:>11.2f}"
+              f"{p['memcpy_GBps']:>13.2f}{p['ratio']:>13.2f}")
+    by = {r["transport"]: r for r in rows}
+    if "broadcast" in by and "broadcast-host" in by:
+        d, h = by["broadcast"], by["broadcast-host"]
+        print(f"\nhost-staged / device-staged broadcast, same run: sync {h['sync_s'] / d['sync_s']:.2f}x, "
+              f"export (blocked) {h['export_s'] / d['export_s']:.2f}x, "
+              f"raw floor {h['floor_bcast_s'] / d['floor_bcast_s']:.2f}x (CPU: no PCIe, no pinned memory)")
     for r in rows:
         if "push_wall_s" in r:
             prof = ", ".join(f"{k[5:]} {v:.3f}" for k, v in r.items() if k.startswith("prof_"))

@@ -31,6 +31,7 @@ from typing import Any
 
 import yaml
 
+from megatron_rlhf.errors import ConfigError
 from megatron_rlhf.placement import PlacementConfig, check_layout
 
 __all__ = [
@@ -39,10 +40,6 @@ __all__ = [
     "OptimizerConfig", "LearnerConfig", "AlgorithmConfig", "AsyncConfig", "CheckpointConfig",
     "LoggingConfig", "EvalConfig", "RewardsConfig", "Config", "load_config", "config_to_dict", "save_config",
 ]
-
-
-class ConfigError(ValueError):
-    """A config key has a bad value; the message names the key, the value and the fix."""
 
 
 def _check(cond: bool, key: str, value: Any, allowed: str) -> None:
@@ -74,6 +71,11 @@ def _check_choice(key: str, value: Any, choices, note: str = "") -> None:
 def _is_plain_folder_name(name: str) -> bool:
     """A single path component that names a new folder inside its parent."""
     return bool(name) and name not in (".", "..") and not any(c in name for c in "/\\\0")
+
+
+RUN_NAME_MAX_BYTES = 255 - len(".old-20261203T000000Z")
+"""Longest ``run.name`` (UTF-8 bytes): a file name holds at most 255 bytes (``NAME_MAX`` of ext4,
+xfs, Lustre, GPFS), and ``run.restart`` renames the old folder to ``<run.name>.old-<UTC time>``."""
 
 
 def _is_dotted_fn(name: str) -> bool:
@@ -112,6 +114,11 @@ class RunConfig:
         _check(_is_plain_folder_name(self.name), "run.name", self.name,
                "a plain folder name (not empty, '.' or '..'; no '/', '\\' or NUL): the run is "
                "written to <run.output_dir>/<run.name>")
+        n = len(self.name.encode("utf-8", "surrogatepass"))
+        _check(n <= RUN_NAME_MAX_BYTES, "run.name", self.name[:40] + f"... ({n} bytes)",
+               f"at most {RUN_NAME_MAX_BYTES} bytes (a file name holds 255; run.restart appends "
+               "'.old-<UTC time>'): choose a shorter run.name")
+        _check(self.seed >= 0, "run.seed", self.seed, "an integer >= 0 (numpy and vLLM seeds are unsigned)")
         _check(self.num_steps >= 1, "run.num_steps", self.num_steps, "an integer >= 1")
         _check_choice("run.mode", self.mode, ("train", "rollout_only", "train_only"))
         _check(bool(self.replay) == (self.mode == "train_only"), "run.replay", self.replay,
@@ -395,6 +402,11 @@ class OptimizerConfig:
 
     def __post_init__(self):
         _check(self.lr > 0, "learner.optimizer.lr", self.lr, "a number > 0")
+        _check(self.min_lr >= 0, "learner.optimizer.min_lr", self.min_lr,
+               "a number >= 0 (the end of the decay; one above learner.optimizer.lr is taken as lr)")
+        _check(self.weight_decay >= 0, "learner.optimizer.weight_decay", self.weight_decay, "a number >= 0")
+        for k in ("adam_beta1", "adam_beta2"):
+            _check(0 <= getattr(self, k) < 1, f"learner.optimizer.{k}", getattr(self, k), "a number in [0, 1)")
         _check(self.adam_eps > 0, "learner.optimizer.adam_eps", self.adam_eps, "a number > 0")
         _check(self.clip_grad >= 0, "learner.optimizer.clip_grad", self.clip_grad, ">= 0")
         _check(self.warmup_steps >= 0, "learner.optimizer.warmup_steps", self.warmup_steps, ">= 0")
@@ -490,6 +502,7 @@ LOSS_NAMES = ("online_dpo", "group_dpo", "grpo", "ppo", "rloo", "proximal_rloo",
 """Valid ``algorithm.loss`` values (the keys of ``megatron_rlhf.losses.LOSSES``; a test keeps them equal)."""
 
 POLICY_GRADIENT_LOSSES = ("grpo", "ppo", "rloo", "proximal_rloo")
+"""Losses whose learner logprobs are those of the sampling distribution (logits / temperature)."""
 
 IS_CORRECTIONS = ("none", "token_tis", "token_mask", "sequence_tis", "sequence_mask")
 """Valid ``algorithm.is_correction`` values (``megatron_rlhf.losses._common.IS_CORRECTIONS``; a
@@ -497,7 +510,6 @@ test keeps them equal, as config.py imports no torch)."""
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 """Valid ``algorithm.kl_estimator`` values (``megatron_rlhf.losses._common.KL_ESTIMATORS``)."""
-"""Losses whose learner logprobs are those of the sampling distribution (logits / temperature)."""
 
 
 @dataclass(kw_only=True)
@@ -671,6 +683,7 @@ class AlgorithmConfig:
                self.value_clip_eps, "a number > 0 or null")
         _check(self.critic_lr is None or self.critic_lr > 0, "algorithm.critic_lr", self.critic_lr, "> 0 or null")
         _check(0 < self.gamma <= 1, "algorithm.gamma", self.gamma, "in (0, 1]")
+        _check(0 <= self.gae_lambda <= 1, "algorithm.gae_lambda", self.gae_lambda, "in [0, 1]")
         self._check_corrections()
 
     def _check_corrections(self) -> None:
@@ -706,7 +719,6 @@ class AlgorithmConfig:
         if self.kl_estimator is not None:
             return self.kl_estimator
         return "k1" if self.kl_in_reward_used else "k3"
-        _check(0 <= self.gae_lambda <= 1, "algorithm.gae_lambda", self.gae_lambda, "in [0, 1]")
 
     @property
     def unit(self) -> str:
@@ -729,11 +741,14 @@ class AsyncConfig:
     max_staleness: int = 1
     """Batch k is generated with weights of version >= k - max_staleness (1 = one-step async);
     a sample whose staleness (learner version at train time - generating version) exceeds it is
-    dropped and counted (Online DPO has no importance correction). Must be >= ``sync_interval``."""
+    dropped and counted (Online DPO has no importance correction). Must be >= ``sync_interval - 1``:
+    ``sync_interval = N, max_staleness = N - 1`` is Noukhovitch et al. 2024's off-policyness N
+    (staleness 0, 1, ..., N-1 repeating; the generator waits at each sync point), ``max_staleness =
+    sync_interval`` adds one step of async lag (staleness 1..N in steady state)."""
     sync_interval: int = 1
     """Push weights to the generators every s learner batches: 1 = online, larger = semi-online
-    (Lanchantin et al. 2025); also the off-policyness N of Noukhovitch et al. 2024. Staleness then
-    reaches s."""
+    (Lanchantin et al. 2025); with ``max_staleness = s - 1`` also the off-policyness N = s of
+    Noukhovitch et al. 2024. Staleness then reaches ``max_staleness``."""
     timeout_s: float = 1800.0
     """Upper bound of any single remote wait (seconds); nothing waits forever."""
     watchdog_factor: float = 5.0
@@ -749,11 +764,19 @@ class AsyncConfig:
         if self.sync:
             _check(self.sync_interval == 1, "async.sync_interval", self.sync_interval,
                    "1 when async.sync is true (on-policy pushes after every batch); for "
-                   "semi-online training set async.sync=false and async.max_staleness >= sync_interval")
+                   "semi-online training set async.sync=false and async.max_staleness >= sync_interval - 1")
         else:
-            _check(self.max_staleness >= self.sync_interval, "async.max_staleness", self.max_staleness,
-                   f">= async.sync_interval ({self.sync_interval}): weights arrive only every "
-                   "sync_interval batches, so a smaller bound would wait forever")
+            # The handshake (rollout/producer.py): batch k (0-based) waits for a published version
+            # >= k - max_staleness; version v exists once batch v-1 is trained, and is published
+            # when v % sync_interval == 0 (trainer/loop.py). So before batch k = m*s + j
+            # (0 <= j < s) the newest version that can be published is m*s, and batch k can start
+            # iff j <= max_staleness: every j in 0..s-1 iff max_staleness >= s - 1, when batch
+            # m*s + j is generated by version m*s exactly (staleness j: 0, 1, ..., s-1 repeating).
+            _check(self.max_staleness >= self.sync_interval - 1, "async.max_staleness", self.max_staleness,
+                   f">= async.sync_interval - 1 (async.sync_interval = {self.sync_interval}): weights are "
+                   "published only every async.sync_interval steps, so batch k = m*sync_interval + "
+                   "max_staleness + 1 would wait for a version only trained after it, forever; raise "
+                   "async.max_staleness or lower async.sync_interval")
         _check(self.timeout_s > 0, "async.timeout_s", self.timeout_s, "> 0")
         _check(self.watchdog_factor == 0 or self.watchdog_factor > 1, "async.watchdog_factor",
                self.watchdog_factor, "0 (off) or a number > 1 (times the median step)")
@@ -940,6 +963,37 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
+class _DuplicateKeyError(yaml.YAMLError):
+    """A YAML mapping gives a key twice (raised by :class:`_UniqueKeyLoader`)."""
+
+
+class _UniqueKeyLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
+    """``yaml.SafeLoader`` (libyaml's when PyYAML has it: ~10x faster) that refuses a mapping with a
+    key given twice (PyYAML keeps the last value silently, so a recipe's earlier setting would be
+    dropped without a word)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":   # ``<<: *anchor`` merges, not a key
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            mark = key_node.start_mark
+            try:
+                first = seen.setdefault(key, mark)
+            except TypeError:   # an unhashable key: the base class names it
+                continue
+            if first is not mark:
+                raise _DuplicateKeyError(f"line {mark.line + 1}: duplicate key {key!r} (first at line "
+                                         f"{first.line + 1}, column {first.column + 1}): keep one of them")
+        return super().construct_mapping(node, deep=deep)
+
+
+def _yaml_load(text: str) -> Any:
+    """Parse YAML text with :class:`_UniqueKeyLoader` (every config file, parent and override)."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def _read_yaml(path: Path, seen: tuple = ()) -> dict:
     path = path.resolve()
     if path in seen:
@@ -947,7 +1001,9 @@ def _read_yaml(path: Path, seen: tuple = ()) -> dict:
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist: pass an existing YAML file")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = _yaml_load(path.read_text()) or {}
+    except _DuplicateKeyError as e:
+        raise ConfigError(f"config file {str(path)!r} {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from e
     if not isinstance(data, dict):
@@ -964,7 +1020,9 @@ def _apply_override(tree: dict, item: str) -> None:
         raise ConfigError(f"override {item!r} must look like 'section.key=value'")
     key, raw = item.split("=", 1)
     try:
-        value = yaml.safe_load(raw) if raw != "" else ""
+        value = _yaml_load(raw) if raw != "" else ""
+    except _DuplicateKeyError as e:
+        raise ConfigError(f"override {item!r}: {str(e).split(': ', 1)[1]}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"override {item!r}: value is not valid YAML: {e}") from e
     parts = key.strip().split(".")
@@ -1017,7 +1075,9 @@ def _build(cls: type, data: Any, key: str) -> Any:
                               + ", ".join(_YAML_NAMES.get(n, n) for n in fields) + ")")
     try:
         return cls(**kwargs)
-    except ConfigError:
+    except ConfigError as e:
+        if cls is DataConfig and key:   # its checks say 'tasks[].data.*': name data or eval_data
+            raise ConfigError(str(e).replace("'tasks[].data.", f"'{key}.")) from None
         raise
     except TypeError as e:
         raise ConfigError(f"config section '{key or '<root>'}': {e}") from e

@@ -32,14 +32,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from megatron_rlhf.errors import ConfigError
+
 __all__ = ["PlacementConfig", "check_layout", "BundleLayout", "check_cluster_fits", "ActorPlacement"]
 
 _TIME_RE = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$")
 
 
 def _fail(key: str, value, allowed: str) -> None:
-    from megatron_rlhf.config import ConfigError
-
     raise ConfigError(f"config key '{key}' = {value!r} is invalid: {allowed}")
 
 
@@ -250,8 +250,6 @@ def check_cluster_fits(layout: BundleLayout, nodes: list[dict], *, role_resource
             engines and reward models do not fit the generator nodes' GPUs; the message names the
             shortfall, the cluster's GPUs per node and the keys to change.
     """
-    from megatron_rlhf.config import ConfigError
-
     free = [_gpus(n, "learner" if role_resources else None) for n in nodes]
     order = sorted(range(len(nodes)), key=lambda i: -free[i])
     learner = []
@@ -345,8 +343,6 @@ class ActorPlacement:
         ready, _ = ray.wait([pg.ready() for pg in groups], num_returns=len(groups), timeout=timeout_s)
         if len(ready) < len(groups):
             self.remove()
-            from megatron_rlhf.config import ConfigError
-
             raise ConfigError(f"placement: Ray reserved only {len(ready)} of {len(groups)} placement groups "
                               f"within {timeout_s:.0f} s (learner bundles {list(layout.learner)}, engines "
                               f"{list(layout.engines)}, reward models {layout.reward_models}); cluster "

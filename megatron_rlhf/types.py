@@ -1,4 +1,4 @@
-"""Data that crosses process boundaries: prompts, completions, rollouts, pairs, learner batches.
+"""Data that crosses process boundaries: prompts, completions, rollouts, pairs, rollout and learner batches.
 
 Frozen dataclasses, never positional tuples (a payload is read by field name on both sides).
 Token ids are the generator's (vLLM's) ids: the learner never re-tokenises text.
@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Prompt", "Completion", "Rollout", "PreferencePair", "RolloutGroup", "LearnerBatch"]
+__all__ = ["Prompt", "Completion", "Rollout", "PreferencePair", "RolloutGroup", "RolloutBatch", "LearnerBatch"]
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,9 @@ class Prompt:
         token_ids: prompt tokens, chat template and generation prompt included.
         answer: gold answer text (verifiable tasks; ``""`` otherwise).
         text: the problem as shown to the model (before the chat template).
+        group: the row's ``product`` field when it has one (the arithmetic datasets' unordered
+            problem id, e.g. ``"6 x 8"`` for every wording of 6 x 8 and 8 x 6), else ``""``: the
+            cluster of the eval's cluster-robust standard error (``trainer.evaluate.cluster_se``).
     """
 
     index: int
@@ -29,6 +32,7 @@ class Prompt:
     token_ids: tuple[int, ...]
     answer: str = ""
     text: str = ""
+    group: str = ""
 
 
 @dataclass(frozen=True)
@@ -164,6 +168,34 @@ def _stack(rollouts: list[Rollout], pad_id: int, pad_to_multiple: int):
         mask[i, lp: lp + lc] = 1.0
         slp[i, lp: lp + lc] = torch.tensor(r.completion.logprobs[:lc], dtype=torch.float32)
     return ids, mask, slp
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    """One learner batch worth of trainable prompt groups, tagged with the weight version that
+    generated it.
+
+    Attributes:
+        index: 0-based batch index (the learner trains it as step ``index + 1``).
+        weight_version: oldest version that generated any token of its groups (carried ones
+            included).
+        groups: exactly ``algorithm.prompts_per_step`` :class:`RolloutGroup` s, each task holding
+            its quota (``tasks[].weight``, largest remainder), in task order.
+        sampler_state: data-sampler position after the last prompt this batch consumed.
+        rng_state: pair-selection RNG state after this batch.
+        producer_state: the rest of the producer's resumable state (reward normaliser, yield
+            estimates, the pool's completion-length estimate, and the carry: surplus groups and
+            parked partial requests in the ``rollout.batch_io`` encoding), JSON-plain.
+        stats: per-batch numbers for the metrics row (``time/gen_s``, ``reward/mean``, ...).
+    """
+
+    index: int
+    weight_version: int
+    groups: tuple[RolloutGroup, ...]
+    sampler_state: dict
+    rng_state: Any
+    producer_state: dict = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

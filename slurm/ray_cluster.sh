@@ -11,7 +11,11 @@
 #   2. exports the NCCL / torch.distributed environment (below) so every Ray worker inherits it;
 #   3. pre-flight: `srun` on every node runs `$PY -c "import megatron_rlhf"` from `/` (the repo is
 #      on PYTHONPATH, exported here, so a plain checkout on a shared file system works without a
-#      `pip install`); a node that cannot import fails the job at once, by name;
+#      `pip install`), then imports torch, vllm and megatron.core, and prints one line per node:
+#      the python, torch (its CUDA build) and `torch.cuda.is_available()`, vllm, megatron-core and
+#      the NVIDIA driver (`nvidia-smi --query-gpu=driver_version`, "no driver" without nvidia-smi);
+#      a node that cannot import, or that declares GPUs (MRLHF_GPUS_PER_NODE) torch cannot see,
+#      fails the job at once, by name;
 #      then starts the Ray head on the first node and one Ray worker per other node, each with `srun
 #      --overlap --nodes=1 --ntasks=1 -w NODE ray start --block`, declaring the node's GPUs and CPUs
 #      and a role resource (`mrlhf_learner` on the first MRLHF_LEARNER_NODES nodes, `mrlhf_generator`
@@ -40,8 +44,10 @@
 #
 # Environment (all optional; the sbatch scripts set the MRLHF_*_NODES/GPUS ones from the config):
 #   MRLHF_REPO                repo root (default: the folder above this script)
-#   MRLHF_PYTHON              python with the project installed (default: $MRLHF_REPO/.venv/bin/python,
-#                             else python3 on PATH); `ray` is taken from the same folder
+#   MRLHF_PYTHON              python with the project's dependencies (default: the first of
+#                             $MRLHF_REPO/.venv-gpu/bin/python (tools/setup_gpu.sh),
+#                             $MRLHF_REPO/.venv/bin/python (tools/setup_cpu.sh), python3 on PATH);
+#                             `ray` is taken from the same folder
 #   MRLHF_TRAIN_CMD           trainer command, word-split (default: "$MRLHF_PYTHON train.py")
 #   MRLHF_LEARNER_NODES       nodes for learners (default 1)
 #   MRLHF_GENERATOR_NODES     nodes for vLLM engines (default: the remaining nodes)
@@ -79,7 +85,10 @@ OVERRIDES=("$@")
 
 REPO=${MRLHF_REPO:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
 cd "$REPO" || { echo "ray_cluster.sh: cannot cd to MRLHF_REPO=$REPO" >&2; exit 1; }
+# .venv-gpu first: tools/setup_gpu.sh makes it on a GPU cluster, where a .venv (the CPU stack) may
+# sit beside it in the same checkout (review 2, N2: the recipes ran the system python3)
 if [ -n "${MRLHF_PYTHON:-}" ]; then PY=$MRLHF_PYTHON
+elif [ -x "$REPO/.venv-gpu/bin/python" ]; then PY=$REPO/.venv-gpu/bin/python
 elif [ -x "$REPO/.venv/bin/python" ]; then PY=$REPO/.venv/bin/python
 else PY=$(command -v python3); fi
 RAY_BIN=$(dirname "$PY")/ray
@@ -168,17 +177,34 @@ GPU_STEP=(); [ "$GPUS" -gt 0 ] && GPU_STEP=(--gpus-per-node="$GPUS")
 echo "nodes: ${NODES[*]} (learner nodes $LEARNER_NODES, generator nodes $GENERATOR_NODES, shared=$SHARED); $GPUS GPUs, $CPUS CPUs per node; RAY_ADDRESS=$RAY_ADDRESS"
 
 # Pre-flight: every node imports the package with $PY from / (no help from the working
-# directory), as its Ray workers will; a node that cannot fails the job here, in seconds, by name
+# directory), as its Ray workers will, then the GPU stack (torch, vllm, megatron.core: a node image
+# without them fails here, not minutes later in a Ray actor); a node that cannot, or whose torch
+# sees no GPU while the job declares some, fails the job here, by name. The imports take 10-60 s.
+PREFLIGHT_PY='import os, sys
+import megatron_rlhf
+where = os.path.dirname(megatron_rlhf.__path__[0])
+import torch
+cuda = torch.cuda.is_available()
+gpus = int(sys.argv[1])
+if gpus > 0 and not cuda:
+    sys.exit(f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU but {gpus} are declared "
+             f"per node (driver: {sys.argv[2]}); see tools/setup_gpu.sh --help for the driver each pin set needs")
+import vllm, megatron.core
+print(f"megatron_rlhf from {where}; python {sys.executable}; torch {torch.__version__} (CUDA {torch.version.cuda}) "
+      f"cuda_available={cuda}; vllm {vllm.__version__}; megatron-core {megatron.core.__version__}; driver {sys.argv[2]}")'
 PREFLIGHT_SH='node=${SLURMD_NODENAME:-$(hostname -s)}
-if out=$(timeout 120 "$0" -c "import os, megatron_rlhf; print(os.path.dirname(megatron_rlhf.__path__[0]))" 2>&1)
-then echo "pre-flight $node: ok, megatron_rlhf from $out"
-else echo "pre-flight $node: FAILED: $0 cannot import megatron_rlhf (PYTHONPATH=${PYTHONPATH:-}): $(printf "%s" "$out" | tail -n 1)"; fi'
+driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n 1)
+driver=${driver:-no driver}
+if out=$(timeout 300 "$0" -W ignore -c "$PREFLIGHT_PY" "$1" "$driver" 2>&1)
+then echo "pre-flight $node: ok, $(printf "%s" "$out" | tail -n 1)"
+else echo "pre-flight $node: FAILED: $0 (PYTHONPATH=${PYTHONPATH:-}): $(printf "%s" "$out" | tail -n 1)"; fi'
+export PREFLIGHT_PY
 PREFLIGHT=$(srun --overlap --job-name=mrlhf-preflight --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 \
-  -w "$(IFS=,; echo "${NODES[*]}")" --chdir=/ --kill-on-bad-exit=0 bash -c "$PREFLIGHT_SH" "$PY" 2>&1)
+  -w "$(IFS=,; echo "${NODES[*]}")" --chdir=/ --kill-on-bad-exit=0 bash -c "$PREFLIGHT_SH" "$PY" "$GPUS" 2>&1)
 echo "$PREFLIGHT"
 if grep -q 'FAILED' <<<"$PREFLIGHT" || [ "$(grep -c ': ok, ' <<<"$PREFLIGHT")" -ne "$NNODES" ]; then
   BAD=$(sed -n 's/^pre-flight \([^:]*\): FAILED.*/\1/p' <<<"$PREFLIGHT" | paste -sd ' ')
-  echo "ray_cluster.sh: pre-flight failed on ${BAD:-some node (no answer)}: the package must be importable there (check MRLHF_REPO=$REPO is on the nodes' shared file system and MRLHF_PYTHON=$PY)" >&2
+  echo "ray_cluster.sh: pre-flight failed on ${BAD:-some node (no answer)}: the package and torch, vllm, megatron.core must be importable there, and torch must see the node's GPUs (check MRLHF_REPO=$REPO is on the nodes' shared file system and MRLHF_PYTHON=$PY; bash tools/setup_gpu.sh makes .venv-gpu)" >&2
   exit 2
 fi
 

@@ -63,6 +63,25 @@ def test_sync_run_staleness_always_0(generator, tiny_llama_dir, tmp_path):
     assert [r["generator/weight_version"] for r in rows] == [0, 1, 2]   # on-policy: fresh weights each batch
 
 
+@pytest.mark.timeout(900)
+def test_papers_n4_bound_3_staleness_0_1_2_3_repeats_and_bound_2_is_refused(generator, tiny_llama_dir, tmp_path):
+    """Noukhovitch et al.'s N = 4 (``sync_interval=4, max_staleness=3``) runs the real handshake:
+    the generator waits at each sync point, so batches 4..7 all come from version 4 and staleness is
+    0,1,2,3 twice, nothing dropped at train time; bound 2 would deadlock and is refused naming both keys."""
+    from megatron_rlhf.config import ConfigError
+    from megatron_rlhf.trainer.loop import train
+
+    with pytest.raises(ConfigError, match=r"async\.max_staleness.*async\.sync_interval"):
+        _cfg(tiny_llama_dir, tmp_path, "n4b2", "async.sync_interval=4", "async.max_staleness=2")
+    res = train(_cfg(tiny_llama_dir, tmp_path, "n4b3", "run.num_steps=8", "async.sync_interval=4",
+                     "async.max_staleness=3", "checkpoint.interval=0", "checkpoint.export_hf=false",
+                     "eval.enabled=false"), quiet=True, generators=[generator])
+    rows = _rows(res["run_dir"])
+    assert [r["staleness/max"] for r in rows] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert [r["generator/weight_version"] for r in rows] == [0, 0, 0, 0, 4, 4, 4, 4]
+    assert all(r["staleness/dropped_pairs"] == 0 and r["staleness/mean"] == r["staleness/max"] for r in rows)
+
+
 @pytest.mark.timeout(1500)
 def test_stopped_run_resumes_at_next_step(generator, tiny_llama_dir, tmp_path):
     """Stop at step 2, resume to 3, re-run the finished run (a no-op), continue to 4. The runs share

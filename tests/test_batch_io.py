@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from megatron_rlhf.trainer.batch_io import list_batches, load_batch, save_batch
-from megatron_rlhf.trainer.rollout import RolloutBatch
+from megatron_rlhf.rollout.batch_io import list_batches, load_batch, save_batch
+from megatron_rlhf.types import RolloutBatch
 from megatron_rlhf.types import LearnerBatch
 from tests.test_batch_units import _group
 

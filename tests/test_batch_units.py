@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_rlhf.config import AlgorithmConfig, ConfigError
-from megatron_rlhf.trainer.staleness import split_by_staleness
+from megatron_rlhf.rollout.staleness import split_by_staleness
 from megatron_rlhf.types import Completion, LearnerBatch, Prompt, Rollout, RolloutGroup
 
 pytestmark = pytest.mark.timeout(60)

@@ -117,6 +117,9 @@ def test_seeds_repro_dry_run_end_to_end_and_resume(generator, tiny_llama_dir, tm
         assert len(r["per_step"]) == 2 and "logprobs/token_mult_prob_error" in r["per_step"][-1]
         assert "tis/weight_mean" in r["per_step"][-1] and r["before_se"] is not None
     b = json.loads((tmp_path / "B_grpo_N4.json").read_text())
+    # per-prompt outcomes of both evals (8 dry-run eval rows, ids and product ids) and the code at the start
+    assert len(b["outcomes"]["before"]) == len(b["outcomes"]["after"]) == len(b["outcomes"]["ids"]) == 8
+    assert b["outcomes"]["groups"] and b["started"]["commit"] and b["started"]["dirty"] in (True, False)
     assert b["staleness_max"] == 1 and b["lr"] == 1e-3   # N=4: batch 2 from version 0, learner at 1
     assert "async.sync_interval=4" in b["overrides"] and "async.max_staleness=4" in b["overrides"]
     p = json.loads((tmp_path / "P_grpo_lr1e-3.json").read_text())

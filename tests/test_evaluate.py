@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from megatron_rlhf.config import EvalConfig, TaskConfig, load_config
-from megatron_rlhf.trainer.evaluate import (EvalService, Evaluator, eval_metrics, heldout_order, mean_se,
-                                            split_eval_prompts)
+from megatron_rlhf.trainer.evaluate import (EvalService, Evaluator, cluster_se, eval_metrics, heldout_order,
+                                            mean_se, split_eval_prompts)
 from megatron_rlhf.types import Completion, Prompt
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,6 +31,42 @@ def test_mean_se_matches_hand_computed_values():
     m, se = mean_se([])
     assert math.isnan(m) and math.isnan(se)
     assert mean_se([1e300, -1e300])[1] == math.inf           # overflow is inf, not an error
+
+
+@pytest.mark.timeout(30)
+def test_cluster_se_matches_hand_computed_values_and_reduces_to_mean_se_for_singletons():
+    # [1, 1, 0, 0] in clusters a, a, b, b: mean 0.5, cluster totals +1 and -1, G = 2:
+    # se^2 = 2 / 1 x (1 + 1) / 4^2 = 0.25 -> 0.5, against s / sqrt(n) = sqrt(1/3) / 2 = 0.289 unclustered
+    assert cluster_se([1, 1, 0, 0], ["a", "a", "b", "b"]) == pytest.approx(0.5)
+    assert mean_se([1, 1, 0, 0])[1] == pytest.approx(math.sqrt(1 / 3) / 2)
+    # outcomes that cancel within each cluster: totals 0 and 0 -> 0
+    assert cluster_se([1, 0, 1, 0], ["a", "a", "b", "b"]) == 0
+    vals = [1, 0, 1, 1, 0, 1, 0]
+    assert cluster_se(vals, list(range(7))) == pytest.approx(mean_se(vals)[1])   # one prompt per cluster
+    assert math.isnan(cluster_se([1, 0], ["a", "a"])) and math.isnan(cluster_se([], []))
+    with pytest.raises(ValueError, match="cluster ids"):
+        cluster_se([1, 0], ["a"])
+
+
+@pytest.mark.timeout(30)
+def test_eval_rows_carry_per_prompt_outcomes_ids_and_the_cluster_robust_se():
+    held = {"math": [Prompt(index=10 + i, task="math", token_ids=(1,), answer="7", text=f"m{i}", group=g)
+                     for i, g in enumerate(["p", "q", "p", "q"])],
+            "chat": [Prompt(index=i, task="chat", token_ids=(1,), text=f"c{i}") for i in range(3)]}
+    out = Evaluator(FakePool(), held, {"math": "math_verify", "chat": "reward_model"}, _fns(),
+                    EvalConfig(samples=4), 1.0).evaluate(2)
+    # greedy correct when the index is even: 10, 12 -> "1010", in eval order, with the row ids
+    assert out["eval/math/outcomes"] == "1010" and out["eval/math/ids"] == [10, 11, 12, 13]
+    assert out["eval/math/groups"] == ["p", "q", "p", "q"] and out["eval/math/num_clusters"] == 2
+    # clusters p = {1, 1}, q = {0, 0}: totals +1, -1 -> se 0.5 (the per-prompt se is 0.289)
+    assert out["eval/math/pass@1/se_cluster"] == pytest.approx(0.5)
+    assert out["eval/math/pass@1/se"] == pytest.approx(math.sqrt(1 / 3) / 2)
+    assert out["eval/math/mean@k/se_cluster"] == 0   # every prompt's mean@4 is 0.25
+    # chat: no cluster ids -> no cluster keys; outcomes are the greedy rewards 0, 1, 2
+    assert out["eval/chat/outcomes"] == [0.0, 1.0, 2.0] and out["eval/chat/ids"] == [0, 1, 2]
+    assert "eval/chat/groups" not in out and "eval/chat/reward_mean/se_cluster" not in out
+    with pytest.raises(ValueError, match="2 ids for 3 prompts"):
+        eval_metrics("x", "plugin", [1.0, 0.0, 1.0], [1, 1, 1], None, ids=[0, 1])
 
 
 def _prompts(task, n, dup_every=0):
@@ -87,7 +123,8 @@ def test_real_data_eval_and_training_prompts_disjoint(tiny_llama_dir):
 
 
 def test_demo_eval_sets_are_the_held_out_arithmetic_file_and_mt_bench(tiny_llama_dir):
-    """configs/cpu_demo.yaml: math eval = the 128 rows of 32 products training never sees; chat
+    """configs/cpu_demo.yaml: math eval = the 128 rows of 32 products training never sees in either
+    order (each row's cluster id is its unordered product); chat
     eval = 32 MT-Bench questions (another source than the HH training prompts)."""
     from megatron_rlhf.trainer.setup import load_prompts as _load_prompts
 
@@ -97,6 +134,9 @@ def test_demo_eval_sets_are_the_held_out_arithmetic_file_and_mt_bench(tiny_llama
     assert len(held["math"]) == 128 and len(held["chat"]) == 32
     assert counts["math"]["train_removed"] == 0 and len(sampler.prompts("math")) == 196
     assert {p.answer for p in held["math"]} and all(p.answer == "" for p in held["chat"])
+    # no held-out product is trained on in either order: "6 x 8" held out means 8 x 6 is too
+    train_groups = {p.group for p in sampler.prompts("math")}
+    assert all(p.group for p in held["math"]) and not {p.group for p in held["math"]} & train_groups
 
 
 class FakePool:

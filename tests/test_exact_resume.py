@@ -6,7 +6,7 @@ state after it, including the surplus groups carried to the next batch (``algori
 on here: the carried groups must survive the kill too); engines are reseeded per batch (``GeneratorPool.reseed``). The real ``train.py``
 runs as a subprocess on a tiny random Llama (``configs/ci_tiny.yaml``, ``tests.plugins:char_parity``
 reward, ``generators.inflight_updates=false``, a checkpoint every step), killed by the test hook
-``MRLHF_TEST_KILL_AT`` (``megatron_rlhf.testing.faults``) at each point in turn, re-run after each
+``MRLHF_TEST_KILL_AT`` (``megatron_rlhf.utils.faults``) at each point in turn, re-run after each
 kill; its per-step rows must equal an uninterrupted run's with the same seed.
 
 The interrupted run saves with ``checkpoint.async_save=true`` (issue 24), the uninterrupted one
@@ -29,7 +29,7 @@ import pytest
 pytestmark = [pytest.mark.integration]
 REPO = Path(__file__).resolve().parents[1]
 NUM_STEPS = 4
-# each entry: a kill -9 of the driver, then a re-run; one line per point (megatron_rlhf.testing.faults)
+# each entry: a kill -9 of the driver, then a re-run; one line per point (megatron_rlhf.utils.faults)
 KILLS = ["row:3",          # after step 3's metrics row, before its checkpoint (a fresh run: the
                            # re-run resumes with batch 3 generated but untrained)
          "save:3",         # mid-save of checkpoint 3 (learner files written, no COMPLETE marker)

@@ -54,6 +54,9 @@ def test_dry_run_writes_each_row_while_running_stays_in_the_disk_bound_and_passe
     assert by["env"]["transformer_engine"] is False and by["env"]["device"] == "CPU (dry run)"
     assert by["prepare-tiny"]["core_attention"] == "SDPACoreAttention"
     assert 0 <= by["logprobs-tiny"]["mean_abs_diff"] <= 0.05 and by["logprobs-tiny"]["tokens"] > 0
+    # the tiny preset carries Llama-3.1 rope_scaling (review 2, N15): megatron's frequencies are transformers'
+    assert by["logprobs-tiny"]["rope_type"] == "llama3", by["logprobs-tiny"]
+    assert by["logprobs-tiny"]["rope_inv_freq_max_rel_diff"] <= 1e-5, by["logprobs-tiny"]
     assert by["train-tiny"]["tokens_per_s"] > 0 and by["train-tiny"]["plan_GiB"] > 0
     ck = by["checkpoint"]
     assert ck["restore_max_abs"] == 0 and ck["next_step_max_abs"] <= 1e-6 and ck["update_max_abs"] > 0
@@ -87,3 +90,29 @@ def test_a_blocked_import_fails_inside_the_dry_run_subprocess(tmp_path):
     code = _BLOCKER.replace(repr(str(REPO / "bench" / "gpu_check.py")), repr(str(script)))
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
     assert res.returncode != 0 and "ModuleNotFoundError" in res.stderr and "blocked" in res.stderr
+
+
+@pytest.mark.timeout(60)
+def test_layer_submodules_reads_the_attention_of_both_the_local_block_spec_and_a_te_shaped_layer_spec():
+    """Review 2, N3: TE's spec is a ``ModuleSpec(TransformerLayer)`` (no ``layer_specs``); the local
+    spec is a ``ModuleSpec(TransformerBlock)``. ``prepare``'s spec access must read the core attention
+    of both. The TE-shaped spec is built from megatron's own spec classes with a stand-in for TE's
+    attention class (TE itself cannot be imported on CPU)."""
+    sys.path.insert(0, str(REPO))
+    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    from bench.gpu_check import layer_submodules
+
+    class TEDotProductAttention:   # the name gpu_check reports on a TE node
+        pass
+
+    te_spec = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        self_attention=ModuleSpec(module=SelfAttention, submodules=SelfAttentionSubmodules(
+            linear_qkv=None, core_attention=TEDotProductAttention))))
+    assert not hasattr(te_spec.submodules, "layer_specs")   # the shape that broke the old access
+    block_spec = ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(layer_specs=[te_spec]))
+    for spec in (te_spec, block_spec):
+        assert layer_submodules(spec).self_attention.submodules.core_attention.__name__ == "TEDotProductAttention"

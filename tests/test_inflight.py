@@ -30,7 +30,7 @@ TOL = 5e-4   # vLLM fp32 vs transformers fp32 token logprobs (7e-5 observed); ve
 # ----------------------------------------------------------------------------------- units
 @pytest.mark.timeout(30)
 def test_staleness_counts_from_the_first_token_version():
-    from megatron_rlhf.trainer.staleness import split_by_staleness
+    from megatron_rlhf.rollout.staleness import split_by_staleness
     from megatron_rlhf.types import PreferencePair, Rollout
 
     pr = Prompt(index=0, task="t", token_ids=(1, 2))
@@ -236,7 +236,7 @@ def test_producer_fills_a_batch_from_the_free_engine_while_the_other_is_held(ray
     from megatron_rlhf.data.mix import MultiTaskSampler
     from megatron_rlhf.generator.weight_sync import PublishedWeights
     from megatron_rlhf.rollout.pairs import select_pair
-    from megatron_rlhf.trainer.rollout import RolloutProducer, WeightChannel
+    from megatron_rlhf.rollout.producer import RolloutProducer, WeightChannel
 
     actor = ray.remote(num_cpus=0, max_concurrency=2)(_FakeGenerator)
     fast, slow = actor.remote("fast"), actor.remote("slow", held=True)

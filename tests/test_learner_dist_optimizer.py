@@ -229,14 +229,14 @@ def test_resume_rules_allow_a_dp_change_only_with_the_distributed_optimizer_and_
 @pytest.mark.parametrize("distributed_optimizer", [True, False], ids=["dist_opt", "torch_opt"])
 def test_async_checkpoints_hold_their_steps_weights_while_the_next_step_trains(
         tiny_llama_dir, tmp_path, monkeypatch, distributed_optimizer):
-    """Step 1, async save (a writer slowed by 3 s, testing.faults), step 2 at once (in-place update
+    """Step 1, async save (a writer slowed by 3 s, utils.faults), step 2 at once (in-place update
     of the parameters and moments the writer reads on CPU), async save, step 3. Checkpoint 1 must
     load as step 1's weights and optimizer state, checkpoint 2 as step 2's, the two must differ,
     and the writer of checkpoint 1 must still have been running when step 2 had finished."""
     import time
 
     from megatron_rlhf.learner.actor import MegatronLearner
-    from megatron_rlhf.testing.faults import SLOW_WRITER_ENV
+    from megatron_rlhf.utils.faults import SLOW_WRITER_ENV
 
     monkeypatch.setenv(SLOW_WRITER_ENV, "3")
     kw = dict(model_dir=str(tiny_llama_dir), learner_cfg=_cfg(distributed_optimizer=distributed_optimizer),

@@ -143,7 +143,7 @@ def test_overlong_mask_trains_grpo_without_truncated_completions(generator, tiny
     only groups with an untruncated completion train, and the counts are per task."""
     from megatron_rlhf.trainer.loop import train
 
-    from megatron_rlhf.trainer.batch_io import list_batches, load_batch
+    from megatron_rlhf.rollout.batch_io import list_batches, load_batch
 
     res = train(_cfg(tiny_llama_dir, tmp_path, "overlong_mask", "algorithm.loss=grpo", "algorithm.overlong=mask",
                      "algorithm.samples_per_prompt=8", "eval.enabled=false", "run.save_rollouts=true"),

@@ -41,7 +41,7 @@ def _c(n: int, cut: bool) -> Completion:
 
 def _producer(loss: str, overlong: str, buffer: int = 0, max_new_tokens: int = 8, rewards=None):
     """A RolloutProducer with no engine: only its scoring/pairing path is used."""
-    from megatron_rlhf.trainer.rollout import RolloutProducer
+    from megatron_rlhf.rollout.producer import RolloutProducer
 
     algo = AlgorithmConfig(loss=loss, overlong=overlong, overlong_buffer=buffer, samples_per_prompt=4,
                            prompts_per_step=1, normalize_rewards=False)
@@ -53,7 +53,7 @@ def _producer(loss: str, overlong: str, buffer: int = 0, max_new_tokens: int = 8
 
 
 def _absorb(p, comps):
-    from megatron_rlhf.trainer.rollout import _BatchState
+    from megatron_rlhf.rollout.producer import _BatchState
 
     b = _BatchState({"math": 1})
     p._absorb(b, [Prompt(index=0, task="math", token_ids=(1, 2))], [comps])
@@ -149,8 +149,8 @@ def test_keep_changes_nothing():
 
 
 def test_loss_weights_survive_the_batch_file(tmp_path):
-    from megatron_rlhf.trainer.batch_io import load_batch, save_batch
-    from megatron_rlhf.trainer.rollout import RolloutBatch
+    from megatron_rlhf.rollout.batch_io import load_batch, save_batch
+    from megatron_rlhf.types import RolloutBatch
 
     prompt = Prompt(index=0, task="math", token_ids=(1, 2))
     g = RolloutGroup(prompt=prompt, rollouts=tuple(Rollout(prompt, _c(3, i == 0), float(i % 2)) for i in range(2)),

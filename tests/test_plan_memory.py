@@ -149,9 +149,30 @@ def test_recipe_header_totals_are_what_plan_memory_gives_for_the_recipe_layout(r
     want = float(re.search(r"total\s+([\d.]+) of 80 GiB", text).group(1))
     cfg = load_config(path, ["model.source=smollm2"])   # the real folder is not on this machine
     lay, gen, mem = _layouts(cfg)
-    got = pm.plan(pm.PRESETS[preset], lay, gen, gpu_mem_gib=mem)
+    got = pm.plan(pm.PRESETS[preset], lay, gen, gpu_mem_gib=mem, bucket_mb=cfg.generators.weight_sync_bucket_mb)
     assert cfg.learner.distributed_optimizer
-    assert got["learner"]["total"] == pytest.approx(want, abs=0.006) and got["fits"]
+    # the header's total is the resident state; the weight-sync staging comes on top (counted in total)
+    assert got["learner"]["resident"] == pytest.approx(want, abs=0.006) and got["fits"]
+    st = got["learner"]["staging"]
+    assert got["learner"]["total"] == pytest.approx(want + st["device_gib"], abs=0.006)
+
+
+@pytest.mark.timeout(30)
+def test_staging_is_counted_on_the_device_when_the_plan_has_room_and_on_the_host_when_not(capsys):
+    # 70B TP=8 PP=2: stage 0's full HF tensors are 35.3 B params (65.7 GiB bf16) -> host staging,
+    # the device holds two wire buffers; 8B TP=2 DP=4 (54.1 GiB resident): the 15 GiB copy fits in 72 GiB
+    shape70 = pm.PRESETS["llama3.1-70b"]
+    assert pm.stage_hf_bytes(shape70, 2, 0) == 2 * (40 * sum(shape70.layer_params()) + 128256 * 8192)
+    p70 = pm.plan(shape70, pm.LearnerLayout(tp=8, pp=2, dp=2), None, bucket_mb=256)["learner"]
+    assert p70["staging"]["place"] == "host" and p70["staging"]["device_gib"] == 0.5
+    assert p70["staging"]["stage_gib"] == pytest.approx(65.708, abs=1e-3)
+    assert p70["total"] == pytest.approx(p70["resident"] + 0.5)
+    p8 = pm.plan(pm.PRESETS["llama3.1-8b"], pm.LearnerLayout(tp=2, dp=4, micro_batch=2), None)["learner"]
+    assert p8["staging"]["place"] == "device"
+    assert p8["staging"]["device_gib"] == pytest.approx(2 * P_TOTAL / 2**30)
+    assert pm.main(["--model", "llama3.1-70b", "--tp", "8", "--pp", "2", "--dp", "2", "--only", "learner", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["learner"]["staging"]["place"] == "host" and out["learner"]["staging"]["device_gib"] == 0.5
 
 
 def _layouts(cfg):

@@ -320,8 +320,28 @@ def test_transformer_fields_per_platform_and_te_needs_cuda():
 
     assert transformer_fields(cuda=False, te=False) == {"use_cpu_initialization": True}
     gpu = transformer_fields(cuda=True, te=False)
-    assert gpu == {"use_cpu_initialization": False, "bias_activation_fusion": True, "apply_rope_fusion": False}
+    assert gpu == {"use_cpu_initialization": False, "bias_activation_fusion": True, "apply_rope_fusion": False,
+                   "batch_p2p_sync": False}   # review 2, N9: no device-wide sync after each pipeline p2p
     assert transformer_fields(cuda=True, te=True)["apply_rope_fusion"] is True
-    assert set(CUDA_ONLY_FIELDS) == {k for k, v in gpu.items() if k != "use_cpu_initialization"}
+    # batch_p2p_sync=False runs on CPU as well (it removes a sync): not a CUDA-only field
+    assert set(CUDA_ONLY_FIELDS) == {k for k, v in gpu.items() if k not in ("use_cpu_initialization", "batch_p2p_sync")}
     with pytest.raises(ValueError, match="Transformer Engine needs CUDA"):
         transformer_fields(cuda=False, te=True)
+
+
+# ------------------------------------------------------------------ peak table (review 2, N12)
+@pytest.mark.timeout(30)
+def test_peak_table_matches_h100_nvl_and_gb200_before_their_shorter_names_and_no_entry_is_shadowed():
+    """``"NVIDIA H100 NVL"`` used to match ``H100`` (989.4 instead of the NVL's dense 835.6) and
+    ``"NVIDIA GB200"`` matched ``B200`` (2250 instead of 2500); and no entry of the table may be
+    unreachable because an earlier, shorter key is a substring of it."""
+    from megatron_rlhf.platform.peaks import PEAK_TFLOPS, peak_tflops
+
+    assert peak_tflops("NVIDIA H100 NVL", "bfloat16") == pytest.approx(835.6)
+    assert peak_tflops("NVIDIA GB200", "bf16") == pytest.approx(2500.0)
+    assert peak_tflops("NVIDIA B200", "bf16") == pytest.approx(2250.0)
+    assert peak_tflops("NVIDIA H100 80GB HBM3", "bfloat16") == pytest.approx(989.4)
+    assert peak_tflops("NVIDIA H200 NVL", "bfloat16") == pytest.approx(835.6)
+    keys = [k for k, _ in PEAK_TFLOPS]
+    shadowed = [(keys[i], keys[j]) for i in range(len(keys)) for j in range(i + 1, len(keys)) if keys[i] in keys[j]]
+    assert not shadowed, f"(earlier key, later key it hides): {shadowed}"

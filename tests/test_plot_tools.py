@@ -92,9 +92,91 @@ def test_seeds_repro_grid_pilot_choice_and_async_difference(tmp_path):
                            steps=16, pilot_steps=8)
     assert "| A_async_s0 | 0 | async N=1 | 0.600 ± 0.040 -> 0.740 ± 0.040 | +0.140 ± 0.050 (2.8)" in text
     assert "2 seed(s): gain async - sync = +0.010 ± 0.030" in text
+    assert "95% t-interval [-0.371, +0.391] (mean ± t_{0.975, 1} = 12.71 × se)" in text   # 0.01 ± 12.706 x 0.03
+    assert "unpaired after-after se: no per-prompt outcomes stored" in text
     assert "| grpo | 3e-06 |" in text and "**yes**" in text
     missing = text.split("## Not run yet")[1].split("PPO (if")[0].split()
     assert "A_sync_s2" in missing and "B_grpo_N1" in missing and "A_sync_s0" not in missing
     assert "B_online_dpo_N1" not in missing and "B_ppo_N1" not in missing   # read from A_async_s0; optional
     for png in ("gain_vs_N.png", "gain_vs_wall.png"):
         assert (tmp_path / png).stat().st_size > 1000
+
+
+def test_seeds_repro_statistics_match_hand_computed_values():
+    """The t multiplier and p, the exact sign-flip and permutation p, and the paired (McNemar) se,
+    each against a value computed by hand; grid A's three recorded seeds give the review's numbers."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import seeds_repro as sr
+
+    # t with df 1 is Cauchy: q_0.975 = tan(0.475 pi) = 12.706; df 2: 4.303 (p = 1 - t / sqrt(2 + t^2))
+    assert sr.t_quantile(0.975, 1) == pytest.approx(12.7062, abs=1e-3)
+    assert sr.t_quantile(0.975, 2) == pytest.approx(4.3027, abs=1e-3)
+    assert sr.t_two_sided_p(-4.33, 2) == pytest.approx(1 - 4.33 / (2 + 4.33 ** 2) ** 0.5)
+    assert sr.t_two_sided_p(1.0, 1) == pytest.approx(0.5)                 # Cauchy: P(|T| > 1) = 1/2
+    # grid A's per-seed differences -7, -3, -5 prompts of 128: mean -5/128, sd 2/128, se 2/128/sqrt 3
+    d = [-7 / 128, -3 / 128, -5 / 128]
+    iv = sr.t_interval(d)
+    assert iv["mean"] == pytest.approx(-0.0390625) and iv["se"] == pytest.approx(2 / 128 / 3 ** 0.5)
+    assert iv["lo"] == pytest.approx(-0.0390625 - 4.3027 * iv["se"], abs=1e-5) and iv["hi"] < 0
+    assert iv["t"] == pytest.approx(-(3 ** 0.5) * 2.5) and iv["p_two_sided"] == pytest.approx(0.0494, abs=1e-3)
+    # sign flips: 3 of 3 negative is the most extreme of 8 patterns (and its mirror two-sided)
+    assert sr.sign_flip_p(d) == {"n": 3, "less": 0.125, "greater": 1.0, "two_sided": 0.25}
+    # afters 98, 98, 97 vs 105, 101, 102: every async below every sync, 1 of C(6, 3) = 20 splits
+    pm = sr.permutation_p([98, 98, 97], [105, 101, 102])
+    assert pm["less"] == pytest.approx(0.05) and pm["two_sided"] == pytest.approx(0.1)
+    # paired: a right on prompts 0-2, b on 2-3 of 4 (ids aligned out of order): a_only 2, b_only 1,
+    # d = [1, 1, 0, -1]: mean 0.25, sd sqrt((0.5625 x 2 + 0.0625 + 1.5625) / 3) = 0.9574, se / 2
+    pr = sr.paired_outcome_diff({"outcomes": "1110", "ids": [0, 1, 2, 3], "groups": ["x", "x", "y", "y"]},
+                                {"outcomes": "1100", "ids": [3, 2, 1, 0]})
+    assert (pr["a_only"], pr["b_only"], pr["n"]) == (2, 1, 4) and pr["diff"] == pytest.approx(0.25)
+    assert pr["se"] == pytest.approx((2.75 / 3) ** 0.5 / 2)
+    # by product: x = {1, 1}, y = {0, -1}: totals 1.5, -1.5 -> sqrt(2 x 4.5) / 4 = 0.75
+    assert pr["se_cluster"] == pytest.approx(0.75)
+    with pytest.raises(ValueError, match="different prompts"):
+        sr.paired_outcome_diff({"outcomes": "1", "ids": [0]}, {"outcomes": "1", "ids": [5]})
+
+
+def test_seeds_repro_difference_of_gains_never_counts_the_shared_before_twice():
+    """rloo N=4 vs N=1 of the grid (before 78/128 in both, after 109 and 123): the old verdicts'
+    hypot(gain_se, gain_se) gave z = -1.54; after-after gives -3.04 (the review's table); with
+    per-prompt outcomes in both cells the difference is paired; different befores keep the gain ses."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import seeds_repro as sr
+
+    n4 = {"before": 0.609375, "after": 0.8515625, "after_se": 0.031534, "gain": 0.2421875, "gain_se": 0.053637}
+    n1 = {"before": 0.609375, "after": 0.9609375, "after_se": 0.017187, "gain": 0.3515625, "gain_se": 0.046620}
+    g = sr.gain_diff(n4, n1)
+    assert g["how"] == "after-after" and g["se"] == pytest.approx((0.031534 ** 2 + 0.017187 ** 2) ** 0.5)
+    assert g["z"] == pytest.approx(-3.04, abs=0.01) and g["z_double_counted"] == pytest.approx(-1.54, abs=0.01)
+    a = dict(n4, outcomes={"after": "1100", "ids": [0, 1, 2, 3]})
+    b = dict(n1, outcomes={"after": "1111", "ids": [0, 1, 2, 3]})
+    p = sr.gain_diff(a, b)
+    # d = [0, 0, -1, -1]: mean -0.5, sample variance 4 x 0.25 / 3, se = sqrt(1/3) / 2
+    assert p["how"] == "paired" and p["discordant"] == (0, 2) and p["se"] == pytest.approx((1 / 3) ** 0.5 / 2)
+    other = sr.gain_diff(dict(n4, before=0.5), n1)
+    assert other["how"] == "gain-gain" and other["se"] == pytest.approx((0.053637 ** 2 + 0.046620 ** 2) ** 0.5)
+
+
+def test_seeds_repro_cells_keep_per_prompt_outcomes_and_the_table_pairs_them(tmp_path):
+    """``eval_outcomes`` takes the first and last eval's outcomes, ids, product ids, versions and
+    cluster se from the metrics rows; two A cells that store them get a paired difference."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import seeds_repro as sr
+
+    ev = {"eval/math/ids": [4, 5, 6, 7], "eval/math/groups": ["1 x 2", "1 x 2", "3 x 3", "3 x 3"]}
+    rows = [{"step": 1, "eval/step": 0, "eval/weight_version": 0, "eval/math/outcomes": "0101",
+             "eval/math/pass@1/se_cluster": 0.0, **ev},
+            {"step": 2, "eval/step": 2, "eval/weight_version": 2, "eval/math/outcomes": "1101", **ev},
+            {"step": 3}]
+    o = sr.eval_outcomes(rows)
+    assert (o["before"], o["after"], o["ids"], o["before_step"], o["after_weight_version"]) == ("0101", "1101", [4, 5, 6, 7], 0, 2)
+    assert o["groups"] == ev["eval/math/groups"] and o["before_se_cluster"] == 0.0
+    assert sr.eval_outcomes([{"step": 1, "eval/step": 0}]) is None          # a run from before the outcomes
+    for name, after in (("A_sync_s0", "1111"), ("A_async_s0", "1101")):
+        _cell_json(tmp_path, name, 0.2)
+        d = json.loads((tmp_path / f"{name}.json").read_text())
+        d["outcomes"] = {"before": "0101", "after": after, "ids": [4, 5, 6, 7], "groups": None}
+        (tmp_path / f"{name}.json").write_text(json.dumps(d))
+    text = sr.write_tables(tmp_path, sr.read_results(tmp_path), sr.grid(), sr.PILOT_LRS, dry_run=False,
+                           steps=16, pilot_steps=8)
+    assert "paired over prompts (McNemar), discordant 0/1" in text and "stored in 2 of 2 cell files" in text

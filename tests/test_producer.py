@@ -19,7 +19,7 @@ from megatron_rlhf.config import AlgorithmConfig, GeneratorConfig
 from megatron_rlhf.data.mix import MultiTaskSampler
 from megatron_rlhf.generator.weight_sync import PublishedWeights
 from megatron_rlhf.rollout.pairs import select_pair
-from megatron_rlhf.trainer.rollout import RolloutProducer, WeightChannel
+from megatron_rlhf.rollout.producer import RolloutProducer, WeightChannel
 from megatron_rlhf.types import Completion, Prompt
 
 pytestmark = pytest.mark.timeout(300)
@@ -520,7 +520,7 @@ def test_yield_estimate_replaces_its_prior_fast_then_moves_as_an_ema_by_hand():
     (31/32)^2 = 0.0615, 2/22 = 0.0909) = 1/11, 0.85 * 10/11 + 1/11 = 0.8636; 0 of 10 after 1000
     seen -> w = 1 - (31/32)^10 = 0.2720, 0.03 * 0.7280 = 0.02184; the floor is 0.02; bad counts
     are refused."""
-    from megatron_rlhf.trainer.rollout import update_yield
+    from megatron_rlhf.rollout.producer import update_yield
 
     first = update_yield(0.5, 0, 15, 16)
     assert first == pytest.approx(0.85)

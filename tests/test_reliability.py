@@ -19,7 +19,7 @@ from megatron_rlhf.config import AlgorithmConfig, ConfigError, GeneratorConfig, 
 from megatron_rlhf.data.mix import MultiTaskSampler
 from megatron_rlhf.generator.weight_sync import PublishedWeights
 from megatron_rlhf.rollout.pairs import select_pair
-from megatron_rlhf.trainer.rollout import RewardError, RolloutProducer, WeightChannel
+from megatron_rlhf.rollout.producer import RewardError, RolloutProducer, WeightChannel
 from tests.test_learner_losses import _groups, _params, _vocab, make_learner  # noqa: F401 - fixture
 from tests.test_producer import FakePool, _prompts
 
@@ -124,7 +124,7 @@ def test_loop_reports_a_reward_failure_as_the_reward_of_the_task_not_as_generati
     """The loop turns what the producer put on its queue into ProducerError: a reward failure keeps
     the producer's message (task and reward function), anything else is a generation failure."""
     from megatron_rlhf.trainer.run import _take
-    from megatron_rlhf.trainer.rollout import ProducerError
+    from megatron_rlhf.rollout.producer import ProducerError
 
     stop = type("Stop", (), {"requested": False})()
     for item, message in [
@@ -688,7 +688,7 @@ def test_a_missing_data_file_or_reward_model_folder_is_refused_before_the_model_
 def test_a_pending_batch_of_another_loss_is_regenerated_not_trained(tmp_path):
     """A checkpoint's untrained batch was built for online_dpo (pairs); resumed with grpo it is
     dropped and counted, and generation restarts from the position before it."""
-    from megatron_rlhf.trainer.batch_io import algorithm_tag, save_batch
+    from megatron_rlhf.rollout.batch_io import algorithm_tag, save_batch
     from megatron_rlhf.trainer.setup import load_pending
     from tests.test_batch_io import _batch
 
@@ -732,20 +732,22 @@ def test_a_failed_atomic_write_names_path_and_cause_and_leaves_the_old_file_and_
 
 
 def test_run_folder_writers_all_go_through_the_atomic_helper():
-    """A grep, as the issue asks: no raw file writer in the trainer's run-folder code (exceptions:
-    the metrics.jsonl row append and the watchdog's stack-dump log, both append-only logs)."""
+    """A grep, as the issue asks: no raw file writer in the trainer's and the rollout's run-folder
+    code (exceptions: the metrics.jsonl row append and the watchdog's stack-dump log, both
+    append-only logs)."""
     import re
 
     pattern = re.compile(r"\.write_text\(|\.write_bytes\(|\bopen\([^)]*[\"'](w|wb|wt|a|ab)[\"']|json\.dump\(|"
                          r"torch\.save\(|os\.rename\(|os\.replace\(")
     allowed = {("trainer/metrics.py", 'with open(self.path, "a") as f:'),
                ("trainer/watchdog.py", '_stack_file = open(Path(folder) / f"{socket.gethostname()}-{os.getpid()}.txt", "a")'),
-               ("trainer/batch_io.py", "json.dump(doc, f)"),            # into atomic_open
+               ("rollout/batch_io.py", "json.dump(doc, f)"),            # into atomic_open
                ("trainer/checkpoint.py", "os.rename(tmp, final)"),       # the checkpoint folder
                ("trainer/checkpoint.py", "os.rename(path, dest)"),       # moving a damaged one aside
                ("trainer/run.py", "os.rename(final, old)"), ("trainer/run.py", "os.rename(tmp, final)"),  # hf_final
                ("trainer/setup.py", "os.rename(p, run.restart_aside / p.name)")}
     pkg = REPO / "megatron_rlhf"
-    found = {(str(f.relative_to(pkg)), line.strip()) for f in [*(pkg / "trainer").glob("*.py"), pkg / "config.py"]
+    scanned = [*(pkg / "trainer").glob("*.py"), *(pkg / "rollout").glob("*.py"), pkg / "config.py"]
+    found = {(str(f.relative_to(pkg)), line.strip()) for f in scanned
              for line in f.read_text().splitlines() if pattern.search(line) and not line.strip().startswith("#")}
     assert found - allowed == set()

@@ -95,14 +95,14 @@ def test_damaged_newer_checkpoints_fall_back_to_the_intact_one_and_leave_one_row
 @pytest.mark.timeout(400)
 def test_async_checkpoints_let_step_k_plus_1_train_while_checkpoint_k_is_written(
         generator, tiny_llama_dir, tmp_path, monkeypatch):
-    """checkpoint.async_save, a checkpoint every step, writers slowed by 4 s (testing.faults). The
+    """checkpoint.async_save, a checkpoint every step, writers slowed by 4 s (utils.faults). The
     driver's clock (Run.train_step, CheckpointManager.finish) and the writers' (trainer_state.json)
     show: checkpoint k completes only after step k+1 trained, its writer started before step k+1
     ended and (on one checkpoint at least) was still writing when step k+1 began; keep_last keeps the
     newest complete ones; consecutive checkpoints hold different policy shards (NeMo-RL #3312)."""
     import time
 
-    from megatron_rlhf.testing.faults import SLOW_WRITER_ENV
+    from megatron_rlhf.utils.faults import SLOW_WRITER_ENV
     from megatron_rlhf.trainer.checkpoint import CheckpointManager, verify_manifest
     from megatron_rlhf.trainer.loop import train
     from megatron_rlhf.trainer.run import Run
@@ -294,7 +294,7 @@ def test_learner_death_in_any_learner_call_names_the_last_complete_checkpoint(de
     from megatron_rlhf.config import load_config
     from megatron_rlhf.generator.weight_sync import PublishedWeights, make_transport
     from megatron_rlhf.trainer.checkpoint import CheckpointManager
-    from megatron_rlhf.trainer.rollout import WeightChannel
+    from megatron_rlhf.rollout.producer import WeightChannel
     from megatron_rlhf.trainer.run import LearnerDiedError, Run
 
     cfg = load_config(REPO / "configs" / "ci_tiny.yaml", [f"run.output_dir={tmp_path}", "async.timeout_s=60"])

@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.integration]
 
 @pytest.mark.timeout(600)
 def test_rollout_only_saves_every_batch_and_never_trains(generator, tiny_llama_dir, tmp_path):
-    from megatron_rlhf.trainer.batch_io import list_batches, load_batch
+    from megatron_rlhf.rollout.batch_io import list_batches, load_batch
     from megatron_rlhf.trainer.loop import train
 
     res = train(_cfg(tiny_llama_dir, tmp_path, "rollouts", "run.mode=rollout_only", "run.num_steps=3",

@@ -221,3 +221,92 @@ def test_setup_scripts_print_help_and_refuse_unknown_arguments_without_installin
     bad = subprocess.run(["bash", script, "--venv", "x"], cwd=REPO, env=env, capture_output=True, text=True, timeout=20)
     assert bad.returncode == 2 and "unknown argument '--venv'" in bad.stderr, bad.stderr
     assert not (tmp_path / "venv").exists() and not (REPO / ".venv-gpu").exists()
+
+
+# ------------------------------------------------------------------ driver floor and the CUDA 12 set (review 2, N4)
+def _header(text: str, key: str) -> str:
+    """The value of the ``# key: value`` header line tools/setup_gpu.sh reads."""
+    m = re.search(rf"^#\s*{key}:\s*(\S+)", text, re.M)
+    assert m, f"no '# {key}:' line"
+    return m.group(1)
+
+
+@pytest.mark.timeout(30)
+def test_cuda12_pin_set_is_the_cuda13_set_in_cuda_12_8_builds_with_its_driver_floor_and_index():
+    """requirements/gpu-cu12.txt pins the same releases as gpu.txt (torch's public version, vllm's,
+    megatron-core, TE, every other line), in CUDA 12.8 builds: torch ``+cu128`` from the PyTorch
+    index its header names, vllm's ``+cu128`` release wheel, TE ``core_cu12``; megatron-core 0.16.1
+    accepts its TE pin; its driver floor is below gpu.txt's (the point of the fallback)."""
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    text12 = (REPO / "requirements" / "gpu-cu12.txt").read_text()
+    text13 = (REPO / "requirements" / "gpu.txt").read_text()
+    check_gpu_requirements(text12)
+    p12, p13 = pins("gpu-cu12.txt"), pins("gpu.txt")
+    torch12 = Version(p12["torch"])
+    assert torch12.public == p13["torch"] and torch12.local == "cu128", p12["torch"]
+    (vllm,) = [Requirement(ln) for ln in requirement_lines(text12) if ln.startswith("vllm")]
+    wheel = Version(vllm.url.rsplit("/", 1)[1].split("-")[1])
+    assert wheel.public == p13["vllm"] and wheel.local == torch12.local, vllm.url
+    assert _header(text12, "torch-index").endswith("/" + torch12.local)
+    te12, te13 = te_requirement(text12), te_requirement(text13)
+    assert str(te12.specifier) == str(te13.specifier) and set(te12.extras) == {"core_cu12", "pytorch"}
+    (mc_te,) = requires("megatron-core", extras=("", "dev"))["transformer-engine"]
+    assert mc_te.specifier.contains(Version(next(iter(te12.specifier)).version), prereleases=True)
+    others = lambda t: [ln for ln in requirement_lines(t) if not ln.startswith(("torch", "vllm"))]
+    assert others(text12) == others(text13)
+    assert Version(_header(text12, "driver-floor")) < Version(_header(text12, "driver-full")) \
+        < Version(_header(text13, "driver-floor"))
+
+
+def _fake_nvidia_smi(tmp_path: Path, driver: str) -> Path:
+    """A ``bin`` folder whose ``nvidia-smi`` prints ``driver`` for ``--query-gpu=driver_version``."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text(f'#!/bin/sh\ncase "$*" in *driver_version*) echo "{driver}";; *) exit 9;; esac\n')
+    smi.chmod(0o755)
+    return bin_dir
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("cuda, driver, floor, fix", [
+    ("13", "570.124.06", "580.65.06", "bash tools/setup_gpu.sh --cuda 12"),   # an H100 node on R570
+    ("12", "515.105.01", "525.60.13", "upgrade the NVIDIA driver"),
+])
+def test_setup_gpu_refuses_a_driver_older_than_the_pin_set_needs_before_installing_anything(tmp_path, cuda, driver,
+                                                                                               floor, fix):
+    import subprocess
+
+    log, venv = tmp_path / "calls.log", tmp_path / "venv"
+    env = dict(os.environ, PYTHON=str(_fake_python(tmp_path)), VENV=str(venv), FAKE_LOG=str(log),
+               PATH=f"{_fake_nvidia_smi(tmp_path, driver)}{os.pathsep}{os.environ['PATH']}")
+    res = subprocess.run(["bash", "tools/setup_gpu.sh", "--cuda", cuda], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=30)
+    assert res.returncode == 3, res.stdout + res.stderr
+    assert f"NVIDIA driver {driver} on this node is older than {floor}" in res.stderr, res.stderr
+    assert f"CUDA {cuda} pin set" in res.stderr and fix in res.stderr, res.stderr
+    assert not log.exists() and not venv.exists(), "something ran before the driver check"
+
+
+@pytest.mark.timeout(60)
+def test_setup_gpu_cuda12_on_an_r535_driver_warns_and_installs_its_pins_from_the_pytorch_index(tmp_path):
+    """R535 (LTS) is above CUDA 12's floor (525.60.13) and below 12.8's own driver (570.26): a warning,
+    then the CUDA 12 file with its torch index; a later --cuda 13 into the same venv is refused."""
+    import subprocess
+
+    log, venv = tmp_path / "calls.log", tmp_path / "venv"
+    env = dict(os.environ, PYTHON=str(_fake_python(tmp_path)), VENV=str(venv), FAKE_LOG=str(log),
+               PATH=f"{_fake_nvidia_smi(tmp_path, '535.230.02')}{os.pathsep}{os.environ['PATH']}")
+    res = subprocess.run(["bash", "tools/setup_gpu.sh", "--cuda=12"], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=30)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "warning: NVIDIA driver 535.230.02 is older than 570.26" in res.stderr, res.stderr
+    pip = [c.split(" -m pip ", 1)[1] for c in log.read_text().splitlines() if " -m pip " in c]
+    text = (REPO / "requirements" / "gpu-cu12.txt").read_text()
+    assert f"install -q -r requirements/gpu-cu12.txt --extra-index-url {_header(text, 'torch-index')}" in pip, pip
+    assert f"install -q --no-build-isolation {te_requirement(text)}" in pip, pip
+    env["PATH"] = os.environ["PATH"]   # a build node (no nvidia-smi): the venv's own pin set decides
+    res = subprocess.run(["bash", "tools/setup_gpu.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=30)
+    assert res.returncode == 2 and "holds the CUDA 12 pin set" in res.stderr, res.stderr

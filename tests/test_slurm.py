@@ -288,26 +288,21 @@ def test_sbatch_whole_step_sigterm_checkpoints_exits_0_and_resubmit_resumes(slur
     assert checkpoint_steps(run)[-1] == num_steps
 
 
-@pytest.mark.timeout(120)
-def test_ray_cluster_preflight_fails_in_seconds_naming_the_node_that_cannot_import_the_package(tmp_path):
-    """Issue 21 item 1: before any Ray node starts, ``ray_cluster.sh`` runs ``$PY -c "import
-    megatron_rlhf"`` from ``/`` on every node of the allocation; the node that cannot import it
-    fails the job at once, by name (exit 2, no ``ray start``). ``srun``/``scontrol`` are stand-ins
-    on ``PATH`` (no SLURM needed): the fake srun runs the step once per ``-w`` node with
-    ``SLURMD_NODENAME`` set and, on node ``gpu-b``, without ``PYTHONPATH`` (a node where the
-    checkout is not on the path). The good node's line shows the folder the package came from:
-    this checkout, through the ``PYTHONPATH`` the script exports (not the working directory)."""
-    import sys
-
+def _fake_slurm_bin(tmp_path: Path, nodes: str) -> Path:
+    """``srun``/``scontrol`` stand-ins on ``PATH`` (no SLURM needed): ``scontrol show hostnames``
+    prints ``nodes`` (space-separated); the fake srun logs its arguments to ``$FAKE_SRUN_LOG``,
+    answers a ``ray start`` step (``PY -m ...``) by exiting at once, and runs any other step once
+    per ``-w`` node with ``SLURMD_NODENAME`` set and, on node ``gpu-b``, without ``PYTHONPATH``."""
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text('#!/bin/sh\n[ "$1 $2" = "show hostnames" ] && printf "gpu-a\\ngpu-b\\n"\n')
+    bin_dir.mkdir(parents=True)
+    listing = "\\n".join(nodes.split())
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\n[ "$1 $2" = "show hostnames" ] && printf "{listing}\\n"\n')
     (bin_dir / "srun").write_text(r'''#!/usr/bin/env bash
 nodes=; chdir=.
 while [ $# -gt 0 ]; do case $1 in -w) nodes=$2; shift 2;; --chdir=*) chdir=${1#--chdir=}; shift;;
   -*) shift;; *) break;; esac; done
 echo "srun $*" >> "$FAKE_SRUN_LOG"
-case $1 in *ray|*python*) [ "$2" = "-m" ] && exit 0;; esac   # a `ray start` step: must not be reached
+case $1 in *ray|*python*) [ "$2" = "-m" ] && exit 0;; esac   # a `ray start` step: exits at once
 for n in ${nodes//,/ }; do
   if [ "$n" = gpu-b ]; then (cd "$chdir" && env -u PYTHONPATH SLURMD_NODENAME=$n "$@")
   else (cd "$chdir" && SLURMD_NODENAME=$n "$@"); fi
@@ -315,6 +310,22 @@ done
 ''')
     for f in ("srun", "scontrol"):
         (bin_dir / f).chmod(0o755)
+    return bin_dir
+
+
+@pytest.mark.timeout(240)
+def test_ray_cluster_preflight_fails_in_seconds_naming_the_node_that_cannot_import_the_package(tmp_path):
+    """Issue 21 item 1: before any Ray node starts, ``ray_cluster.sh`` runs ``$PY -c "import
+    megatron_rlhf"`` from ``/`` on every node of the allocation; the node that cannot import it
+    fails the job at once, by name (exit 2, no ``ray start``). ``srun``/``scontrol`` are stand-ins
+    on ``PATH`` (no SLURM needed): the fake srun runs the step once per ``-w`` node with
+    ``SLURMD_NODENAME`` set and, on node ``gpu-b``, without ``PYTHONPATH`` (a node where the
+    checkout is not on the path). The good node's line shows the folder the package came from:
+    this checkout, through the ``PYTHONPATH`` the script exports (not the working directory). The
+    pre-flight imports torch, vllm and megatron.core as well (tens of seconds on 2 loaded cores)."""
+    import sys
+
+    bin_dir = _fake_slurm_bin(tmp_path, "gpu-a gpu-b")
     py = getattr(sys, "_base_executable", sys.executable)   # cannot import the project on its own
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RAY_ADDRESS")}
     import site
@@ -324,11 +335,65 @@ done
                MRLHF_GPUS_PER_NODE="0", MRLHF_CPUS_PER_NODE="2", MRLHF_SHARE_NODES="0", MRLHF_RAY_HEAD_IP="127.0.0.1")
     t0 = time.monotonic()
     res = subprocess.run(["bash", "slurm/ray_cluster.sh", "configs/ci_tiny.yaml", f"run.output_dir={tmp_path}"],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=100)
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=200)
     text = res.stdout + res.stderr
     assert res.returncode == 2, text
-    assert f"pre-flight gpu-a: ok, megatron_rlhf from {REPO}" in text, text
+    assert f"pre-flight gpu-a: ok, megatron_rlhf from {REPO}; python {py}; torch " in text, text
+    assert "cuda_available=False; vllm " in text and "megatron-core " in text, text
     assert "pre-flight gpu-b: FAILED" in text and "No module named 'megatron_rlhf'" in text, text
     assert "ray_cluster.sh: pre-flight failed on gpu-b: the package" in text, text
     assert "start" not in (tmp_path / "srun.log").read_text(), "a Ray node was started after a failed pre-flight"
-    assert time.monotonic() - t0 < 60
+    assert time.monotonic() - t0 < 180   # imports only: no `ray start`, no join timeout (300 s)
+
+
+@pytest.mark.timeout(240)
+def test_ray_cluster_prefers_venv_gpu_for_the_preflight_and_ray_and_preflight_prints_torch_cuda_and_driver(tmp_path):
+    """Review 2, N2: after ``tools/setup_gpu.sh`` a checkout holds ``.venv-gpu`` (maybe beside a
+    ``.venv``); with no ``MRLHF_PYTHON`` the job must use ``.venv-gpu/bin/python`` for the config
+    load, the pre-flight and ``ray start`` (its ``ray`` beside it). A copy of the repo (symlinks) gets
+    a ``.venv-gpu`` and a ``.venv`` made from this machine's venv; the fake srun answers the Ray
+    steps by exiting, so the job ends (exit 1) right after the pre-flight, with no training. A fake
+    ``nvidia-smi`` on PATH prints a driver version: the pre-flight line names it; declaring GPUs that
+    torch (CPU build here) cannot see fails the pre-flight, naming the driver."""
+    import sys
+
+    venv = Path(sys.prefix)
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    for name in ("megatron_rlhf", "configs", "slurm", "train.py", "tests"):
+        (repo / name).symlink_to(REPO / name)
+    (repo / ".venv").symlink_to(venv)
+    gpu = repo / ".venv-gpu"                    # a venv of its own prefix on the same packages
+    (gpu / "bin").mkdir(parents=True)
+    shutil.copy(venv / "pyvenv.cfg", gpu / "pyvenv.cfg")
+    (gpu / "lib").symlink_to(venv / "lib")
+    (gpu / "bin" / "python").symlink_to(Path(os.path.realpath(sys.executable)))
+    (gpu / "bin" / "ray").symlink_to(venv / "bin" / "ray")
+    bin_dir = _fake_slurm_bin(tmp_path, "gpu-a")
+    (bin_dir / "nvidia-smi").write_text('#!/bin/sh\necho 570.86.15\n')
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RAY_ADDRESS", "MRLHF_PYTHON")}
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", SLURM_JOB_NODELIST="gpu-a", SLURM_JOB_ID="78",
+               MRLHF_REPO=str(repo), FAKE_SRUN_LOG=str(tmp_path / "srun.log"), MRLHF_GPUS_PER_NODE="0",
+               MRLHF_CPUS_PER_NODE="2", MRLHF_RAY_HEAD_IP="127.0.0.1", MRLHF_RAY_JOIN_TIMEOUT_S="60")
+    cmd = ["bash", "slurm/ray_cluster.sh", "configs/ci_tiny.yaml", f"run.output_dir={tmp_path / 'runs'}"]
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=200)
+    text = res.stdout + res.stderr
+    want = str(gpu / "bin" / "python")
+    assert f"pre-flight gpu-a: ok, megatron_rlhf from {repo}; python {want}; torch " in text, text
+    assert "cuda_available=False" in text and "; driver 570.86.15" in text, text
+    srun = (tmp_path / "srun.log").read_text()
+    assert f"{want} -m megatron_rlhf.runtime guard" in srun and f"{gpu / 'bin' / 'ray'} start --head" in srun, srun
+    assert res.returncode == 1 and "exited before the run started" in text, text   # the fake Ray step
+
+    # GPUs declared on a 2-node job (one GPU node cannot hold both roles), none visible to torch:
+    # refused by name, before vllm and megatron are imported
+    two = _fake_slurm_bin(tmp_path / "two", "gpu-a gpu-c")
+    shutil.copy(bin_dir / "nvidia-smi", two / "nvidia-smi")
+    env.update(PATH=f"{two}{os.pathsep}{env['PATH']}", SLURM_JOB_NODELIST="gpu-[a,c]", MRLHF_GPUS_PER_NODE="8",
+               MRLHF_SHARE_NODES="0", FAKE_SRUN_LOG=str(tmp_path / "two" / "srun.log"))
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=200)
+    text = res.stdout + res.stderr
+    assert res.returncode == 2 and "pre-flight gpu-a: FAILED" in text and "pre-flight gpu-c: FAILED" in text, text
+    assert "sees no GPU but 8 are declared per node (driver: 570.86.15)" in text, text
+    assert "start" not in (tmp_path / "two" / "srun.log").read_text(), "a Ray node was started after a failed pre-flight"

@@ -271,3 +271,64 @@ def test_guard_starts_a_command_again_that_fails_at_start_up_but_not_one_that_fa
     out = guard("--start-retries", "1", code=always)   # retries spent: the last status
     assert out.returncode == 5 and out.stderr.count("starting it again") == 1, out.stderr
     assert guard("--start-retries", code=always).returncode == 64   # a usage error
+
+
+# ----- the stop is a BaseException (issue 36, principle 3): unit level, no actors ---------------------
+@pytest.mark.timeout(30)
+def test_the_stop_exception_is_not_caught_by_except_exception():
+    from megatron_rlhf.trainer.setup import StoppedBeforeStart as FromSetup
+    from megatron_rlhf.utils.stop import StoppedBeforeStart, StopSignal
+
+    assert FromSetup is StoppedBeforeStart and issubclass(StoppedBeforeStart, StopSignal)
+    assert issubclass(StopSignal, BaseException) and not issubclass(StopSignal, Exception)
+    with pytest.raises(StoppedBeforeStart, match="stopped before step 3"):
+        try:
+            raise StoppedBeforeStart(3)
+        except Exception:   # noqa: BLE001 - what a library does; it must not see the stop
+            pytest.fail("except Exception caught the stop")
+
+
+@pytest.mark.timeout(30)
+def test_a_sigterm_inside_a_preflight_check_that_rewraps_exceptions_comes_out_as_the_stop():
+    """The issue's 3-in-25 finding: SIGTERM during the pre-flight imports became ``config error:
+    model.source`` (exit 2), because a checker's ``except Exception: raise ConfigError`` caught it."""
+    from megatron_rlhf.config import ConfigError
+    from megatron_rlhf.trainer.loop import _StopFlag
+    from megatron_rlhf.utils.stop import StoppedBeforeStart
+
+    def check_model_source():   # the shape of a pre-flight check
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)   # the handler raises here, between two bytecodes
+        except Exception as e:  # noqa: BLE001
+            raise ConfigError(f"config key 'model.source': cannot be read ({e})") from e
+
+    with _StopFlag() as stop, pytest.raises(StoppedBeforeStart, match="stopped before step 1"):
+        with stop.interrupting(lambda: 1):
+            check_model_source()
+    assert stop.requested
+
+
+@pytest.mark.timeout(60)
+def test_a_stop_while_train_py_loads_the_config_exits_0_with_one_line(monkeypatch, capsys):
+    """From the first line of train.py: before ``train()`` installs its handler, SIGTERM/SIGINT
+    raise the stop too, past a loader's ``except Exception``; exit 0, nothing written."""
+    sys.path.insert(0, str(REPO))
+    import train
+
+    import megatron_rlhf.config as config
+
+    def load_config(*a, **k):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        except Exception as e:  # noqa: BLE001
+            raise config.ConfigError("config key 'model.source': rewrapped") from e
+
+    monkeypatch.setattr(config, "load_config", load_config)
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    assert train.main(["--config", "configs/ci_tiny.yaml"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["stopped before start-up (nothing was written): nothing trained in this session "
+                   "(start again to run it)"]
+    assert {s: signal.getsignal(s) for s in before} == before   # the handlers are put back

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rlhf.trainer.metrics import REQUIRED_KEYS, MetricsLogger, summarize
-from megatron_rlhf.trainer.rollout import PublishedWeights, WeightChannel
+from megatron_rlhf.rollout.producer import PublishedWeights, WeightChannel
 
 pytestmark = pytest.mark.timeout(30)
 

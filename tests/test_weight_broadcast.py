@@ -27,7 +27,7 @@ TIMEOUT = 120.0
 # ----------------------------------------------------------------------------------- units
 @pytest.mark.timeout(30)
 def test_bucket_plan_keeps_tensors_whole_aligns_offsets_and_chunks_large_tensors():
-    from megatron_rlhf.generator.broadcast_sync import plan_layout
+    from megatron_rlhf.sync.wire import plan_layout
 
     entries = [("a", "float32", (10,), 40), ("b", "float32", (20, 10), 800), ("c", "bfloat16", (3,), 6),
                ("big", "float32", (1000,), 4000), ("d", "float32", (2,), 8)]
@@ -62,8 +62,7 @@ def test_broadcast_config_keys_and_nccl_alias():
 
 @pytest.mark.timeout(30)
 def test_pack_tensors_writes_each_tensor_at_its_planned_offset_and_refuses_a_changed_model():
-    from megatron_rlhf.generator.broadcast_sync import plan_layout
-    from megatron_rlhf.learner.weights import pack_tensors
+    from megatron_rlhf.sync.wire import pack_tensors, plan_layout
 
     items = [("a", torch.arange(10, dtype=torch.float32)), ("b", torch.ones(3, 4, dtype=torch.bfloat16)),
              ("c", torch.arange(5, dtype=torch.int64))]
@@ -91,14 +90,146 @@ def test_measure_pack_reports_pack_and_memcpy_rates_of_every_hf_byte_per_bucket_
     model = build_gpt_model(cfg, transformer_config_from_hf(cfg, dtype="float32"), platform=get_platform(),
                             pg_collection=groups.pg_collection)
     want = sum(t.numel() * t.element_size() for _, t in iter_stage_hf_tensors(model, cfg))
-    rows = measure_pack(model, cfg, bucket_mb=(0.0625, 1), repeats=1)
-    assert [r["bucket_mb"] for r in rows] == [0.0625, 1]
-    for r in rows:
-        assert set(r) == {"bucket_mb", "bytes", "pack_GBps", "memcpy_GBps", "ratio"} and r["bytes"] == want
-        assert r["pack_GBps"] > 0 and r["memcpy_GBps"] > 0
-        assert r["ratio"] == pytest.approx(r["pack_GBps"] / r["memcpy_GBps"])
+    for staging in ("device", "host"):
+        rows = measure_pack(model, cfg, bucket_mb=(0.0625, 1), repeats=1, staging=staging)
+        assert [r["bucket_mb"] for r in rows] == [0.0625, 1]
+        for r in rows:
+            assert set(r) == {"bucket_mb", "staging", "bytes", "pack_GBps", "memcpy_GBps", "ratio"}
+            assert r["bytes"] == want and r["staging"] == staging
+            assert r["pack_GBps"] > 0 and r["memcpy_GBps"] > 0
+            assert r["ratio"] == pytest.approx(r["pack_GBps"] / r["memcpy_GBps"])
     with pytest.raises(ValueError, match="repeats"):
         measure_pack(model, cfg, repeats=0)
+    with pytest.raises(ValueError, match="staging"):
+        measure_pack(model, cfg, staging="disk")
+
+
+@pytest.mark.timeout(120)
+def test_stage_hf_entries_give_the_names_dtypes_and_shapes_the_gather_yields_without_any_tensor(groups, tiny_llama_dir):
+    from megatron_rlhf.convert import transformer_config_from_hf
+    from megatron_rlhf.learner.model import build_gpt_model, load_hf_config
+    from megatron_rlhf.learner.weights import iter_stage_hf_tensors, stage_hf_entries
+    from megatron_rlhf.platform import get_platform
+
+    cfg = load_hf_config(tiny_llama_dir)
+    model = build_gpt_model(cfg, transformer_config_from_hf(cfg, dtype="float32"), platform=get_platform(),
+                            pg_collection=groups.pg_collection)
+    got = stage_hf_entries(model, cfg)
+    want = [(n, str(t.dtype)[6:], tuple(t.shape), t.numel() * t.element_size())
+            for n, t in iter_stage_hf_tensors(model, cfg, device=None)]
+    assert got == want and len(got) > 5
+    # TP=2 shards (a rank's shapes) give the same full HF shapes: the un-sharding runs on meta tensors
+    from megatron_rlhf.learner import weights as w
+
+    halves = [w.LocalTensor(lt.name, lt.tensor.chunk(2, dim={"column": 0, "vocab": 0, "row": 1}[lt.rule.tp])[0]
+                            if lt.rule.tp != "replicated" else lt.tensor, lt.rule, lt.mcore, lt.hf_names, lt.tied_copy)
+              for lt in w.local_tensors(model, cfg)]
+    orig = w.local_tensors
+    try:
+        w.local_tensors = lambda m, c: halves
+        assert w.stage_hf_entries(model, cfg, tp=2) == want
+    finally:
+        w.local_tensors = orig
+    with pytest.raises(ValueError, match="tensor_parallel"):
+        stage_hf_entries(model, cfg, tp=0)
+
+
+@pytest.mark.timeout(30)
+def test_a_bf16_layout_plans_packs_and_unpacks_bit_exactly_in_bf16():
+    from megatron_rlhf.sync.wire import entry, pack_tensors, plan_layout, unpack_bucket
+
+    g = torch.Generator().manual_seed(0)
+    items = [(f"model.layers.{i}.w", (torch.randn(7, 5 + i, generator=g) * 10 ** i).to(torch.bfloat16))
+             for i in range(5)]
+    items.append(("model.norm.weight", torch.tensor([float("inf"), -0.0, 1e-40, float("nan")], dtype=torch.bfloat16)))
+    lay = plan_layout(0, [entry(n, t.dtype, t.shape) for n, t in items], bucket_bytes=160)
+    assert all(m.dtype == "bfloat16" for b in lay.buckets for m in b.tensors) and len(lay.buckets) > 1
+    assert lay.tensor_bytes == sum(2 * t.numel() for _, t in items)
+    stream, got = iter(items), []
+    for b in lay.buckets:
+        buf = torch.empty(b.nbytes, dtype=torch.uint8)
+        pack_tensors(buf, b.tensors, stream)
+        got += list(unpack_bucket(buf, b))
+    assert [n for n, _ in got] == [n for n, _ in items]
+    for (_, a), (_, b) in zip(items, got):
+        assert b.dtype == torch.bfloat16 and b.shape == a.shape
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))   # bit for bit, NaN and -0 included
+    with pytest.raises(ValueError, match="dtype"):
+        entry("x", "complex64", (2,))
+
+
+@pytest.mark.timeout(30)
+def test_staging_is_decided_from_the_plan_device_when_it_has_room_host_when_not_or_on_cpu():
+    from megatron_rlhf.sync.staging import plan_staging
+
+    GiB = 2**30
+    dev = plan_staging(15 * GiB, 256 * 2**20, planned_bytes=54 * GiB, device_total_bytes=80 * GiB, is_cpu=False)
+    assert (dev.place, dev.device_bytes, dev.host_bytes) == ("device", 15 * GiB, 0)
+    host = plan_staging(66 * GiB, 256 * 2**20, planned_bytes=64 * GiB, device_total_bytes=80 * GiB, is_cpu=False)
+    assert (host.place, host.device_bytes, host.host_bytes) == ("host", 2 * 256 * 2**20, 66 * GiB)
+    assert "host" in host.describe() and "80.0 GiB" in host.reason
+    edge = plan_staging(8 * GiB, GiB, planned_bytes=64 * GiB, device_total_bytes=80 * GiB, is_cpu=False)
+    assert edge.place == "device"   # 64 + 8 = 72 = 90% of 80: still fits
+    assert plan_staging(8 * GiB + 1, GiB, planned_bytes=64 * GiB, device_total_bytes=80 * GiB,
+                        is_cpu=False).place == "host"
+    cpu = plan_staging(GiB, 2**20, planned_bytes=None, device_total_bytes=None, is_cpu=True)
+    assert (cpu.place, cpu.device_bytes) == ("host", 0)
+    assert plan_staging(GiB, 2**20, planned_bytes=None, device_total_bytes=80 * GiB, is_cpu=False).place == "host"
+    with pytest.raises(ValueError, match="weight_sync_bucket_mb"):
+        plan_staging(GiB, 0, planned_bytes=None, device_total_bytes=None, is_cpu=True)
+
+
+@pytest.mark.timeout(60)
+def test_first_publish_streams_the_stage_holding_one_tensor_beyond_the_staging_not_the_model():
+    """A 128 MiB stage, 4 MiB buckets: the first publish plans from metadata and packs as it
+    gathers. Every tensor the publish path is handed is counted while it is alive (weakref), so
+    the old ``list(items)`` first pass (the whole stage held at once, N1) would show 128 MiB."""
+    import socket
+    import weakref
+
+    from megatron_rlhf.generator.broadcast_sync import SEND, StageExporter, decide
+    from megatron_rlhf.sync.wire import entry
+
+    n, shape = 64, (1024, 1024)      # 64 bf16 tensors of 2 MiB
+    tensor_bytes = 2 * shape[0] * shape[1]
+    entries = [entry(f"t{i}", "bfloat16", shape) for i in range(n)]
+    live, peak, made = [0], [0], [0]
+
+    def gone(nbytes):
+        live[0] -= nbytes
+
+    def gather():   # what iter_stage_hf_tensors does: one freshly gathered tensor at a time
+        for i in range(n):
+            t = torch.full(shape, float(i), dtype=torch.bfloat16)
+            live[0] += tensor_bytes
+            made[0] += 1
+            peak[0] = max(peak[0], live[0])
+            weakref.finalize(t, gone, tensor_bytes)
+            yield f"t{i}", t
+            del t
+
+    listen = socket.socket()
+    listen.bind(("127.0.0.1", 0))
+    listen.listen(8)
+    ex = StageExporter(0)
+    ex.listen = listen
+    try:
+        ex.join("127.0.0.1", listen.getsockname()[1], 1, 30)
+        calls = []
+        lay = ex.stage_tensors(gather(), lambda: calls.append(1) or entries, 1, 4 * 2**20)
+        assert made[0] == n and calls == [1]
+        assert peak[0] <= 2 * tensor_bytes < lay.nbytes / 16        # bounded by a bucket, not the 128 MiB stage
+        assert ex.staging_plan.place == "host" and ex.staging_plan.device_bytes == 0   # CPU: decided once
+        assert sum(b.numel() for b in ex.staging) == sum(b.nbytes for b in lay.buckets) and not ex._bufs
+        assert bool((ex.staging[-1][-2:].view(torch.bfloat16) == n - 1).all())
+        decide(ex.decisions, 1, SEND)
+        ex.wait_idle(30)
+        assert ex.error is None and ex.sent == (1, len(lay.buckets), len(lay.buckets))
+        peak[0] = 0
+        ex.stage_tensors(gather(), lambda: calls.append(1) or entries, 2, 4 * 2**20)   # later versions: same
+        assert calls == [1] and peak[0] <= 2 * tensor_bytes
+    finally:
+        ex.group.close(5)
 
 
 @pytest.mark.timeout(30)

@@ -77,6 +77,15 @@ The per-token KV and activation formulas, the KV cache vLLM gets (``gpu_memory_u
 numbers the trainer's pre-flight check refuses a recipe with. With ``--config`` the generator layout
 is read from the engine arguments the run would pass to vLLM (``engine_kwargs``).
 
+Weight-sync staging (the ``broadcast`` transport; ``megatron_rlhf.sync.staging``): the exporting
+rank of each stage (TP 0, DP 0) keeps one copy of its stage's full HF tensors (gathered over TP,
+unpadded vocab, bf16), S_s = 2 * (L/p * (attention + mlp + norms) + embedding on stage 0 + final
+norm and, untied, the output layer on the last stage). It lives on the device when the rest of
+the plan plus S_s fits in 90% of the GPU (then ``staging`` = S_s), else in pinned host memory, and
+the device holds two wire buffers of ``--bucket-mb`` (``staging`` = 2 x bucket). The learner's
+``total`` includes it; the run decides with the same function and the same numbers
+(``BroadcastTransport(learner_plan_bytes=...)``).
+
 Both GPU kinds also pay ``--overhead-gib`` (CUDA context, NCCL buffers, allocator fragmentation,
 CUDA graphs; default 3 GiB). These are estimates: a real run adds allocator slack; leave 5-10%.
 """
@@ -95,6 +104,7 @@ if _REPO not in sys.path:  # this checkout's package, whatever else is installed
     sys.path.insert(0, _REPO)
 
 from megatron_rlhf.platform import engine_args  # noqa: E402  (after the path set-up)
+from megatron_rlhf.sync.staging import plan_staging  # noqa: E402
 
 GiB = 2**30
 
@@ -243,6 +253,25 @@ def stage_params(shape: ModelShape, tp: int, pp: int, stage: int) -> int:
     return int(round(n))
 
 
+def stage_hf_bytes(shape: ModelShape, pp: int, stage: int, dtype_bytes: int = 2) -> int:
+    """Bytes of the full HF tensors of pipeline stage ``stage`` (what its exporter stages: TP
+    gathered, HF vocab unpadded; the last stage's tied copy of the embedding is not exported).
+
+    Raises:
+        ValueError: ``pp`` does not divide the layers.
+    """
+    if shape.num_layers % pp:
+        raise ValueError(f"pp={pp} must divide num_layers={shape.num_layers}")
+    sharded, replicated = shape.layer_params()
+    n = shape.num_layers // pp * (sharded + replicated)
+    emb = shape.vocab_size * shape.hidden_size
+    if stage == 0:
+        n += emb
+    if stage == pp - 1:
+        n += shape.hidden_size + (0 if shape.tied_embeddings else emb)
+    return int(n) * dtype_bytes
+
+
 def layer_activation_bytes(shape: ModelShape, lay: LearnerLayout) -> float:
     """``A_layer`` of the module docstring: bytes one layer keeps for backward, one micro-batch."""
     h, f = shape.hidden_size, shape.ffn_size
@@ -258,8 +287,9 @@ def layer_activation_bytes(shape: ModelShape, lay: LearnerLayout) -> float:
     return sb * (8 * h / (t if sp else 1) + (4 * hq + 4 * hkv + mlp) / t) + scores
 
 
-def learner_memory(shape: ModelShape, lay: LearnerLayout) -> dict:
-    """Per-GPU learner memory of the worst pipeline stage.
+def learner_memory(shape: ModelShape, lay: LearnerLayout, stage: int | None = None) -> dict:
+    """Per-GPU learner memory of the worst pipeline stage (or of ``stage``; the weight-sync
+    staging is not included: :func:`plan` adds it).
 
     Returns:
         ``{"stage": i, "params": P_s, "weights": B, "grads": B, "optimizer": B, "reference": B,
@@ -274,7 +304,7 @@ def learner_memory(shape: ModelShape, lay: LearnerLayout) -> dict:
     sp = lay.sequence_parallel or t == 1
     layers = shape.num_layers // lay.pp
     best = None
-    for stage in sorted({0, lay.pp - 1}):
+    for stage in (sorted({0, lay.pp - 1}) if stage is None else [stage]):
         p = stage_params(shape, t, lay.pp, stage)
         in_flight = lay.pp - stage
         if lay.recompute == "full":
@@ -328,14 +358,37 @@ def _engine_fit(shape: ModelShape, gen: GeneratorLayout, gpu_mem_gib: float, ove
                                   device_memory_gib=gpu_mem_gib, overhead_gib=overhead_gib)
 
 
+def learner_staging(shape: ModelShape, lay: LearnerLayout, stage: int, resident_bytes: float,
+                    gpu_mem_gib: float, bucket_mb: float):
+    """The broadcast exporter's staging of ``stage`` (:func:`megatron_rlhf.sync.staging.plan_staging`
+    with the plan's resident bytes of that GPU, overhead included)."""
+    return plan_staging(stage_hf_bytes(shape, lay.pp, stage), int(bucket_mb * 2**20), planned_bytes=resident_bytes,
+                        device_total_bytes=gpu_mem_gib * GiB, is_cpu=False)
+
+
 def plan(shape: ModelShape, lay: LearnerLayout | None, gen: GeneratorLayout | None, *,
-         gpu_mem_gib: float = 80.0, overhead_gib: float = 3.0) -> dict:
-    """Both estimates plus their budgets and verdicts (``fits``); sizes in GiB."""
+         gpu_mem_gib: float = 80.0, overhead_gib: float = 3.0, bucket_mb: float = 256.0) -> dict:
+    """Both estimates plus their budgets and verdicts (``fits``); sizes in GiB.
+
+    The learner row is its worst pipeline stage counting the weight-sync staging of that stage's
+    exporter (``staging``: ``{place, stage_gib, device_gib, host_gib, reason}``; ``device_gib`` is
+    in ``total``; ``resident`` is the total without it, what the staging is decided from).
+    """
     out: dict = {"model_params": shape.total_params(), "gpu_mem_gib": gpu_mem_gib, "overhead_gib": overhead_gib}
     if lay is not None:
-        m = learner_memory(shape, lay)
+        rows = []
+        for stage in sorted({0, lay.pp - 1}):
+            m = learner_memory(shape, lay, stage)
+            resident = m["total"] + overhead_gib * GiB
+            st = learner_staging(shape, lay, stage, resident, gpu_mem_gib, bucket_mb)
+            rows.append((resident + st.device_bytes, m, st))
+        _, m, st = max(rows, key=lambda r: r[0])
         row = {k: (v / GiB if k not in ("stage", "params") else v) for k, v in m.items()}
         row["total"] += overhead_gib
+        row["resident"] = row["total"]
+        row["staging"] = {"place": st.place, "stage_gib": st.stage_bytes / GiB, "device_gib": st.device_bytes / GiB,
+                          "host_gib": st.host_bytes / GiB, "bucket_mb": bucket_mb, "reason": st.reason}
+        row["total"] += st.device_bytes / GiB
         row["budget"] = gpu_mem_gib
         row["fits"] = row["total"] <= gpu_mem_gib
         out["learner"] = row
@@ -367,6 +420,9 @@ def format_plan(p: dict, lay: LearnerLayout | None, gen: GeneratorLayout | None)
         for k in ("weights", "grads", "optimizer", "reference", "activations", "logits"):
             lines.append(f"  {k:<12} {r[k]:8.2f} GiB")
         lines.append(f"  {'overhead':<12} {p['overhead_gib']:8.2f} GiB")
+        st = r["staging"]
+        lines.append(f"  {'staging':<12} {st['device_gib']:8.2f} GiB  {st['place']}: {st['stage_gib']:.2f} GiB stage copy "
+                     f"({st['reason']})")
         lines.append(f"  {'total':<12} {r['total']:8.2f} GiB of {r['budget']:g}  "
                      + ("OK" if r["fits"] else "EXCEEDS"))
     if gen is not None:
@@ -384,7 +440,8 @@ def format_plan(p: dict, lay: LearnerLayout | None, gen: GeneratorLayout | None)
 
 
 def layouts_from_config(cfg) -> tuple[ModelShape, LearnerLayout, GeneratorLayout, float]:
-    """Shape and layouts from a loaded :class:`megatron_rlhf.config.Config` (a cluster recipe).
+    """Shape and layouts from a loaded :class:`megatron_rlhf.config.Config` (a cluster recipe);
+    the bucket size for :func:`plan` is ``cfg.generators.weight_sync_bucket_mb``.
 
     Reads model.source (HF folder), learner.{tensor,pipeline,data}_parallel, micro_batch_size,
     distributed_optimizer, sequence_parallel, recompute, recompute_modules; generators.{tensor_parallel,
@@ -432,6 +489,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--gpu-mem-gib", type=float, default=None, help="GPU memory (default 80, or the recipe's)")
     ap.add_argument("--overhead-gib", type=float, default=3.0)
+    ap.add_argument("--bucket-mb", type=float, default=None,
+                    help="generators.weight_sync_bucket_mb (default 256, or the recipe's)")
     ap.add_argument("--only", choices=("learner", "generator"), help="estimate one GPU kind only")
     ap.add_argument("--json", action="store_true", help="print the estimate as JSON")
     args = ap.parse_intermixed_args(argv)
@@ -439,7 +498,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.config:
             from megatron_rlhf.config import load_config
 
-            shape, lay, gen, mem = layouts_from_config(load_config(args.config, args.overrides))
+            cfg = load_config(args.config, args.overrides)
+            shape, lay, gen, mem = layouts_from_config(cfg)
+            bucket_mb = cfg.generators.weight_sync_bucket_mb
         else:
             if args.overrides:
                 ap.error("overrides need --config")
@@ -453,14 +514,16 @@ def main(argv: list[str] | None = None) -> int:
                                   concurrent_seqs=args.gen_concurrent_seqs,
                                   max_batched_tokens=args.gen_max_batched_tokens,
                                   gpu_memory_utilization=args.gpu_memory_utilization)
-            mem = 80.0
+            mem, bucket_mb = 80.0, 256.0
+        if args.bucket_mb is not None:
+            bucket_mb = args.bucket_mb
         if args.gpu_mem_gib is not None:
             mem = args.gpu_mem_gib
         if args.only == "learner":
             gen = None
         elif args.only == "generator":
             lay = None
-        result = plan(shape, lay, gen, gpu_mem_gib=mem, overhead_gib=args.overhead_gib)
+        result = plan(shape, lay, gen, gpu_mem_gib=mem, overhead_gib=args.overhead_gib, bucket_mb=bucket_mb)
     except ValueError as e:  # includes ConfigError
         print(f"plan_memory: {e}", file=sys.stderr)
         return 1

@@ -1,4 +1,6 @@
 """HF <-> megatron-core conversion (library code for checkpoints, weight sync and tools/convert).
+It knows no loop: it imports torch and utils/ only (megatron and transformers inside the functions
+that need them); the learner, the trainer and the rewards import it.
 
 * :mod:`megatron_rlhf.convert.mapping`: the table-driven conversion machinery (weights, config,
   parallel-layout checks); one :class:`~megatron_rlhf.convert.mapping.ArchSpec` table per

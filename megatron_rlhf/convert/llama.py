@@ -1,8 +1,9 @@
-"""Llama 3.x (and SmolLM2) mapping table; also re-exports the generic conversion API.
+"""Llama 3.x (and SmolLM2) mapping table.
 
 The table-driven machinery (``hf_to_mcore``, ``iter_mcore_to_hf``, ``transformer_config_from_hf``,
-...) lives in :mod:`megatron_rlhf.convert.mapping` and is re-exported here, so
-``from megatron_rlhf.convert.llama import hf_to_mcore`` keeps working for every architecture.
+...) lives in :mod:`megatron_rlhf.convert.mapping` (import it from there or from
+``megatron_rlhf.convert``), which imports this table; the table's building blocks
+(``ParamRule``, ``ArchSpec``, ``align_names``) come from :mod:`megatron_rlhf.convert.rules`.
 
 HF ``LlamaForCausalLM`` (``modeling_llama.py``) -> megatron GPTModel (local spec names):
 
@@ -23,18 +24,9 @@ HF                                                 megatron
 
 from __future__ import annotations
 
-from megatron_rlhf.convert.mapping import (_TE_ALIASES, ArchSpec, ParamRule, _dims,  # noqa: F401
-                                           _expand, _fuse_qkv, _local_names, _pad_vocab,
-                                           _split_qkv, _tied, align_names, expected_hf_shapes,
-                                           fuse_rule, get_arch, gpt_model_kwargs_from_hf,
-                                           hf_rope_theta, hf_to_mcore, iter_mcore_to_hf,
-                                           mcore_shape, mcore_to_hf, model_dims, num_parameters,
-                                           split_rule, supported_model_types, torch_dtype,
-                                           transformer_config_from_hf, validate_parallel_layout)
+from megatron_rlhf.convert.rules import ArchSpec, ParamRule, align_names  # noqa: F401 (re-exported)
 
-__all__ = ["ParamRule", "ArchSpec", "LLAMA", "LLAMA_RULES", "get_arch", "hf_to_mcore",
-           "mcore_to_hf", "iter_mcore_to_hf", "align_names", "transformer_config_from_hf",
-           "gpt_model_kwargs_from_hf", "hf_rope_theta", "torch_dtype"]
+__all__ = ["ParamRule", "ArchSpec", "LLAMA", "LLAMA_RULES", "align_names", "validate_no_linear_bias"]
 
 _L = "model.layers.{i}."
 _M = "decoder.layers.{i}."

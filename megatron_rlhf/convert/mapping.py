@@ -1,6 +1,7 @@
 """Table-driven HF <-> megatron-core GPTModel conversion shared by every architecture.
 
-Each architecture module (:mod:`~megatron_rlhf.convert.llama`, :mod:`~megatron_rlhf.convert.mistral`,
+What a table is made of (:class:`ParamRule`, :class:`ArchSpec`, :func:`align_names`) lives in
+:mod:`megatron_rlhf.convert.rules`, below both this module and the tables. Each architecture module (:mod:`~megatron_rlhf.convert.llama`, :mod:`~megatron_rlhf.convert.mistral`,
 :mod:`~megatron_rlhf.convert.qwen2`, :mod:`~megatron_rlhf.convert.qwen3`) defines one
 :class:`ArchSpec`: its HF ``model_type`` values, its ordered table of :class:`ParamRule` and the
 megatron ``TransformerConfig`` fields it needs beyond the Llama defaults. The same table drives
@@ -34,10 +35,15 @@ Layouts (megatron-core 0.16.1, ``megatron/core/transformer/attention.py``
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
+
+from megatron_rlhf.convert.llama import LLAMA
+from megatron_rlhf.convert.mistral import MISTRAL
+from megatron_rlhf.convert.qwen2 import QWEN2
+from megatron_rlhf.convert.qwen3 import QWEN3
+from megatron_rlhf.convert.rules import _TE_ALIASES, ArchSpec, ParamRule, align_names  # noqa: F401 (re-exported)
 
 __all__ = ["ParamRule", "ArchSpec", "get_arch", "supported_model_types", "hf_to_mcore",
            "mcore_to_hf", "iter_mcore_to_hf", "align_names", "transformer_config_from_hf",
@@ -45,61 +51,8 @@ __all__ = ["ParamRule", "ArchSpec", "get_arch", "supported_model_types", "hf_to_
            "expected_hf_shapes", "mcore_shape", "validate_parallel_layout", "num_parameters"]
 
 
-@dataclass(frozen=True)
-class ParamRule:
-    """One megatron parameter and the HF tensor(s) it is made of.
-
-    Attributes:
-        mcore: megatron name (local-spec layout); ``{i}`` = global layer index.
-        hf: HF names in fusion order (``{i}`` = layer index).
-        kind: ``copy`` (one tensor as is), ``qkv`` (q, k, v interleaved per query group; weights
-            ``[rows, h]`` or biases ``[rows]``), ``gate_up`` (gate and up concatenated on dim 0).
-        tp: how tensor parallelism splits it: ``replicated``, ``column`` (dim 0), ``row`` (dim 1),
-            ``vocab`` (dim 0, padded to the padded vocab size).
-        untied_only: present only when input and output embeddings are not tied.
-        hf_shapes: symbolic shape of each HF tensor, comma-separated dimension symbols:
-            ``V`` vocab, ``h`` hidden, ``f`` ffn, ``q`` = np*hn, ``kv`` = ng*hn, ``hn`` head dim
-            (see :func:`model_dims`); used to refuse mismatched checkpoints before converting.
-    """
-
-    mcore: str
-    hf: tuple[str, ...]
-    kind: str = "copy"
-    tp: str = "replicated"
-    untied_only: bool = False
-    hf_shapes: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class ArchSpec:
-    """An architecture: its HF ``model_type`` values, its ordered mapping table (global rules
-    with no ``{i}`` and per-layer rules with ``{i}``), the ``TransformerConfig`` fields it sets
-    on top of the Llama defaults, and a validator of the HF config.
-
-    Attributes:
-        name: short name (``llama``, ``mistral``, ``qwen2``, ``qwen3``).
-        model_types: HF ``config.model_type`` values this table handles.
-        rules: the mapping table.
-        tconfig_fields: extra ``TransformerConfig`` keyword arguments (e.g. ``add_qkv_bias``).
-        validate: ``validate(hf_config)`` raising ``ValueError`` (naming the field) for options
-            the table cannot represent; None: no extra check.
-    """
-
-    name: str
-    model_types: tuple[str, ...]
-    rules: tuple[ParamRule, ...]
-    tconfig_fields: Mapping[str, Any] = field(default_factory=dict)
-    validate: Callable[[Any], None] | None = None
-
-
 def _archs() -> dict[str, ArchSpec]:
-    """model_type -> ArchSpec of every built-in architecture (imported lazily: the arch modules
-    import this one)."""
-    from megatron_rlhf.convert.llama import LLAMA
-    from megatron_rlhf.convert.mistral import MISTRAL
-    from megatron_rlhf.convert.qwen2 import QWEN2
-    from megatron_rlhf.convert.qwen3 import QWEN3
-
+    """model_type -> ArchSpec of every built-in architecture."""
     return {t: a for a in (LLAMA, MISTRAL, QWEN2, QWEN3) for t in a.model_types}
 
 
@@ -327,33 +280,6 @@ def mcore_to_hf(mcore_state_dict: Mapping[str, torch.Tensor], hf_config) -> dict
 
 def _local_names(arch: ArchSpec, hf_config) -> list[str]:
     return [m for _, m, _ in _expand(arch.rules, hf_config.num_hidden_layers, _tied(hf_config))]
-
-
-# local-spec name suffix -> Transformer Engine spec name suffix (same tensor)
-_TE_ALIASES = {".input_layernorm.weight": ".self_attention.linear_qkv.layer_norm_weight",
-               ".pre_mlp_layernorm.weight": ".mlp.linear_fc1.layer_norm_weight"}
-
-
-def align_names(state_dict: Mapping[str, Any], target_names) -> dict[str, Any]:
-    """Rename local-spec <-> Transformer-Engine-spec norm names so they match ``target_names``.
-
-    ``decoder.layers.N.input_layernorm.weight`` <-> ``decoder.layers.N.self_attention.linear_qkv.layer_norm_weight``
-    and ``pre_mlp_layernorm.weight`` <-> ``mlp.linear_fc1.layer_norm_weight``. Other names pass
-    unchanged. Returns a new dict (same tensor objects).
-    """
-    target = set(target_names)
-    out = {}
-    for name, t in state_dict.items():
-        if name not in target:
-            for local, te in _TE_ALIASES.items():
-                if name.endswith(local) and name[: -len(local)] + te in target:
-                    name = name[: -len(local)] + te
-                    break
-                if name.endswith(te) and name[: -len(te)] + local in target:
-                    name = name[: -len(te)] + local
-                    break
-        out[name] = t
-    return out
 
 
 def validate_parallel_layout(hf_config, tp: int, pp: int) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 
 from megatron_rlhf.convert.llama import LLAMA_RULES, validate_no_linear_bias
-from megatron_rlhf.convert.mapping import ArchSpec
+from megatron_rlhf.convert.rules import ArchSpec
 
 __all__ = ["MISTRAL", "validate_mistral"]
 

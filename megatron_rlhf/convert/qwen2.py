@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from megatron_rlhf.convert.llama import (_L, _M, EMBED_RULE, FINAL_RULES, LAYER_RULES_AFTER_QKV,
                                          LAYER_RULES_BEFORE_QKV, QKV_RULE)
-from megatron_rlhf.convert.mapping import ArchSpec, ParamRule
+from megatron_rlhf.convert.rules import ArchSpec, ParamRule
 
 __all__ = ["QWEN2", "QKV_BIAS_RULE", "validate_qwen2"]
 

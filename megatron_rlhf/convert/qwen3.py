@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from megatron_rlhf.convert.llama import (_L, _M, EMBED_RULE, FINAL_RULES, LAYER_RULES_AFTER_QKV,
                                          LAYER_RULES_BEFORE_QKV, QKV_RULE)
-from megatron_rlhf.convert.mapping import ArchSpec, ParamRule
+from megatron_rlhf.convert.rules import ArchSpec, ParamRule
 from megatron_rlhf.convert.qwen2 import validate_qwen2
 
 __all__ = ["QWEN3", "QK_NORM_RULES", "validate_qwen3"]

@@ -1,6 +1,6 @@
 """Tensor-parallel sharding of megatron tensors and per-tensor HF <-> megatron conversion.
 
-Companion of :mod:`megatron_rlhf.convert.llama` (whose :class:`~megatron_rlhf.convert.llama.ParamRule`
+Companion of :mod:`megatron_rlhf.convert.mapping` (whose :class:`~megatron_rlhf.convert.rules.ParamRule`
 table records how each tensor is split under TP). Everything here works one tensor at a time, so a
 learner rank can load its shards from an HF folder and export HF tensors stage by stage without
 ever holding a full copy of the model:
@@ -33,8 +33,8 @@ from typing import Iterator, Sequence
 
 import torch
 
-from megatron_rlhf.convert import llama
-from megatron_rlhf.convert.llama import ParamRule, get_arch
+from megatron_rlhf.convert import mapping
+from megatron_rlhf.convert.mapping import ParamRule, get_arch
 
 __all__ = ["iter_rules", "fuse_hf", "split_to_hf", "shard", "unshard", "padded_vocab_size",
            "HFCheckpointReader"]
@@ -52,17 +52,17 @@ def iter_rules(hf_config) -> Iterator[tuple[ParamRule, str, list[str]]]:
     the model, in HF checkpoint order (embedding, layers 0..L-1, final norm, untied LM head).
 
     Raises:
-        ValueError: unsupported architecture (:func:`megatron_rlhf.convert.llama.get_arch`).
+        ValueError: unsupported architecture (:func:`megatron_rlhf.convert.mapping.get_arch`).
     """
     arch = get_arch(hf_config)
-    # llama._expand is the one place that knows the table's ordering; reuse it, do not copy it
-    yield from llama._expand(arch.rules, hf_config.num_hidden_layers, llama._tied(hf_config))
+    # mapping._expand is the one place that knows the table's ordering; reuse it, do not copy it
+    yield from mapping._expand(arch.rules, hf_config.num_hidden_layers, mapping._tied(hf_config))
 
 
 def fuse_hf(rule: ParamRule, hf_tensors: Sequence[torch.Tensor], hf_config, *,
             padded_vocab: int | None = None) -> torch.Tensor:
     """Build one full megatron tensor from its HF tensors (same result as the matching entry of
-    :func:`megatron_rlhf.convert.llama.hf_to_mcore`).
+    :func:`megatron_rlhf.convert.mapping.hf_to_mcore`).
 
     Args:
         rule: the tensor's mapping rule.
@@ -73,14 +73,14 @@ def fuse_hf(rule: ParamRule, hf_tensors: Sequence[torch.Tensor], hf_config, *,
         a new contiguous tensor: ``qkv [(np+2ng)*hn, h]``, ``gate_up [2*ffn, h]``, else the copy.
     """
     if rule.kind == "qkv":
-        np_, ng, hn = llama._dims(hf_config)
-        t = llama._fuse_qkv(*hf_tensors, np_, ng, hn)
+        np_, ng, hn = mapping._dims(hf_config)
+        t = mapping._fuse_qkv(*hf_tensors, np_, ng, hn)
     elif rule.kind == "gate_up":
         t = torch.cat(list(hf_tensors), dim=0)
     else:
         t = hf_tensors[0].clone()
     if rule.tp == "vocab":
-        t = llama._pad_vocab(t, padded_vocab)
+        t = mapping._pad_vocab(t, padded_vocab)
     return t.contiguous()
 
 
@@ -94,8 +94,8 @@ def split_to_hf(rule: ParamRule, hf_names: Sequence[str], full: torch.Tensor, hf
     if rule.tp == "vocab":
         full = full[: hf_config.vocab_size]
     if rule.kind == "qkv":
-        np_, ng, hn = llama._dims(hf_config)
-        parts = llama._split_qkv(full, np_, ng, hn)
+        np_, ng, hn = mapping._dims(hf_config)
+        parts = mapping._split_qkv(full, np_, ng, hn)
     elif rule.kind == "gate_up":
         parts = tuple(p.contiguous() for p in torch.chunk(full, 2, dim=0))
     else:

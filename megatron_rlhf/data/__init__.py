@@ -1,4 +1,6 @@
-"""Prompt datasets (registered by name), the per-task loader dispatch, and the seeded samplers."""
+"""Prompt datasets (registered by name), the per-task loader dispatch, and the seeded samplers.
+It knows no model: it may import config, types and utils/ (and a tokenizer passed in); nothing of
+generator/, learner/, rollout/ or trainer/."""
 
 from megatron_rlhf.data.mix import MultiTaskSampler, allocate_draws, estimate_yield, task_quotas
 from megatron_rlhf.data.prompts import (DATASETS, DatasetSpec, PromptSampler, dataset_config,

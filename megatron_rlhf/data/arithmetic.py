@@ -13,10 +13,17 @@ splits) and are written by
 
 (a test checks the committed files equal a fresh generation, so the data is its seed).
 
-Kinds: ``mul1`` = the products a x b with a, b in 1..9 in four wordings each (the seed picks 32
-of the 81 problems as the held-out eval split: ``mul1_eval.jsonl``, 128 rows; training gets the
-other 49: ``mul1.jsonl``, 196 rows); ``add2`` = sums of two random two-digit numbers (400 train,
-32 eval, no problem in both). Rows are shuffled by the seed.
+Kinds: ``mul1`` = the products a x b with a, b in 1..9 in four wordings each. The held-out eval
+split is made of whole *unordered* products: a held-out {a, b} goes to ``mul1_eval.jsonl`` in both
+orders (a x b and b x a), so training never sees an eval fact even commuted. The seed shuffles the
+45 unordered products and takes each in turn while it fits, until 32 of the 81 ordered problems are
+held out (seed 0: 14 pairs a != b in both orders and 4 squares, 18 products; 128 rows, every
+wording 32 times);
+training gets the other 49 ordered problems (``mul1.jsonl``, 196 rows). ``add2`` = sums of two
+random two-digit numbers (400 train, 32 eval), no unordered pair {a, b} in both splits or twice.
+Rows are shuffled by the seed. Each row carries ``product`` (mul1: ``"a x b"`` with a <= b; add2:
+``"a + b"``), the id of its unordered problem: the cluster of a cluster-robust standard error
+(``trainer.evaluate.cluster_se``).
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import json
 import random
 from pathlib import Path
 
-__all__ = ["WORDINGS", "generate", "write_jsonl", "FILES"]
+__all__ = ["WORDINGS", "generate", "product_id", "write_jsonl", "FILES"]
 
 WORDINGS = {
     "mul1": ("What is {a} times {b}?", "Multiply {a} by {b}.", "What is the product of {a} and {b}?",
@@ -44,19 +51,23 @@ FILES = {("mul1", "train"): "data/arithmetic/mul1.jsonl", ("mul1", "eval"): "dat
 def generate(kind: str, seed: int = 0, split: str = "train", n: int = 400, num_eval: int = 32) -> list[dict]:
     """The rows of arithmetic dataset ``kind``, split ``split``, for ``seed``.
 
-    The two splits share no problem (no (a, b) pair), so the held-out eval measures the skill on
-    unseen facts, not recall: ``mul1`` holds out ``num_eval`` of its 81 products (all four
-    wordings of each: ``4 x num_eval`` eval rows, ``4 x (81 - num_eval)`` train rows); ``add2``
-    draws ``n`` train and ``num_eval`` eval sums (one random wording each).
+    The two splits share no *unordered* problem ({a, b}: neither a x b nor b x a of an eval problem
+    is trained on), so the held-out eval measures the skill on unseen facts, not recall:
+    ``mul1`` holds out ``num_eval`` of its 81 ordered problems as whole unordered products (the
+    seed's order of the 45 products {a, b}, a <= b; a product is taken when its 1 or 2 ordered
+    problems fit in what is left of ``num_eval``), all four wordings of each: ``4 x num_eval`` eval
+    rows, ``4 x (81 - num_eval)`` train rows; ``add2`` draws ``n`` train and ``num_eval`` eval sums
+    (one random wording each), no unordered pair twice.
 
     Args:
         kind: ``mul1`` (a x b, a and b in 1..9) or ``add2`` (two random two-digit numbers).
         seed: the only source of randomness (``random.Random(f"{kind}:{seed}")``).
         split: ``train`` or ``eval``.
         n: train rows of ``add2``.
-        num_eval: held-out problems.
+        num_eval: held-out ordered problems.
     Returns:
-        rows ``{"input", "target", "op", "a", "b"}`` (``target`` a decimal string), shuffled.
+        rows ``{"input", "target", "op", "a", "b", "product"}`` (``target`` a decimal string,
+        ``product`` the unordered problem's id, e.g. ``"6 x 8"`` for 6 x 8 and 8 x 6), shuffled.
     Raises:
         ValueError: unknown ``kind`` or ``split``, ``n < 1`` or a bad ``num_eval``.
     """
@@ -68,15 +79,24 @@ def generate(kind: str, seed: int = 0, split: str = "train", n: int = 400, num_e
         raise ValueError(f"arithmetic n={n}, num_eval={num_eval}: need n >= 1 and 1 <= num_eval < 81 (mul1)")
     rng = random.Random(f"{kind}:{seed}")
     if kind == "mul1":
-        pairs = [(a, b) for a in range(1, 10) for b in range(1, 10)]
-        held = set(rng.sample(pairs, num_eval))
-        pairs = [p for p in pairs if (p in held) == (split == "eval")]
+        products = [(a, b) for a in range(1, 10) for b in range(a, 10)]   # 45 unordered
+        rng.shuffle(products)
+        held, left = set(), num_eval
+        for a, b in products:
+            size = 1 if a == b else 2
+            if size <= left:
+                held.add((a, b))
+                left -= size
+        pairs = [(a, b) for a in range(1, 10) for b in range(1, 10)
+                 if ((min(a, b), max(a, b)) in held) == (split == "eval")]
         rows = [_row(kind, w, a, b) for a, b in pairs for w in WORDINGS[kind]]
     else:
         seen: dict[tuple[int, int], str] = {}
+        unordered: set[tuple[int, int]] = set()
         while len(seen) < n + num_eval:
             a, b = rng.randint(10, 99), rng.randint(10, 99)
-            if (a, b) not in seen:
+            if (min(a, b), max(a, b)) not in unordered:
+                unordered.add((min(a, b), max(a, b)))
                 seen[(a, b)] = rng.choice(WORDINGS[kind])
         items = list(seen.items())
         items = items[n:] if split == "eval" else items[:n]
@@ -85,9 +105,16 @@ def generate(kind: str, seed: int = 0, split: str = "train", n: int = 400, num_e
     return rows
 
 
+def product_id(kind: str, a: int, b: int) -> str:
+    """The id of the unordered problem {a, b}: ``"3 x 7"`` (mul1) or ``"13 + 75"`` (add2), smaller first."""
+    lo, hi = min(a, b), max(a, b)
+    return f"{lo} x {hi}" if kind == "mul1" else f"{lo} + {hi}"
+
+
 def _row(kind: str, wording: str, a: int, b: int) -> dict:
     value = a * b if kind == "mul1" else a + b
-    return {"input": wording.format(a=a, b=b), "target": str(value), "op": kind, "a": a, "b": b}
+    return {"input": wording.format(a=a, b=b), "target": str(value), "op": kind, "a": a, "b": b,
+            "product": product_id(kind, a, b)}
 
 
 def write_jsonl(rows: list[dict], path: str | Path) -> Path:

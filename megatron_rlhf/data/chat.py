@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rlhf.data.jsonrecords import read_json_records, resolve_data_path
-from megatron_rlhf.data.prompts import DATASETS, DatasetSpec, register_dataset
+from megatron_rlhf.data.registry import DATASETS, DatasetSpec, register_dataset
 from megatron_rlhf.types import Prompt
 
 __all__ = ["CHAT_FORMATS", "CHAT_DATASETS", "detect_chat_format", "chat_prompt_token_ids",
@@ -40,7 +40,7 @@ CHAT_DATASETS = (
                 prompt_field="instruction", answer_field="", reward="reward_model",
                 licence="CC BY-NC 4.0 data (tatsu-lab/alpaca_eval): read from ../shared, never copied"),
 )
-"""Chat prompt sets, added to the shared registry ``megatron_rlhf.data.prompts.DATASETS`` when this
+"""Chat prompt sets, added to the shared registry ``megatron_rlhf.data.registry.DATASETS`` when this
 module is imported (static data, like the math sets there); load them with :func:`load_chat_prompts`
 / :func:`load_chat_task_prompts`, not ``load_task_prompts`` (no gold answer)."""
 for _spec in CHAT_DATASETS:

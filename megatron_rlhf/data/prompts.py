@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ from megatron_rlhf.config import DataConfig, TaskConfig
 from megatron_rlhf.data.arithmetic import FILES as ARITHMETIC_FILES
 from megatron_rlhf.data.jsonrecords import read_json_records
 from megatron_rlhf.data.jsonrecords import resolve_data_path as _resolve
+from megatron_rlhf.data.registry import DATASETS, DatasetSpec, register_dataset
 from megatron_rlhf.types import Prompt
 
 __all__ = ["DatasetSpec", "DATASETS", "register_dataset", "dataset_config", "resolve_data_path",
@@ -39,44 +39,7 @@ _REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 # ------------------------------------------------------------------------------ registry
-@dataclass(frozen=True, kw_only=True)
-class DatasetSpec:
-    """A prompt dataset known by name: where it lives and which fields hold problem and answer.
-
-    Attributes:
-        name: registry key.
-        path: JSONL path (relative paths resolve against the repo root, then the CWD).
-        prompt_field: field with the problem text, or fields joined with ``+`` (``Body+Question``).
-        answer_field: field with the gold answer; text after the last ``####`` is used if present.
-        filter: default row filter ``{field: [allowed values]}``.
-        reward: the reward function name the dataset is meant for.
-        licence: licence of the data file.
-    """
-
-    name: str
-    path: str
-    prompt_field: str
-    answer_field: str
-    filter: dict[str, list[Any]] = field(default_factory=dict)
-    reward: str = "math_verify"
-    licence: str = ""
-
-
-DATASETS: dict[str, DatasetSpec] = {}
-
-
-def register_dataset(spec: DatasetSpec, *, overwrite: bool = False) -> DatasetSpec:
-    """Add ``spec`` to :data:`DATASETS`.
-
-    Raises:
-        ValueError: the name is taken and ``overwrite`` is False.
-    """
-    if spec.name in DATASETS and not overwrite:
-        raise ValueError(f"dataset {spec.name!r} is already registered; pass overwrite=True to replace it")
-    DATASETS[spec.name] = spec
-    return spec
-
-
+# DatasetSpec, DATASETS and register_dataset live in data/registry.py (data/chat.py registers there too)
 for _spec in (
     DatasetSpec(name="mawps", path="data/math_word_problems/mawps.jsonl", prompt_field="input",
                 answer_field="target", licence="MIT (Qwen2.5-Math evaluation data)"),
@@ -148,7 +111,7 @@ def load_task_prompts(task_cfg: TaskConfig, tokenizer, max_prompt_tokens: int) -
     Returns:
         ``(prompts, counts)``: prompts with ``index`` = 0-based row number among the file's
         non-blank lines, ``task = task_cfg.name``, ``token_ids``, ``answer``, ``text`` (problem +
-        instruction); counts ``{'rows', 'malformed', 'filtered', 'too_long', 'kept'}`` over the
+        instruction), ``group`` (the row's ``product`` field, else ``""``); counts ``{'rows', 'malformed', 'filtered', 'too_long', 'kept'}`` over the
         rows read (``rows`` = the sum of the other four).
     Raises:
         ValueError: the file is missing, the tokenizer has no chat template,
@@ -167,13 +130,13 @@ def load_task_prompts(task_cfg: TaskConfig, tokenizer, max_prompt_tokens: int) -
     parts = [p.strip() for p in data.prompt_field.split("+")]
     counts = {"rows": 0, "malformed": 0, "filtered": 0, "too_long": 0, "kept": 0}
     prompts: list[Prompt] = []
-    batch: list[tuple[int, str, str]] = []
+    batch: list[tuple[int, str, str, str]] = []
 
     def flush() -> None:
         rendered = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
-                                                  add_generation_prompt=True) for _, t, _ in batch]
+                                                  add_generation_prompt=True) for _, t, _, _ in batch]
         ids_list = tokenizer(rendered, add_special_tokens=False)["input_ids"]
-        for j, ((idx, text, ans), ids) in enumerate(zip(batch, ids_list)):
+        for j, ((idx, text, ans, group), ids) in enumerate(zip(batch, ids_list)):
             if data.limit and counts["kept"] >= data.limit:
                 counts["rows"] -= len(batch) - j  # past the limit: not read
                 break
@@ -182,7 +145,7 @@ def load_task_prompts(task_cfg: TaskConfig, tokenizer, max_prompt_tokens: int) -
                 continue
             counts["kept"] += 1
             prompts.append(Prompt(index=idx, task=task_cfg.name, token_ids=tuple(int(t) for t in ids),
-                                  answer=ans, text=text))
+                                  answer=ans, text=text, group=group))
         batch.clear()
 
     for idx, row in _read_rows(path, key):
@@ -198,7 +161,8 @@ def load_task_prompts(task_cfg: TaskConfig, tokenizer, max_prompt_tokens: int) -
             counts["filtered"] += 1
             continue
         text = f"{problem}\n\n{task_cfg.instruction}" if task_cfg.instruction else problem
-        batch.append((idx, text, answer))
+        group = row.get("product")   # the arithmetic datasets' unordered problem: the eval's cluster
+        batch.append((idx, text, answer, "" if group is None else str(group)))
         if len(batch) >= 256:
             flush()
     if batch:

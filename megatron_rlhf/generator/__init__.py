@@ -1,4 +1,6 @@
-"""Generators: sampling engines the trainer runs as Ray actors (``VLLMGenerator``)."""
+"""Generators: the vLLM sampling engines the trainer runs as Ray actors (``VLLMGenerator``), their pool,
+step loop and the receiving end of weight sync. It may import sync/, platform/, config, types, runtime
+and ``rollout.carry`` (the partial-rollout records it continues); never learner/ or trainer/."""
 
 from megatron_rlhf.generator.vllm_engine import VLLMGenerator
 

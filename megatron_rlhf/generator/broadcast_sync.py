@@ -16,24 +16,29 @@ is the exporter's and no other process can take the port) plus a ``ProcessGroupG
 are called (``group.broadcast([t], opts)``; the functional API would map ranks through the
 global group).
 
-Layout. On its first publish an exporter plans its stage once (:func:`plan_layout`): the
-stage's HF-named tensors (TP-gathered by ``MegatronLearner._stage_hf_tensors``; the other TP ranks
-only join those gathers, DP ranks > 0 do nothing) in HF order, grouped into buckets of whole
-tensors of at most ``bucket_bytes`` (a larger tensor gets a bucket of its own); each bucket is
-sent in fixed-size chunks of at most ``bucket_bytes``. Offsets are 64-byte aligned. The layout is
-reused for every later version (checked tensor by tensor).
+Layout. On its first publish an exporter plans its stage once from metadata alone
+(:func:`megatron_rlhf.sync.wire.plan_layout` over ``MegatronLearner._stage_hf_entries``: the
+HF names, dtypes and shapes the conversion rules give, no tensor gathered), in HF order, grouped
+into buckets of whole tensors of at most ``bucket_bytes`` (a larger tensor gets a bucket of its
+own); each bucket is sent in fixed-size chunks of at most ``bucket_bytes``. Offsets are 64-byte
+aligned. The layout is reused for every later version (checked tensor by tensor), and every
+version, the first included, is streamed into the staging one tensor at a time.
 
 Per published version (:func:`stage_version`, in the learner's own thread: these are
 collectives on Megatron's TP groups, which must never run from a second thread during a train
 step, verl PR #7423): wait until the previous version's broadcast has finished (counted), TP
 gathers, HF conversion and the pack into one staging buffer per bucket, all on the learner's
-device (``iter_stage_hf_tensors(device=None)`` + ``learner.weights.pack_tensors``: no host
-round trip), then queue the broadcast. A background thread (:class:`StageExporter`) broadcasts
-the buckets chunk by chunk straight from those device buffers on its own stream (CUDA), so the
-learner's next train step overlaps it. A stage that does not fit in half the device's free
-memory is staged in pinned host chunks instead and copied to two device chunk buffers on the
-way out (double-buffered). One version is in flight at a time, so versions go out in publish
-order.
+device (``MegatronLearner._stage_hf_tensors(device=None)`` + ``sync.wire.pack_tensors``), then
+queue the broadcast. A background thread (:class:`StageExporter`) broadcasts the buckets chunk by
+chunk on its own stream (CUDA), so the learner's next train step overlaps it. Where the staging
+lives is decided once, at the first publish, from the memory plan
+(:func:`megatron_rlhf.sync.staging.plan_staging`, logged once): on the learner's device when the
+plan leaves room for the whole stage there (sent straight from it), else in pinned host chunks,
+copied to two device chunk buffers on the way out (double-buffered). One version is in flight at
+a time, so versions go out in publish order.
+
+The generator package never imports the learner's: the exporter reaches the model only through
+the ``MegatronLearner`` it runs on (``_stage_hf_entries``, ``_stage_hf_tensors``).
 
 Send or supersede (:func:`decide`). A broadcast cannot be withdrawn once started (gloo and NCCL
 wait for every rank), so the sender thread starts a staged version only when every receiver has
@@ -60,6 +65,7 @@ world size 1 + engine GPUs); NeMo-RL's refit (packed broadcast into vLLM workers
 from __future__ import annotations
 
 import hashlib
+import logging
 import queue
 import socket
 import threading
@@ -68,98 +74,16 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Iterable, Iterator
 
-__all__ = ["TensorMeta", "BucketMeta", "StageLayout", "plan_layout", "open_group", "checksum",
+from megatron_rlhf.sync.staging import StagingPlan, plan_staging
+from megatron_rlhf.sync.wire import BucketMeta, StageLayout, pack_tensors, plan_layout, unpack_bucket
+
+__all__ = ["open_group", "checksum", "exporter_force_host_staging",
            "exporter_address", "exporter_join", "stage_version", "exporter_status", "resend_latest",
            "worker_join", "worker_receive", "refresh_tied_lm_head", "StageExporter", "shard_name", "stage_folder",
            "exporter_raw_send", "worker_raw_receive_then_reload", "decide", "await_decision",
            "decision_store", "post_abort", "closed_groups", "BroadcastGroup", "SEND", "SUPERSEDED", "NOT_JOINED", "NOTHING_LOADED"]
 
-_ALIGN = 64
-
-
-def _align(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-@dataclass(frozen=True)
-class TensorMeta:
-    """One HF tensor inside a bucket: ``offset`` is bytes from the bucket start."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class BucketMeta:
-    """Whole tensors sent together: ``offset`` / ``nbytes`` in the stage's staging buffer."""
-
-    offset: int
-    nbytes: int
-    tensors: tuple[TensorMeta, ...]
-
-
-@dataclass(frozen=True)
-class StageLayout:
-    """Everything a receiver needs to take one stage's tensors off the wire.
-
-    Attributes:
-        stage: pipeline stage (= the group it is broadcast on).
-        buckets: in send order (HF order within the stage).
-        nbytes: staging buffer size (bytes).
-        chunk_bytes: wire unit: each bucket goes out in chunks of at most this many bytes.
-    """
-
-    stage: int
-    buckets: tuple[BucketMeta, ...]
-    nbytes: int
-    chunk_bytes: int
-
-    def chunks(self, bucket: BucketMeta) -> list[tuple[int, int]]:
-        """``(offset in the bucket, bytes)`` of each chunk of ``bucket``."""
-        return [(o, min(self.chunk_bytes, bucket.nbytes - o)) for o in range(0, bucket.nbytes, self.chunk_bytes)]
-
-    @property
-    def num_tensors(self) -> int:
-        return sum(len(b.tensors) for b in self.buckets)
-
-    @property
-    def tensor_bytes(self) -> int:
-        return sum(t.nbytes for b in self.buckets for t in b.tensors)
-
-
-def _dtype_name(t) -> str:
-    return str(t.dtype).removeprefix("torch.")
-
-
-def plan_layout(stage: int, entries: Iterable[tuple[str, str, tuple[int, ...], int]],
-                bucket_bytes: int) -> StageLayout:
-    """Group ``(hf_name, dtype name, shape, nbytes)`` (in send order) into buckets of whole
-    tensors of at most ``bucket_bytes`` (a larger tensor gets its own bucket, sent in chunks).
-
-    Raises:
-        ValueError: ``bucket_bytes < 1`` or no tensor.
-    """
-    if bucket_bytes < 1:
-        raise ValueError(f"plan_layout(bucket_bytes={bucket_bytes}): must be >= 1")
-    out: list[BucketMeta] = []
-    cur: list[TensorMeta] = []
-    size, start = 0, 0
-    for name, dtype, shape, nbytes in entries:
-        off = _align(size)
-        if cur and off + nbytes > bucket_bytes:
-            out.append(BucketMeta(start, size, tuple(cur)))
-            start, cur, off = _align(start + size), [], 0
-        cur.append(TensorMeta(name, dtype, tuple(int(s) for s in shape), off, int(nbytes)))
-        size = off + int(nbytes)
-    if cur:
-        out.append(BucketMeta(start, size, tuple(cur)))
-        start = _align(start + size)
-    if not out:
-        raise ValueError(f"plan_layout: pipeline stage {stage} has no tensor to send")
-    return StageLayout(stage=stage, buckets=tuple(out), nbytes=start, chunk_bytes=int(bucket_bytes))
+log = logging.getLogger(__name__)
 
 
 def checksum(items: Iterable[tuple[str, object]]) -> str:
@@ -431,6 +355,9 @@ class StageExporter:
         self.layout: StageLayout | None = None
         self.staging: list = []          # one uint8 buffer per bucket of the layout
         self.staged_on_device = False    # staging on the learner's device (else host memory)
+        self.planned_bytes: float | None = None   # the memory plan's bytes of a learner GPU (exporter_join)
+        self.force_host = False          # bench: host staging with device wire buffers, also on CPU
+        self.staging_plan: StagingPlan | None = None   # decided once, at the first publish
         self.version: int | None = None
         self.error: str | None = None
         self.sent = (None, 0, 0)
@@ -508,20 +435,22 @@ class StageExporter:
                                "is not receiving")
         return time.perf_counter() - t0
 
-    def stage_tensors(self, items: Iterator[tuple[str, object]], version: int, bucket_bytes: int,
+    def stage_tensors(self, items: Iterator[tuple[str, object]], entries, version: int, bucket_bytes: int,
                       write_dir: str | None = None) -> StageLayout:
-        """Pack this stage's ``(hf_name, tensor)`` into the staging buffers (planning the layout on
-        the first call) and queue their broadcast, or with ``write_dir`` the writing of one
-        safetensors file per bucket into it (the filesystem transport). Call :meth:`wait_idle` first.
+        """Stream this stage's ``(hf_name, tensor)`` into the staging buffers and queue their
+        broadcast, or with ``write_dir`` the writing of one safetensors file per bucket into it
+        (the filesystem transport). Call :meth:`wait_idle` first.
 
-        Where the staging lives: for a broadcast, on the learner's device when the stage fits
-        there (``Platform.staging_fits_on_device``): the tensors, gathered and converted on the
-        device, are packed there (:func:`~megatron_rlhf.learner.weights.pack_tensors`, a
-        device-side copy) and broadcast straight from those buffers, nothing passes through host
-        memory; otherwise, and for the filesystem transport's writes, in pinned host buffers
-        allocated in power-of-two chunks (``Platform.host_buffers``). On CPU both are host memory
-        (the same code, device = cpu). Returns once the pack has finished on the device (the next
-        train step may change the parameters).
+        On the first call the layout is planned from ``entries()`` (``(hf_name, dtype, shape,
+        nbytes)``, metadata only) and where the staging lives is decided once
+        (:meth:`_decide_staging`, one log line); ``items`` is then consumed one tensor at a time on
+        every call, the first included, so no more than one gathered tensor is held beyond the
+        staging. Device staging: the tensors, gathered and converted on the device, are packed there
+        (:func:`~megatron_rlhf.sync.wire.pack_tensors`, a device-side copy) and broadcast straight
+        from those buffers; host staging (and the filesystem transport's writes): pinned host
+        buffers in power-of-two chunks (``Platform.host_buffers``). On CPU both are host memory.
+        Returns once the pack has finished on the device (the next train step may change the
+        parameters).
 
         Raises:
             RuntimeError: the group is broken (an earlier broadcast failed) or missing.
@@ -533,36 +462,46 @@ class StageExporter:
         if self.error is not None:
             raise RuntimeError(f"weight broadcast of pipeline stage {self.stage} failed earlier: {self.error}")
         if self.layout is None or self.layout.chunk_bytes != bucket_bytes:
-            items = list(items)   # first version: plan, then copy
-            self.layout = plan_layout(self.stage, ((n, _dtype_name(t), tuple(t.shape),
-                                                    t.numel() * t.element_size()) for n, t in items), bucket_bytes)
-            self.staging = []
-        on_device = write_dir is None and self.platform.staging_fits_on_device(self.layout.nbytes)
+            self.layout = plan_layout(self.stage, entries() if callable(entries) else entries, bucket_bytes)
+            self.staging, self.staging_plan = [], None
+        if write_dir is None and self.staging_plan is None:
+            self.staging_plan = self._decide_staging()
+        on_device = write_dir is None and self.staging_plan.place == "device"
         if not self.staging or on_device != self.staged_on_device:
-            self._allocate(on_device, items)
+            self._allocate(on_device, wire=write_dir is None and self.staging_plan.device_bytes > 0
+                           and not on_device)
         self._copy_in(iter(items))
         self.version = int(version)
         self._enqueue((int(version), write_dir))
         return self.layout
 
-    def _allocate(self, on_device: bool, items) -> None:
+    def _decide_staging(self) -> StagingPlan:
+        """Where the staging lives, once per run (:func:`~megatron_rlhf.sync.staging.plan_staging`
+        from the plan's bytes given at :meth:`join` and the device's total memory); logged once."""
+        if self.force_host:
+            plan = plan_staging(self.layout.nbytes, self.layout.chunk_bytes, planned_bytes=None,
+                                device_total_bytes=None, is_cpu=False)
+        else:
+            plan = plan_staging(self.layout.nbytes, self.layout.chunk_bytes, planned_bytes=self.planned_bytes,
+                                device_total_bytes=self.platform.device_memory_bytes(), is_cpu=self.platform.is_cpu)
+        log.warning("pipeline stage %d exporter: %s", self.stage, plan.describe())
+        return plan
+
+    def _allocate(self, on_device: bool, wire: bool) -> None:
         sizes = [b.nbytes for b in self.layout.buckets]
         self.staging, self._bufs = [], []
         if on_device:   # one device buffer, a view per bucket
-            dev = _items_device(items, self.platform)
-            whole = self.platform.empty_bytes(self.layout.nbytes, dev)
+            whole = self.platform.empty_bytes(self.layout.nbytes, self.platform.buffer_device())
             self.staging = [whole[b.offset:b.offset + b.nbytes] for b in self.layout.buckets]
         else:
             self.staging = self.platform.host_buffers(sizes, chunk_bytes=self.layout.chunk_bytes)
-            if not self.platform.is_cpu:   # the wire is on the device: two chunk buffers there
+            if wire:   # the wire is on the device: two chunk buffers there
                 dev = self.platform.buffer_device()
                 self._bufs = [self.platform.empty_bytes(min(self.layout.chunk_bytes, max(sizes)), dev)
                               for _ in range(2)]
         self.staged_on_device = on_device
 
     def _copy_in(self, items: Iterator[tuple[str, object]]) -> None:
-        from megatron_rlhf.learner.weights import pack_tensors
-
         items = iter(items)
         for b, buf in zip(self.layout.buckets, self.staging):
             pack_tensors(buf, b.tensors, items, copy=self.platform.copy_bytes)
@@ -669,7 +608,6 @@ class StageExporter:
         import shutil
         from pathlib import Path
 
-        import torch
         from safetensors.torch import save_file
 
         final = Path(folder) / f"stage{self.stage:03d}"
@@ -680,9 +618,7 @@ class StageExporter:
             n = len(self.layout.buckets)
             for k, b in enumerate(self.layout.buckets):
                 self.sent = (version, k, n)
-                raw = self.staging[k]
-                tensors = {m.name: raw[m.offset:m.offset + m.nbytes].view(getattr(torch, m.dtype)).view(m.shape)
-                           for m in b.tensors}
+                tensors = dict(unpack_bucket(self.staging[k], b))
                 save_file(tensors, str(tmp / shard_name(self.stage, k)), metadata={"format": "pt"})
             os.rename(tmp, final)
             self.sent = (version, n, n)
@@ -721,10 +657,14 @@ def exporter_address(learner) -> dict | None:
     return {"stage": ex.stage, "host": host, "port": port, "backend": ex.platform.dist_backend}
 
 
-def exporter_join(learner, stages: list[dict], world_size: int, timeout_s: float) -> None:
-    """On every learner rank: exporters join their stage's group as rank 0."""
+def exporter_join(learner, stages: list[dict], world_size: int, timeout_s: float,
+                  planned_bytes: float | None = None) -> None:
+    """On every learner rank: exporters join their stage's group as rank 0. ``planned_bytes``:
+    the memory plan's bytes of one learner GPU (``tools/plan_memory.py``; where the staging lives,
+    :func:`~megatron_rlhf.sync.staging.plan_staging`; None: host staging on a GPU)."""
     ex = _exporter(learner)
     if ex is not None:
+        ex.planned_bytes = planned_bytes
         s = stages[ex.stage]
         ex.join(s["host"], s["port"], world_size, timeout_s, (stages[0]["host"], stages[0]["port"]))
 
@@ -747,32 +687,15 @@ def stage_version(learner, version: int, bucket_bytes: int, timeout_s: float,
     ex = _exporter(learner)
     wait_s = ex.supersede_or_wait(timeout_s) if ex is not None else 0.0
     t0 = time.perf_counter()
-    items = _device_hf_tensors(learner)
+    items = learner._stage_hf_tensors(device=None)   # gathered + converted on the learner's device
     if ex is None:
         for _ in items:   # TP ranks > 0 only join the gathers
             pass
         return None
-    layout = ex.stage_tensors(items, version, bucket_bytes, write_dir)
-    return {"stage": ex.stage, "layout": layout, "wait_s": wait_s, "stage_s": time.perf_counter() - t0}
-
-
-def _device_hf_tensors(learner):
-    """This stage's HF tensors, TP-gathered and converted on the learner's device (nothing goes
-    to host memory: ``iter_stage_hf_tensors(device=None)``; the TP group as
-    ``MegatronLearner._stage_hf_tensors`` takes it)."""
-    from megatron_rlhf.learner.weights import iter_stage_hf_tensors
-
-    tp_group = learner.groups.pg_collection.tp if learner.groups.tp > 1 else None
-    return iter_stage_hf_tensors(learner._model("policy"), learner.hf_config, tp_group=tp_group, device=None)
-
-
-def _items_device(items, platform):
-    """The device of the first tensor of ``items`` (a list on the first version), else the platform's."""
-    import torch
-
-    if isinstance(items, list) and items:
-        return items[0][1].device
-    return torch.device("cpu") if platform.is_cpu else platform.buffer_device()
+    layout = ex.stage_tensors(items, learner._stage_hf_entries, version, bucket_bytes, write_dir)
+    place = ex.staging_plan.place if write_dir is None else "host"
+    return {"stage": ex.stage, "layout": layout, "wait_s": wait_s, "stage_s": time.perf_counter() - t0,
+            "staging": place}
 
 
 def exporter_status(learner) -> dict | None:
@@ -780,7 +703,21 @@ def exporter_status(learner) -> dict | None:
     ex = _exporter(learner)
     if ex is None:
         return None
-    return {"stage": ex.stage, "sent": ex.sent, "error": ex.error, "idle": ex._idle.is_set()}
+    return {"stage": ex.stage, "sent": ex.sent, "error": ex.error, "idle": ex._idle.is_set(),
+            "staging": None if ex.staging_plan is None else ex.staging_plan.place}
+
+
+def exporter_force_host_staging(learner) -> bool:
+    """Bench (``bench/weight_sync.py``'s host-staged row), on every learner rank before the first
+    publish: exporters stage in host memory and copy each chunk into one of two device wire
+    buffers before its broadcast, the GPU's host-staged path, also on CPU. Returns whether this
+    rank exports."""
+    ex = _exporter(learner)
+    if ex is None:
+        return False
+    ex.force_host, ex.staging_plan = True, None
+    ex.layout = None   # re-plan (and re-decide) at the next publish
+    return True
 
 
 def resend_latest(learner) -> int | None:
@@ -866,8 +803,6 @@ def worker_receive(worker, layouts: list[StageLayout], version: int, with_checks
     Raises:
         RuntimeError: not joined, no verdict, or a receive failed (names stage, bucket and group rank).
     """
-    import torch
-
     from megatron_rlhf.platform import get_platform
 
     groups = getattr(worker, "_mrlhf_broadcast_groups", None)
@@ -900,14 +835,13 @@ def worker_receive(worker, layouts: list[StageLayout], version: int, with_checks
                                        f"of pipeline stage {layout.stage}: {e}") from e
                 if bi + 1 < n:   # post the next receive before this bucket is loaded
                     pending = _post(group, layout, layout.buckets[bi + 1], device)
-                for m in b.tensors:
-                    raw = buf[m.offset:m.offset + m.nbytes]
+                for m, (name, t) in zip(b.tensors, unpack_bucket(buf, b)):
                     if h is not None:
-                        h.update(m.name.encode())
-                        h.update(raw.cpu().numpy())
+                        h.update(name.encode())
+                        h.update(buf[m.offset:m.offset + m.nbytes].cpu().numpy())
                     counts["bytes"] += m.nbytes
                     counts["tensors"] += 1
-                    yield m.name, raw.view(getattr(torch, m.dtype)).view(m.shape)
+                    yield name, t
 
     worker.reload_weights(weights_iterator=tensors())
     t_reload = time.perf_counter()
@@ -962,8 +896,6 @@ def exporter_raw_send(learner, timeout_s: float) -> float | None:
 def worker_raw_receive_then_reload(worker, layouts: list[StageLayout]) -> dict:
     """Bench floor, inside a vLLM worker: receive every chunk into memory (no loading meanwhile),
     then ``reload_weights`` from that memory. Returns ``{'receive_s', 'reload_s'}``."""
-    import torch
-
     from megatron_rlhf.platform import get_platform
 
     groups = worker._mrlhf_broadcast_groups
@@ -977,8 +909,7 @@ def worker_raw_receive_then_reload(worker, layouts: list[StageLayout]) -> dict:
                 _bcast(group, buf[o:o + n]).wait()
             bufs.append((b, buf))
     t1 = time.perf_counter()
-    items = [(m.name, buf[m.offset:m.offset + m.nbytes].view(getattr(torch, m.dtype)).view(m.shape))
-             for b, buf in bufs for m in b.tensors]
+    items = [item for b, buf in bufs for item in unpack_bucket(buf, b)]
     worker.reload_weights(weights_iterator=iter(items))
     refresh_tied_lm_head(worker)
     get_platform().synchronize()

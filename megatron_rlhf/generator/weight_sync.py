@@ -372,15 +372,20 @@ class BroadcastTransport(WeightTransport):
         engine_tensor_parallel: vLLM TP ranks per engine (each joins every group).
         bucket_bytes: bytes per bucket / wire chunk.
         with_checksum: workers also return a SHA-256 of the bytes they received (tests, debugging).
+        learner_plan_bytes: the memory plan's bytes of one learner GPU (``tools/plan_memory.py``'s
+            learner total without the staging); the exporters decide from it, once, whether their
+            staging lives on the device (``megatron_rlhf.sync.staging.plan_staging``). None: host
+            staging on a GPU (the choice that cannot run it out of memory).
     """
 
     name = "broadcast"
     collective = True
 
     def __init__(self, engine_tensor_parallel: int = 1, bucket_bytes: int = 256 * 2**20,
-                 with_checksum: bool = False):
+                 with_checksum: bool = False, learner_plan_bytes: float | None = None):
         self.tp = int(engine_tensor_parallel)
         self.bucket_bytes = int(bucket_bytes)
+        self.learner_plan_bytes = learner_plan_bytes
         self.with_checksum = bool(with_checksum)
         import threading
 
@@ -408,7 +413,8 @@ class BroadcastTransport(WeightTransport):
         addrs = ray.get(on_learner_ranks(learner, self._group, bs.exporter_address), timeout=timeout_s)
         self._stages = sorted((a for a in addrs if a), key=lambda a: a["stage"])
         world = 1 + len(self.workers) * self.tp
-        refs = {on_learner_ranks(learner, self._group, bs.exporter_join, self._stages, world, timeout_s): "the learner's exporters"}
+        refs = {on_learner_ranks(learner, self._group, bs.exporter_join, self._stages, world, timeout_s,
+                                 self.learner_plan_bytes): "the learner's exporters"}
         for i, w in enumerate(self.workers):
             refs[w.join_weight_broadcast.remote(self._stages, 1 + i * self.tp, world, timeout_s)] = \
                 f"generator engine {i} (group ranks {1 + i * self.tp}..{(i + 1) * self.tp})"
@@ -705,11 +711,16 @@ def check_transport_layout(generator_cfg, learner_cfg, *, gpu_memory_gib: float 
     """Pre-flight check (before any actor starts) that ``generators.transport`` can serve the layout.
 
     ``broadcast`` (alias ``nccl``) serves every learner TP x PP x DP layout and any engine TP:
-    one group per pipeline stage of ``1 + num_workers * tensor_parallel`` ranks. What it needs is
-    two device buffers of ``generators.weight_sync_bucket_mb`` on each exporting learner rank.
+    one group per pipeline stage of ``1 + num_workers * tensor_parallel`` ranks. What it allocates
+    on each exporting learner rank (TP 0 / DP 0 of each stage) is one staging copy of its stage
+    (``megatron_rlhf.sync.staging``: on the device when the memory plan leaves room for it, counted
+    as ``staging`` by ``tools/plan_memory.py``, else in pinned host memory) plus, with host
+    staging on a GPU, two device wire buffers of ``generators.weight_sync_bucket_mb`` each; every
+    vLLM worker receives into buffers of up to one bucket at a time (two posted). This check
+    refuses a bucket size whose two buffers alone would take more than a tenth of a GPU.
 
     Raises:
-        ValueError: those buffers would take more than a tenth of a GPU (``gpu_memory_gib`` > 0,
+        ValueError: those two buffers would take more than a tenth of a GPU (``gpu_memory_gib`` > 0,
             from ``placement.gpu_memory_gib`` on GPU clusters); names the key and the fix.
     """
     if generator_cfg.transport not in ("broadcast", "nccl") or gpu_memory_gib <= 0:
@@ -717,18 +728,22 @@ def check_transport_layout(generator_cfg, learner_cfg, *, gpu_memory_gib: float 
     need_gib = 2 * generator_cfg.weight_sync_bucket_mb / 1024
     if need_gib > gpu_memory_gib / 10:
         raise ValueError(f"config key 'generators.weight_sync_bucket_mb' = {generator_cfg.weight_sync_bucket_mb:g}: "
-                         f"the broadcast transport keeps two such buffers ({need_gib:.1f} GiB) on each exporting "
-                         f"learner GPU of {gpu_memory_gib:g} GiB; use at most {gpu_memory_gib * 1024 / 20:.0f} MiB")
+                         f"the broadcast transport keeps two wire buffers of that size ({need_gib:.1f} GiB) on each "
+                         f"exporting learner GPU of {gpu_memory_gib:g} GiB (host staging) and receives into buckets of "
+                         f"it on each generator GPU; use at most {gpu_memory_gib * 1024 / 20:.0f} MiB")
 
 
-def make_transport(generator_cfg, run_dir: str | os.PathLike, timeout_s: float = 1800.0) -> WeightTransport:
+def make_transport(generator_cfg, run_dir: str | os.PathLike, timeout_s: float = 1800.0,
+                   learner_plan_bytes: float | None = None) -> WeightTransport:
     """The transport ``generators.transport`` names (``filesystem`` writes under
-    ``<run_dir>/weight_sync``; ``nccl`` is ``broadcast``)."""
+    ``<run_dir>/weight_sync``; ``nccl`` is ``broadcast``; ``learner_plan_bytes``: see
+    :class:`BroadcastTransport`)."""
     if generator_cfg.transport == "object_store":
         return ObjectStoreTransport()
     if generator_cfg.transport == "filesystem":
         return FilesystemTransport(Path(run_dir) / "weight_sync", int(generator_cfg.weight_sync_bucket_mb * 2**20),
                                    timeout_s)
     if generator_cfg.transport in ("broadcast", "nccl"):   # nccl: the former name
-        return BroadcastTransport(generator_cfg.tensor_parallel, int(generator_cfg.weight_sync_bucket_mb * 2**20))
+        return BroadcastTransport(generator_cfg.tensor_parallel, int(generator_cfg.weight_sync_bucket_mb * 2**20),
+                                  learner_plan_bytes=learner_plan_bytes)
     raise ValueError(f"generators.transport = {generator_cfg.transport!r}: unknown transport")

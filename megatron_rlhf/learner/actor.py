@@ -69,6 +69,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import shutil
 import time
 from dataclasses import fields, replace
 from pathlib import Path
@@ -76,7 +77,7 @@ from pathlib import Path
 import torch
 
 from megatron_rlhf.config import AlgorithmConfig, LearnerConfig
-from megatron_rlhf.convert.llama import torch_dtype
+from megatron_rlhf.convert.mapping import torch_dtype
 from megatron_rlhf.convert.sharding import padded_vocab_size
 from megatron_rlhf.learner import parallel
 from megatron_rlhf.learner.batching import padding_fraction, plan_microbatches, row_lengths
@@ -91,7 +92,7 @@ from megatron_rlhf.learner.objectives import (BatchTensors, LossSpec, SliceInput
 from megatron_rlhf.learner.schedule import cut_rows, make_microbatch, run_microbatches
 from megatron_rlhf.learner.weights import (buckets, finalize_hf_folder, iter_stage_hf_tensors,
                                            load_hf_weights, mark_tensor_parallel, prepare_hf_dir,
-                                           write_hf_shards)
+                                           stage_hf_entries, write_hf_shards)
 from megatron_rlhf.platform import get_platform, micro_batch_length_multiple
 from megatron_rlhf.runtime import pin_to_core
 from megatron_rlhf.types import LearnerBatch
@@ -192,10 +193,22 @@ class MegatronLearner:
         self.critic = self._build_critic() if algorithm_cfg.loss == "ppo" else None
         self.weight_version = 0
         self.reference_version = 0   # weight version the reference equals (0: the starting weights)
-        log.info("MegatronLearner rank %d/%d (tp %d, pp %d, dp %d) ready in %.1f s (%s, %d local params)",
+        # one line per rank naming what was built (review 2, N11): the layer spec (TE's layer spec,
+        # or the local block spec) and its core attention, and the optimizer (megatron's wrapper and
+        # the torch/TE/Apex optimizer inside: "falling back to torch optimizers" shows here)
+        sm = self.model_spec.layer_spec.submodules
+        layer = (sm.layer_specs[0] if hasattr(sm, "layer_specs") else self.model_spec.layer_spec).submodules
+        inner = getattr(self.optimizer, "optimizer", None) or next(
+            iter(getattr(self.optimizer, "chained_optimizers", None) or []), None)
+        inner = getattr(inner, "optimizer", inner)
+        log.info("MegatronLearner rank %d/%d (tp %d, pp %d, dp %d) ready in %.1f s (%s, %d local params; "
+                 "spec %s, core attention %s; optimizer %s(%s))",
                  self.groups.rank, world_size, self.tp_rank, self.pp_rank, self.dp_rank,
                  time.perf_counter() - t0, self.hf_config.model_type,
-                 sum(p.numel() for p in self.policy.parameters()))
+                 sum(p.numel() for p in self.policy.parameters()),
+                 "transformer_engine" if self.platform.transformer_engine else "local",
+                 getattr(layer.self_attention.submodules.core_attention, "__name__", "?"),
+                 type(self.optimizer).__name__, type(inner).__name__ if inner is not None else "-")
 
     # ----------------------------------------------------------------------------- building
     def _check_divisible(self) -> None:
@@ -610,10 +623,17 @@ class MegatronLearner:
         return float(self.optimizer.param_groups[0]["lr"])
 
     # ----------------------------------------------------------------------------- weights
-    def _stage_hf_tensors(self, which: str = "policy", what: str = "param"):
-        """This stage's full HF-named tensors (TP-gathered; yielded on TP rank 0 only)."""
+    def _stage_hf_tensors(self, which: str = "policy", what: str = "param", device="cpu"):
+        """This stage's full HF-named tensors (TP-gathered; yielded on TP rank 0 only), on
+        ``device`` (None: the model's device, what the broadcast exporter packs from)."""
         tp_group = self.groups.pg_collection.tp if self.groups.tp > 1 else None
-        return iter_stage_hf_tensors(self._model(which), self.hf_config, tp_group=tp_group, what=what)
+        return iter_stage_hf_tensors(self._model(which), self.hf_config, tp_group=tp_group, what=what,
+                                     device=device)
+
+    def _stage_hf_entries(self, which: str = "policy") -> list:
+        """``(hf_name, dtype, shape, nbytes)`` of what :meth:`_stage_hf_tensors` yields, from
+        metadata only (``weights.stage_hf_entries``: no gather; the broadcast layout's plan)."""
+        return stage_hf_entries(self._model(which), self.hf_config, tp=self.groups.tp)
 
     def export_weights(self, bucket_bytes: int = 256 * 2**20) -> list[dict[str, torch.Tensor]]:
         """The policy as HF-named full tensors, grouped into buckets of at most ``bucket_bytes``
@@ -694,8 +714,13 @@ class MegatronLearner:
         tmp = Path(box[0])
         shards = []
         if self.dp_rank == 0:
-            shards = write_hf_shards(self._stage_hf_tensors(), tmp, f"stage{self.pp_rank:03d}",
-                                     max_shard_bytes)
+            try:
+                shards = write_hf_shards(self._stage_hf_tensors(), tmp, f"stage{self.pp_rank:03d}",
+                                         max_shard_bytes)
+            except BaseException:
+                if self.groups.rank == 0:   # no stray temporary folder (finalize_hf_folder's own on success)
+                    shutil.rmtree(tmp, ignore_errors=True)
+                raise
         parts = [(self.pp_rank, shards)]
         if world > 1:
             parts = [None] * world

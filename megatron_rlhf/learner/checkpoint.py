@@ -457,7 +457,7 @@ def _exit_with_parent(parent_pid: int, poll_s: float = 1.0) -> None:
 def _write_in_order(writers: list, times, delay_s: float, parent_pid: int) -> None:
     """Run in the one forked writer process of a checkpoint: each ``(fn, args, kwargs)`` of
     ``writers`` in turn, its start and end (Unix seconds) in the shared array ``times[2i],
-    times[2i+1]``; ``delay_s`` (tests only, :func:`megatron_rlhf.testing.faults.slow_writer_s`)
+    times[2i+1]``; ``delay_s`` (tests only, :func:`megatron_rlhf.utils.faults.slow_writer_s`)
     of sleep at the start of the first write (counted in its time).
 
     In order, never side by side: megatron's torch_dist writers of one process all put their
@@ -508,7 +508,7 @@ class AsyncCheckpointWriter:
 
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 
-        from megatron_rlhf.testing.faults import slow_writer_s
+        from megatron_rlhf.utils.faults import slow_writer_s
 
         self.finalize(blocking=True)
         self._times = mp.get_context("fork").Array("d", 2 * len(requests), lock=False)

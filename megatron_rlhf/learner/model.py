@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_rlhf.convert.llama import align_names, gpt_model_kwargs_from_hf
+from megatron_rlhf.convert.mapping import align_names, gpt_model_kwargs_from_hf
 
 __all__ = ["check_divisible", "load_hf_config", "load_hf_state_dict", "build_gpt_model", "load_mcore_state",
            "full_mcore_state", "HF_WEIGHT_FILES", "LearnerModelSpec", "learner_model_spec"]
@@ -87,7 +87,7 @@ def learner_model_spec(hf_config, learner_cfg, *, dtype, cuda: bool, te: bool) -
     Raises:
         ValueError: unsupported architecture, ``te`` without ``cuda``, refused recomputation.
     """
-    from megatron_rlhf.convert.llama import transformer_config_from_hf
+    from megatron_rlhf.convert.mapping import transformer_config_from_hf
     from megatron_rlhf.platform import layer_spec, recompute_fields, transformer_fields
 
     tp, pp = learner_cfg.tensor_parallel, learner_cfg.pipeline_parallel

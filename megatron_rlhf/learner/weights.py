@@ -10,8 +10,12 @@ model itself, so loading, weight sync and HF export scale to models that fill th
   TP ranks must call it together); TP rank 0 receives each tensor's shards
   (``torch.distributed.gather``), un-shards and converts to HF names on the model's device and
   yields them there or on the host; the other TP ranks yield nothing.
-* :func:`pack_tensors`: packs HF tensors into a uint8 bucket buffer on its device (the broadcast
-  transport); :func:`measure_pack` times it against a same-device memcpy.
+* :func:`stage_hf_entries`: the ``(hf_name, dtype, shape, nbytes)`` of what
+  :func:`iter_stage_hf_tensors` yields, from metadata alone (the conversion rules run on ``meta``
+  tensors: no gather, no memory), so the broadcast transport plans its wire layout
+  (:func:`megatron_rlhf.sync.wire.plan_layout`) before it gathers anything.
+* :func:`measure_pack`: times the broadcast transport's pack (:func:`megatron_rlhf.sync.wire.pack_tensors`)
+  against a memcpy, with the staging on the device or in (pinned) host memory.
 * :func:`buckets`: groups ``(name, tensor)`` into dicts of at most ``bucket_bytes``.
 * :func:`write_hf_shards` / :func:`finalize_hf_folder`: safetensors shard files per stage, then
   the HF names (``model.safetensors`` or ``model-0000k-of-0000n.safetensors`` + index).
@@ -40,9 +44,10 @@ from megatron_rlhf.convert.hf_io import apply_umask_permissions
 from megatron_rlhf.convert.llama import ParamRule, align_names
 from megatron_rlhf.convert.sharding import (HFCheckpointReader, fuse_hf, iter_rules, shard,
                                             split_to_hf, unshard)
+from megatron_rlhf.sync.wire import entry, pack_tensors, plan_layout
 
-__all__ = ["LocalTensor", "local_tensors", "load_hf_weights", "mark_tensor_parallel", "iter_stage_hf_tensors", "buckets",
-           "pack_tensors", "measure_pack",
+__all__ = ["LocalTensor", "local_tensors", "load_hf_weights", "mark_tensor_parallel", "iter_stage_hf_tensors",
+           "stage_hf_entries", "buckets", "measure_pack",
            "write_hf_shards", "prepare_hf_dir", "finalize_hf_folder"]
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json",
@@ -227,98 +232,107 @@ def iter_stage_hf_tensors(model, hf_config, *, tp_group=None, what: str = "param
             yield hf_name, out.contiguous()
 
 
-def pack_tensors(buf: torch.Tensor, metas: Iterable, items: Iterator[tuple[str, torch.Tensor]],
-                 copy=None) -> int:
-    """Pack ``items`` into the ``uint8`` buffer ``buf`` at the planned places, on ``buf``'s
-    device (a device-side copy when the tensors live there too: no host staging).
+@torch.no_grad()
+def stage_hf_entries(model, hf_config, *, tp: int = 1) -> list[tuple[str, str, tuple[int, ...], int]]:
+    """``(hf_name, dtype, shape, nbytes)`` of every tensor :func:`iter_stage_hf_tensors` yields on
+    TP rank 0 (same order), from metadata alone: each local shard is replaced by a ``meta`` tensor
+    of its shape and dtype and run through the same un-sharding and HF split, so nothing is
+    gathered or allocated (what the broadcast exporter plans its layout from, N1 of
+    ``gpu-path-review-2``).
 
     Args:
-        buf: ``uint8 [nbytes]`` bucket (or staging) buffer.
-        metas: per tensor, in order, an object with ``name``, ``dtype`` (torch dtype name),
-            ``shape``, ``offset`` (bytes into ``buf``) and ``nbytes``
-            (``broadcast_sync.TensorMeta`` with offsets relative to ``buf``).
-        items: ``(hf_name, tensor)`` in the same order (:func:`iter_stage_hf_tensors`).
-        copy: ``copy(dst, src)`` (default ``dst.copy_(src)``; the exporter passes the platform's
-            asynchronous copy when ``buf`` is pinned host memory).
-    Returns:
-        bytes packed.
+        model: this rank's GPTModel (or DDP of one).
+        hf_config: HF config.
+        tp: the TP group's size (the shards of TP-split tensors are this rank's shape).
     Raises:
-        ValueError: a tensor's name, dtype or shape differs from its meta, or the counts differ.
-
-    Sources: vLLM ``vllm/distributed/weight_transfer/packed_tensor.py`` (``pack_tensors``: linearise
-    each tensor to uint8 into one contiguous buffer on the device), slime
-    ``update_weight_from_distributed`` and NeMo-RL's packed broadcast (gather + convert + pack on GPU).
+        ValueError: ``tp < 1``, or a dtype the wire format does not carry.
     """
-    n = 0
-    for m in metas:
-        try:
-            name, t = next(items)
-        except StopIteration:
-            raise ValueError(f"pack_tensors: fewer tensors than planned (missing {m.name}); the model changed") from None
-        dtype = str(t.dtype).removeprefix("torch.")
-        if name != m.name or dtype != m.dtype or tuple(t.shape) != tuple(m.shape):
-            raise ValueError(f"pack_tensors: tensor {name} {dtype} {tuple(t.shape)} differs from the planned "
-                             f"layout ({m.name} {m.dtype} {tuple(m.shape)}); the model changed")
-        src = t.detach().contiguous().reshape(-1).view(torch.uint8)
-        dst = buf[m.offset:m.offset + m.nbytes]
-        copy(dst, src) if copy is not None else dst.copy_(src)
-        n += m.nbytes
-    return n
+    if tp < 1:
+        raise ValueError(f"stage_hf_entries(tp={tp}): must be >= 1 (learner.tensor_parallel)")
+    out = []
+    for lt in local_tensors(model, hf_config):
+        if lt.tied_copy:
+            continue
+        local = torch.empty(tuple(lt.tensor.shape), dtype=lt.tensor.dtype, device="meta")
+        full = unshard(lt.rule, [local] * tp) if tp > 1 and lt.rule.tp != "replicated" else local
+        for hf_name, t in split_to_hf(lt.rule, lt.hf_names, full, hf_config):
+            out.append(entry(hf_name, t.dtype, t.shape))
+    return out
 
 
-def measure_pack(model, hf_config, *, bucket_mb=(64, 256, 1024), repeats: int = 3) -> list[dict]:
-    """GB/s of the broadcast transport's device-side pack against a same-device memcpy of the
-    same bytes, per bucket size (``bench/weight_sync.py``, ``bench/gpu_check.py``).
+def measure_pack(model, hf_config, *, bucket_mb=(64, 256, 1024), repeats: int = 3,
+                 staging: str = "device") -> list[dict]:
+    """GB/s of the broadcast transport's pack against a same-device memcpy of the same bytes, per
+    bucket size (``bench/weight_sync.py``, ``bench/gpu_check.py``'s ``pack-*`` rows).
 
     The pack is what an exporter does per publish outside the wire: HF conversion of every tensor
-    of ``model`` (TP 1: no gather) on its device and :func:`pack_tensors` into two alternating
-    bucket buffers of at most ``bucket_mb`` MiB (the layout of ``broadcast_sync.plan_layout``; a
-    larger tensor gets a bucket of its own). The memcpy is ``dst.copy_(src)`` of a buffer of the
-    same bucket sizes, the same number of times. Best of ``repeats`` each, after one warm-up,
-    timed with the platform's stream synchronisation.
+    of ``model`` (TP 1: no gather) on its device and
+    :func:`~megatron_rlhf.sync.wire.pack_tensors` at the layout of
+    :func:`~megatron_rlhf.sync.wire.plan_layout` for ``bucket_mb`` MiB buckets (a larger tensor
+    gets a bucket of its own). ``staging="device"``: into two alternating device bucket buffers.
+    ``staging="host"``: the path a stage too large for the device takes
+    (``megatron_rlhf.sync.staging``): into a staging buffer in (pinned, on a GPU) host memory with
+    the platform's asynchronous copy, then each chunk back into one of two alternating device wire
+    buffers, as the sender does before each broadcast (the broadcast itself is not timed). On
+    CPU "pinned" is plain host memory and both copies are host memcpys. The memcpy is
+    ``dst.copy_(src)`` of device buffers of the same bucket sizes, the same number of times.
+    Best of ``repeats`` each, after one warm-up, timed with the platform's stream synchronisation.
 
     Args:
         model: a GPTModel (one rank, any device).
         hf_config: its HF config.
         bucket_mb: bucket sizes (MiB).
         repeats: timed repetitions per size (>= 1).
+        staging: ``device`` or ``host``.
     Returns:
-        one dict per bucket size with exactly the keys ``bucket_mb``, ``bytes`` (tensor bytes
-        packed), ``pack_GBps``, ``memcpy_GBps`` and ``ratio`` (pack / memcpy).
+        one dict per bucket size with exactly the keys ``bucket_mb``, ``staging``, ``bytes`` (tensor
+        bytes packed), ``pack_GBps``, ``memcpy_GBps`` and ``ratio`` (pack / memcpy).
     Raises:
-        ValueError: ``repeats < 1`` or a bucket size <= 0.
+        ValueError: ``repeats < 1``, a bucket size <= 0, or ``staging`` not device/host.
     """
     import time
 
-    from megatron_rlhf.generator.broadcast_sync import TensorMeta, plan_layout
     from megatron_rlhf.platform import get_platform
 
     if repeats < 1 or any(b <= 0 for b in bucket_mb):
         raise ValueError(f"measure_pack(bucket_mb={bucket_mb}, repeats={repeats}): need sizes > 0, repeats >= 1")
+    if staging not in ("device", "host"):
+        raise ValueError(f"measure_pack(staging={staging!r}): expected 'device' or 'host'")
     platform = get_platform()
-    first = next(iter(_named_tensors(model).values()))
-    device = first.device
-    entries = [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numel() * t.element_size())
-               for n, t in iter_stage_hf_tensors(model, hf_config, device=None)]
+    device = next(iter(_named_tensors(model).values())).device
+    entries = stage_hf_entries(model, hf_config)
     out = []
     for mb in bucket_mb:
         layout = plan_layout(0, entries, int(mb * 2**20))
-        largest = max(b.nbytes for b in layout.buckets)
-        bufs = [platform.empty_bytes(largest, device) for _ in range(2)]
-        local = [[TensorMeta(m.name, m.dtype, m.shape, m.offset, m.nbytes) for m in b.tensors] for b in layout.buckets]
+        largest = layout.largest_bucket
+        wire = min(largest, layout.chunk_bytes)
+        bufs = [platform.empty_bytes(largest if staging == "device" else wire, device) for _ in range(2)]
+        host = (platform.host_buffers([b.nbytes for b in layout.buckets], chunk_bytes=layout.chunk_bytes)
+                if staging == "host" else None)
 
         def pack():
             items = iter_stage_hf_tensors(model, hf_config, device=None)
-            for k, metas in enumerate(local):
-                pack_tensors(bufs[k % 2], metas, items)
+            if host is None:
+                for k, b in enumerate(layout.buckets):
+                    pack_tensors(bufs[k % 2], b.tensors, items)
+            else:
+                for b, hbuf in zip(layout.buckets, host):
+                    pack_tensors(hbuf, b.tensors, items, copy=platform.copy_bytes)
+                platform.sync_stream()   # the D2H packs are done before the host bytes are read
+                k = 0
+                for b, hbuf in zip(layout.buckets, host):
+                    for off, size in layout.chunks(b):
+                        platform.copy_bytes(bufs[k % 2][:size], hbuf[off:off + size])
+                        k += 1
             platform.sync_stream()
 
         src = platform.empty_bytes(largest, device)
         src.fill_(1)
+        dst = [platform.empty_bytes(largest, device) for _ in range(2)]
 
         def memcpy():
             for k, b in enumerate(layout.buckets):
-                bufs[k % 2][:b.nbytes].copy_(src[:b.nbytes])
+                dst[k % 2][:b.nbytes].copy_(src[:b.nbytes])
             platform.sync_stream()
 
         best = {}
@@ -333,9 +347,9 @@ def measure_pack(model, hf_config, *, bucket_mb=(64, 256, 1024), repeats: int = 
         nbytes = layout.tensor_bytes
         moved = sum(b.nbytes for b in layout.buckets)
         pack_gbps, memcpy_gbps = nbytes / best["pack"] / 1e9, moved / best["memcpy"] / 1e9
-        out.append({"bucket_mb": mb, "bytes": nbytes, "pack_GBps": pack_gbps, "memcpy_GBps": memcpy_gbps,
-                    "ratio": pack_gbps / memcpy_gbps})
-        del bufs, src
+        out.append({"bucket_mb": mb, "staging": staging, "bytes": nbytes, "pack_GBps": pack_gbps,
+                    "memcpy_GBps": memcpy_gbps, "ratio": pack_gbps / memcpy_gbps})
+        del bufs, src, dst, host
     return out
 
 
@@ -363,13 +377,22 @@ def write_hf_shards(items: Iterable[tuple[str, torch.Tensor]], folder: str | Pat
 
     Returns:
         ``[{"file": name, "names": [...], "bytes": int}]`` in write order.
+    Raises:
+        AtomicWriteError: a file could not be written (names it and the cause: no space,
+            read-only, name too long), instead of safetensors' ``SafetensorError``.
     """
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
+
+    from megatron_rlhf.utils.atomic import write_error
 
     out = []
     for k, bucket in enumerate(buckets(items, max_shard_bytes)):
         fname = f"{prefix}-{k:05d}.safetensors"
-        save_file(bucket, str(Path(folder) / fname), metadata={"format": "pt"})
+        try:
+            save_file(bucket, str(Path(folder) / fname), metadata={"format": "pt"})
+        except (OSError, SafetensorError) as e:
+            raise write_error(Path(folder) / fname, e) from e
         out.append({"file": fname, "names": list(bucket),
                     "bytes": sum(t.numel() * t.element_size() for t in bucket.values())})
     return out

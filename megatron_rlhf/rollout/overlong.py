@@ -23,7 +23,7 @@ Counted per task in each batch's metrics: ``task/<t>/overlong_frac`` (truncated 
 the task's completions), ``task/<t>/overlong_masked`` (truncated completions ``mask`` kept out of a trainable group's loss),
 ``task/<t>/overlong_penalty_mean`` (mean penalty added, ``soft_penalty``).
 
-Used from one place, the producer's scoring/pairing path (``trainer.rollout.RolloutProducer``).
+Used from one place, the producer's scoring/pairing path (``rollout.producer.RolloutProducer``).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ Layout of one checkpoint::
 
     step_N/
       learner/            # written by MegatronLearner.save_checkpoint (models, optimizer, RNG, version)
-      batches/            # the untrained (pending) batches, trainer.batch_io format
+      batches/            # the untrained (pending) batches, rollout.batch_io format
       trainer_state.json  # step, weight_version, data sampler + pair RNG position, run stats
       COMPLETE
       MANIFEST.json       # written last: size and checksum of every other file (verify_manifest)
@@ -65,7 +65,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from megatron_rlhf.testing.faults import kill_point
+from megatron_rlhf.utils.faults import kill_point
 from megatron_rlhf.utils.atomic import fsync_dir, fsync_file, write_json, write_text
 
 __all__ = ["CheckpointManager", "CheckpointError", "PendingCheckpoint", "Resumable", "MANIFEST", "write_manifest",

@@ -15,7 +15,15 @@ What is scored, per task (``Evaluator.evaluate``; one weight version per eval):
   completions;
 * each value with ``.../se``: the standard error over prompts (sample standard deviation of the
   per-prompt values / sqrt(number of prompts)); plus ``eval/<task>/num_prompts``, ``eval/step``
-  (the steps trained before the eval), ``eval/weight_version`` and ``time/eval_s``.
+  (the steps trained before the eval), ``eval/weight_version`` and ``time/eval_s``;
+* per prompt, in eval order (:func:`heldout_order`): ``eval/<task>/outcomes`` (math: a string of
+  ``0``/``1``, one character per prompt: is its greedy completion correct; other tasks: the list of
+  greedy rewards, 4 decimals) and ``eval/<task>/ids`` (each prompt's row number in its file), so two
+  evals of the same prompts can be compared paired (McNemar);
+* when the prompts carry a cluster id (``Prompt.group``: the arithmetic rows' ``product``, the same
+  for every wording and both orders of a x b): ``eval/<task>/groups`` (per prompt, eval order),
+  ``eval/<task>/num_clusters`` and each value's ``.../se_cluster``, the cluster-robust standard
+  error (:func:`cluster_se`; prompts of one product are not independent draws).
 
 The held-out prompts (:func:`split_eval_prompts`): the task's ``eval_data`` file when given, else
 a fixed slice of its training data (the prompts first in sha256 order of their text); at most
@@ -32,7 +40,9 @@ vLLM engine of any HF folder.
 
 Sources: pass@k and the mean of k samples as in Chen et al. 2021 ("Evaluating Large Language
 Models Trained on Code", sec. 2.1, k = 1 greedy); standard error of a mean over prompts as in
-Miller 2024 ("Adding Error Bars to Evals", eq. 1).
+Miller 2024 ("Adding Error Bars to Evals", eq. 1), clustered as in its clustered standard
+errors with the CR1 small-sample factor G / (G - 1) of Cameron and Miller 2015 ("A Practitioner's Guide to
+Cluster-Robust Inference", sec. II.C).
 """
 
 from __future__ import annotations
@@ -47,7 +57,7 @@ from typing import Callable
 
 from megatron_rlhf.types import Prompt
 
-__all__ = ["mean_se", "pass_at_k", "heldout_order", "split_eval_prompts", "Evaluator", "EvalService",
+__all__ = ["mean_se", "cluster_se", "pass_at_k", "heldout_order", "split_eval_prompts", "Evaluator", "EvalService",
            "PendingRows", "eval_due", "eval_keys_of", "eval_metrics", "format_eval_line"]
 
 
@@ -67,6 +77,36 @@ def mean_se(values: list[float]) -> tuple[float, float]:
         return m, 0.0
     var = sum((v - m) * (v - m) for v in values) / (n - 1)   # huge values give inf, never OverflowError
     return m, math.sqrt(var / n)
+
+
+def cluster_se(values: list[float], groups: list) -> float:
+    """Cluster-robust standard error of the mean of ``values`` with clusters ``groups``.
+
+    ``se^2 = G / (G - 1) * sum_g (sum_{i in g} (v_i - mean))^2 / n^2`` for ``n`` values in ``G``
+    clusters (CR1; Cameron and Miller 2015, sec. II.C; Miller 2024, clustered standard errors).
+    With every value its own cluster it equals :func:`mean_se`'s ``s / sqrt(n)``; values that move together within a
+    cluster make it larger. ``nan`` for no value or a single cluster (``G < 2``: the spread
+    between clusters is unknown).
+
+    Args:
+        values: ``[n]`` one value per prompt (0/1 for pass@1).
+        groups: ``[n]`` the cluster id of each (hashable; e.g. the unordered product ``"6 x 8"``).
+    Raises:
+        ValueError: ``values`` and ``groups`` differ in length.
+    """
+    n = len(values)
+    if len(groups) != n:
+        raise ValueError(f"cluster_se: {n} values but {len(groups)} cluster ids")
+    if n == 0:
+        return float("nan")
+    m = sum(values) / n
+    totals: dict = {}
+    for v, g in zip(values, groups):
+        totals[g] = totals.get(g, 0.0) + (v - m)
+    num_g = len(totals)
+    if num_g < 2:
+        return float("nan")
+    return math.sqrt(num_g / (num_g - 1) * sum(t * t for t in totals.values())) / n
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -148,7 +188,8 @@ def split_eval_prompts(tasks: list, train_by_task: dict[str, list[Prompt]], eval
 
 
 def eval_metrics(task: str, kind: str, greedy_rewards: list[float], greedy_lens: list[int],
-                 sampled_rewards: list[list[float]] | None, pass_ks: list[int] | tuple = ()) -> dict:
+                 sampled_rewards: list[list[float]] | None, pass_ks: list[int] | tuple = (), *,
+                 ids: list[int] | None = None, groups: list[str] | None = None) -> dict:
     """The ``eval/<task>/...`` values of one task from per-prompt results.
 
     Args:
@@ -158,18 +199,31 @@ def eval_metrics(task: str, kind: str, greedy_rewards: list[float], greedy_lens:
         greedy_lens: ``[P]`` its length in tokens.
         sampled_rewards: ``[P][k]`` rewards of k sampled completions (math only; None: not sampled).
         pass_ks: the k of ``eval.pass_at_k`` (each <= the samples per prompt).
+        ids: ``[P]`` each prompt's id (``Prompt.index``; None: not recorded).
+        groups: ``[P]`` each prompt's cluster id (``Prompt.group``; None or all ``""``: no clusters).
     Returns:
         math: ``pass@1``, ``mean@k`` (when sampled), ``pass@<k>_unbiased`` for each of
         ``pass_ks`` (when sampled; :func:`pass_at_k` per prompt, correct = reward > 0.5), their
         ``/se``; others ``reward_mean`` and
-        ``/se``; every task ``len_mean_tokens`` and ``/se``, ``num_prompts``; keys prefixed
-        ``eval/<task>/``.
+        ``/se``; every task ``len_mean_tokens`` and ``/se``, ``num_prompts``, ``outcomes`` (math:
+        ``"0110..."``, greedy correct = reward > 0.5; others: greedy rewards rounded to 4 places),
+        ``ids`` when given; with clusters ``groups``, ``num_clusters`` and every value's
+        ``/se_cluster`` (:func:`cluster_se`); keys prefixed ``eval/<task>/``.
+    Raises:
+        ValueError: ``ids`` or ``groups`` not one per prompt.
     """
     pre = f"eval/{task}/"
     out: dict = {pre + "num_prompts": len(greedy_rewards)}
+    for name, xs in (("ids", ids), ("groups", groups)):
+        if xs is not None and len(xs) != len(greedy_rewards):
+            raise ValueError(f"eval_metrics({task!r}): {len(xs)} {name} for {len(greedy_rewards)} prompts")
+    clusters = list(groups) if groups is not None and any(groups) else None
 
     def put(name, values):
-        out[pre + name], out[pre + name + "/se"] = mean_se([float(v) for v in values])
+        vals = [float(v) for v in values]
+        out[pre + name], out[pre + name + "/se"] = mean_se(vals)
+        if clusters is not None:
+            out[pre + name + "/se_cluster"] = cluster_se(vals, clusters)
 
     if kind == "math_verify":
         put("pass@1", greedy_rewards)
@@ -181,6 +235,13 @@ def eval_metrics(task: str, kind: str, greedy_rewards: list[float], greedy_lens:
     else:
         put("reward_mean", greedy_rewards)
     put("len_mean_tokens", greedy_lens)
+    out[pre + "outcomes"] = ("".join("1" if float(r) > 0.5 else "0" for r in greedy_rewards)
+                             if kind == "math_verify" else [round(float(r), 4) for r in greedy_rewards])
+    if ids is not None:
+        out[pre + "ids"] = [int(i) for i in ids]
+    if clusters is not None:
+        out[pre + "groups"] = clusters
+        out[pre + "num_clusters"] = len(set(clusters))
     return out
 
 
@@ -256,7 +317,9 @@ class Evaluator:
             idx = [i for i, p in enumerate(prompts) if p.task == t]
             samp = [by_math[id(prompts[i])] for i in idx] if sampled_r and self.kinds[t] == "math_verify" else None
             out.update(eval_metrics(t, self.kinds[t], [greedy_r[i][0] for i in idx],
-                                    [len(greedy[i][0].token_ids) for i in idx], samp, self.pass_ks))
+                                    [len(greedy[i][0].token_ids) for i in idx], samp, self.pass_ks,
+                                    ids=[prompts[i].index for i in idx],
+                                    groups=[getattr(prompts[i], "group", "") for i in idx]))
         out["time/eval_s"] = time.perf_counter() - t0
         if self.log is not None:
             self.log(format_eval_line(label, out))
@@ -479,7 +542,7 @@ class PendingRows:
             the eval's own error; ``ProducerError``: generation failed while the eval waited;
             TimeoutError: nothing within ``async.timeout_s``.
         """
-        from megatron_rlhf.trainer.rollout import ProducerError
+        from megatron_rlhf.rollout.producer import ProducerError
 
         deadline = time.monotonic() + self.timeout
         while not fut.done():

@@ -31,11 +31,12 @@ import time
 from megatron_rlhf.config import Config
 from megatron_rlhf.trainer.evaluate import PendingRows, eval_due
 from megatron_rlhf.trainer.metrics import StepProgress
-from megatron_rlhf.trainer.run import LearnerDiedError, Run, RunResult
+from megatron_rlhf.trainer.lifecycle import LearnerDiedError, RunResult
+from megatron_rlhf.trainer.run import Run
 from megatron_rlhf.trainer.run_lock import hold_run_folder
 from megatron_rlhf.trainer.setup import StoppedBeforeStart, resolve_model_dir
-from megatron_rlhf.testing.faults import kill_point
-from megatron_rlhf.trainer.staleness import split_by_staleness
+from megatron_rlhf.utils.faults import kill_point
+from megatron_rlhf.rollout.staleness import split_by_staleness
 from megatron_rlhf.types import LearnerBatch
 
 __all__ = ["train", "resolve_model_dir", "RunResult", "LearnerDiedError"]

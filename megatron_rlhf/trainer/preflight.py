@@ -34,7 +34,8 @@ from pathlib import Path
 from megatron_rlhf.config import Config, ConfigError
 
 __all__ = ["check_model_source", "check_task_files", "check_device", "check_layout_before_conversion", "preflight",
-           "check_model_folder", "check_output_folder", "import_plugins", "check_logging", "check_prompt_fields"]
+           "check_model_folder", "check_output_folder", "import_plugins", "check_logging", "check_prompt_fields",
+           "check_regular_file"]
 
 
 def check_model_source(model_cfg) -> None:
@@ -85,6 +86,7 @@ def check_task_files(cfg: Config) -> None:
                 if data is None:
                     continue
                 key = f"tasks[{task.name}].{part}"
+                check_regular_file(data.path, f"{key}.path")
                 path = resolve_data_path(data.path, key=f"{key}.path")
                 if task.kind != "reward_model":   # chat files have formats of their own (data/chat.py)
                     check_prompt_fields(data, path, key)
@@ -93,6 +95,34 @@ def check_task_files(cfg: Config) -> None:
                                      key=f"tasks[{task.name}].reward.reward_model")
         except (ValueError, FileNotFoundError) as e:
             raise ConfigError(str(e)) from e
+
+
+def check_regular_file(path: str, key: str) -> None:
+    """Refuse a data path whose first existing candidate (absolute; else the repo root, then the
+    working directory, as ``data.jsonrecords.resolve_data_path`` tries them) is a FIFO, socket or
+    device: reading one would block or never end, and it is no "file not found" either. Only
+    ``stat`` is called (opening a FIFO would block).
+
+    Raises:
+        ConfigError: names ``key``, the path and what it is.
+    """
+    import stat
+
+    import megatron_rlhf
+
+    p = Path(path).expanduser()
+    repo = Path(megatron_rlhf.__file__).resolve().parents[1]
+    for t in [p] if p.is_absolute() else [repo / p, Path.cwd() / p]:
+        try:
+            mode = t.stat().st_mode
+        except OSError:
+            continue
+        if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+            return   # a file is read; a folder is named by resolve_data_path
+        kind = ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+                else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a file")
+        raise ConfigError(f"config key '{key}' = {path!r}: {t} is not a regular file but {kind}; give a "
+                          "JSONL file (copy a stream to a file first)")
 
 
 def _head_rows(path: Path, n: int) -> tuple[list[dict], int]:
@@ -151,26 +181,35 @@ def check_prompt_fields(data, path: Path, key: str, n: int = 50) -> None:
 
 
 def check_device(cfg: Config) -> None:
-    """A GPU recipe started on a machine without a GPU is refused before anything starts.
+    """``model.dtype: bfloat16`` without a GPU runs on CPU where the CPU computes bf16, else is refused.
 
-    ``model.dtype: bfloat16`` is what the GPU recipes train in (``base_cluster.yaml``,
-    ``smoke-1n8g.yaml``); a run on this machine (``placement.gpus_per_node: 0``: no SLURM placement)
-    that sees no CUDA device would otherwise start on CPU in bf16 and stop minutes later in the
-    weight-sync probe check. On a SLURM cluster (``gpus_per_node > 0``) the driver may run on a
-    node without GPUs, so nothing is checked there.
+    bf16 is what the GPU recipes train and sample in (``base_cluster.yaml``, ``smoke-1n8g.yaml``).
+    On a machine that sees no CUDA device (``placement.gpus_per_node: 0``) the same bf16 path runs
+    on CPU, so that a dtype bug of the GPU path (a cast, a tolerance, a checkpoint or export dtype)
+    fails here first: :func:`megatron_rlhf.platform.cpu_bf16_support` decides, natively
+    (AVX512-BF16, AMX) or emulated (AVX2: the same bf16 numbers, tens of times slower per GEMM; a
+    line says so). Elsewhere it is refused. On a SLURM cluster (``gpus_per_node > 0``) the driver
+    may run on a node without GPUs, so nothing is checked there.
 
     Raises:
-        ConfigError: names ``model.dtype``, the recipe's needs and the CPU rehearsal overrides.
+        ConfigError: names ``model.dtype``, why this CPU cannot run it and the fp32 override.
     """
+    from megatron_rlhf.platform import cpu_bf16_support
     from megatron_rlhf.platform.engine_args import config_device   # cuda on SLURM GPU nodes or when visible
 
-    if cfg.model.dtype == "bfloat16" and config_device(cfg) != "cuda":
+    if cfg.model.dtype != "bfloat16" or config_device(cfg) == "cuda":
+        return
+    support = cpu_bf16_support()
+    if support is None:
         raise ConfigError(
-            "config key 'model.dtype' = 'bfloat16' on a machine without a GPU (torch.cuda.is_available() "
-            "is False): this is a GPU recipe (its learners and vLLM engines train and sample in bf16 on "
-            "CUDA devices). Run it on a GPU node (bash tools/setup_gpu.sh, then .venv-gpu/bin/python "
-            "train.py ...), or, to rehearse it on CPU, set model.dtype=float32 and scale it down "
-            "(tests/test_recipe_rehearsal.py, SMOKE_SCALE, shows the overrides)")
+            "config key 'model.dtype' = 'bfloat16' on a machine without a GPU whose CPU has neither "
+            "AVX512-BF16/AMX nor AVX2 (torch cannot compute bf16 on it at a usable speed): run it on a "
+            "GPU node (bash tools/setup_gpu.sh, then .venv-gpu/bin/python train.py ...), or set "
+            "model.dtype=float32")
+    if support == "emulated":
+        print("[megatron-rlhf] model.dtype=bfloat16 on a CPU without AVX512-BF16/AMX: bf16 is computed "
+              "by widening to fp32 (the same bf16 numbers, about 27x slower per GEMM than fp32; "
+              "see megatron_rlhf.platform.cpu_bf16_support)", flush=True)
 
 
 def check_layout_before_conversion(cfg: Config) -> None:

@@ -2,7 +2,7 @@
 
 * ``rollout_only``: the generator side runs as usual (base weights, no training, no weight push)
   and every batch is saved to ``<run>/rollouts/`` in the one on-disk batch format
-  (``trainer.batch_io``); ``run.save_rollouts: true`` saves them in a training run too.
+  (``rollout.batch_io``); ``run.save_rollouts: true`` saves them in a training run too.
 * ``train_only`` with ``run.replay: DIR``: :class:`ReplayProducer` stands in for the rollout
   producer and hands the learner the saved batches of ``DIR`` in index order; no vLLM engine is
   started, no weights are pushed, no eval runs. The learner trains exactly as on live batches, so
@@ -18,8 +18,8 @@ import queue
 import threading
 from pathlib import Path
 
-from megatron_rlhf.trainer.rollout import put_until_stopped
-from megatron_rlhf.trainer.batch_io import batch_path, list_batches, load_batch
+from megatron_rlhf.rollout.producer import put_until_stopped
+from megatron_rlhf.rollout.batch_io import batch_path, list_batches, load_batch
 
 __all__ = ["ReplayProducer", "ROLLOUTS_DIR", "check_replay_dir"]
 

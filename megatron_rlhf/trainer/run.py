@@ -20,27 +20,18 @@ from pathlib import Path
 
 from megatron_rlhf.config import Config
 from megatron_rlhf.trainer.checkpoint import CheckpointManager
+from megatron_rlhf.trainer.lifecycle import LearnerDiedError, RunResult, learner_guard
 from megatron_rlhf.trainer.metrics import json_safe, summarize, time_breakdown
-from megatron_rlhf.trainer.rollout import ProducerError, RewardError
-from megatron_rlhf.testing.faults import kill_point
+from megatron_rlhf.rollout.producer import ProducerError, RewardError
+from megatron_rlhf.utils.faults import kill_point
 from megatron_rlhf.trainer.watchdog import prune_empty_stack_files
 from megatron_rlhf.utils.atomic import fsync_dir, write_json
 
 __all__ = ["Run", "RunResult", "LearnerDiedError", "NonFiniteTrainingError", "learner_guard"]
 
 
-class LearnerDiedError(RuntimeError):
-    """The learner actor died; the run stops (the last complete checkpoint is left intact)."""
-
-
 class NonFiniteTrainingError(RuntimeError):
     """``learner.max_skipped_steps`` steps in a row had a non-finite loss or gradient."""
-
-
-class RunResult(dict):
-    """Summary of a finished (or stopped) run: :func:`metrics.summarize` plus ``run_dir``,
-    ``stopped_early``, ``resumed_from_step``, ``report`` (the HTML page) and ``tensorboard`` (the
-    event-file folder, or None with ``logging.tensorboard: false``)."""
 
 
 class Run:
@@ -177,13 +168,13 @@ class Run:
         return out
 
     def keep(self, batch) -> None:
-        """Save ``batch`` to ``<run>/rollouts/`` (``trainer.batch_io``) in ``rollout_only`` or with
+        """Save ``batch`` to ``<run>/rollouts/`` (``rollout.batch_io``) in ``rollout_only`` or with
         ``run.save_rollouts``."""
         if self.cfg.run.mode == "rollout_only" or (self.cfg.run.save_rollouts and self.cfg.run.mode == "train"):
-            from megatron_rlhf.trainer.batch_io import save_batch
+            from megatron_rlhf.rollout.batch_io import save_batch
             from megatron_rlhf.trainer.replay import ROLLOUTS_DIR
 
-            from megatron_rlhf.trainer.batch_io import algorithm_tag
+            from megatron_rlhf.rollout.batch_io import algorithm_tag
 
             save_batch(batch, self.run_dir / ROLLOUTS_DIR, algorithm=algorithm_tag(self.cfg.algorithm))
 
@@ -223,7 +214,7 @@ class Run:
     def save(self, step: int, version: int, batch, pending: tuple = ()) -> int:
         """Write ``checkpoints/step_<step>``: the learner's state, and what the producer had made
         beyond it: ``pending``, the generated but untrained batches the loop trains next (in
-        ``batches/``, :mod:`trainer.batch_io` format, with their weight versions), and the producer
+        ``batches/``, :mod:`rollout.batch_io` format, with their weight versions), and the producer
         state (data-sampler position, pair RNG, normaliser) after the last of them (after ``batch``,
         the one just trained, when none is pending). A resumed run trains the pending batches first,
         then generates from that position: what the uninterrupted run would have trained.
@@ -232,7 +223,7 @@ class Run:
         starts writing this one and training goes on: it becomes ``step_<step>`` in
         :meth:`poll_checkpoint` or :meth:`wait_checkpoint`. The seconds spent here count in the next
         row's ``time/checkpoint_s``."""
-        from megatron_rlhf.trainer.batch_io import algorithm_tag, save_batch
+        from megatron_rlhf.rollout.batch_io import algorithm_tag, save_batch
 
         self.wait_checkpoint()   # (its seconds are counted there)
         t0 = time.perf_counter()
@@ -436,22 +427,6 @@ def _learner_call(ref, what: str, timeout: float, ckpts: CheckpointManager):
                                "(raise async.timeout_s for a slow file system or a large model)") from e
 
 
-@contextlib.contextmanager
-def learner_guard(what: str, ckpts: CheckpointManager):
-    """Every learner call (train_step, checkpoint save, weight publish, final export) runs inside
-    this: an actor death (``RayActorError``, also when raised by the transport's own ``ray.get``)
-    becomes :class:`LearnerDiedError` naming ``what`` and the last complete checkpoint."""
-    from ray.exceptions import RayActorError
-
-    try:
-        yield
-    except RayActorError as e:
-        latest = ckpts.latest()
-        where = (f"the last complete checkpoint {latest[0]} is intact: rerun the same command to resume "
-                 "from it" if latest else "no checkpoint was written yet")
-        raise LearnerDiedError(f"the learner died during {what} ({type(e).__name__}); {where}") from e
-
-
 def _take(batches: queue.Queue, timeout: float, stop) -> object | None:
     """The next batch from the producer; None when a stop was requested.
 
@@ -510,7 +485,17 @@ def _report(run_dir: Path, result: RunResult) -> None:
 
 def _export_final(run: "Run", run_dir: Path, model_dir: Path) -> None:
     """Write ``<run>/hf_final`` (replacing the export of an earlier, shorter run of this folder:
-    written to a temporary sibling first, so a crash never leaves no export)."""
+    written to a temporary sibling first, so a crash never leaves no export).
+
+    Temporary folders (ours ``.hf_final.tmp-<pid>``, the learner's ``..hf_final.tmp-<pid>.*``) never
+    outlive a failed export, and those an earlier driver left (killed mid-export) are removed with
+    an earlier swap's ``.hf_final.old-*`` once this export is in place (the run lock makes this
+    driver the folder's only writer).
+
+    Raises:
+        AtomicWriteError: a write failed (no space, read-only, name too long): one line naming the
+            path, the cause and the fix, not safetensors' traceback; the old export, if any, stays.
+    """
     import shutil
 
     final, tmp = run_dir / "hf_final", run_dir / f".hf_final.tmp-{os.getpid()}"
@@ -518,12 +503,47 @@ def _export_final(run: "Run", run_dir: Path, model_dir: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         run.call(run.learner.export_hf.remote(str(tmp), str(model_dir)), "the final HF export")
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)   # no stray temporary folder; the old export stays
+    except BaseException as e:
+        _remove_export_leftovers(run_dir, ("tmp",))   # no stray temporary folder; the old export stays
+        err = export_write_error(final, e)
+        if err is not None:
+            raise err from e
         raise
     if final.exists():   # swap: a crash in between leaves the old export (as .hf_final.old-<pid>)
         os.rename(final, old)
     os.rename(tmp, final)
     fsync_dir(run_dir)
-    shutil.rmtree(old, ignore_errors=True)
+    _remove_export_leftovers(run_dir, ("tmp", "old"))
+
+
+def _remove_export_leftovers(run_dir: Path, kinds: tuple[str, ...]) -> None:
+    """Remove ``.hf_final.<kind>-*`` and the learner's ``..hf_final.<kind>-*`` folders of ``run_dir``."""
+    import shutil
+
+    for kind in kinds:
+        for p in [*run_dir.glob(f".hf_final.{kind}-*"), *run_dir.glob(f"..hf_final.{kind}-*")]:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def export_write_error(path: Path, e: BaseException):
+    """The one-line :class:`~megatron_rlhf.utils.atomic.AtomicWriteError` of a failed HF export
+    ``e`` (a Ray task error from the learner carries it as ``.cause``; a raw ``OSError`` or
+    ``SafetensorError`` is named as a failed write of ``path``), or None for any other failure."""
+    from megatron_rlhf.utils.atomic import AtomicWriteError, write_error
+
+    seen, chain = set(), [e]
+    while chain:
+        x = chain.pop(0)
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(getattr(x, "cause", None), BaseException):   # a RayTaskError: its cause first
+            chain.insert(0, x.cause)
+            continue
+        if isinstance(x, AtomicWriteError):   # a fresh one: a RayTaskError subclass prints a traceback
+            return AtomicWriteError(x.errno, x.strerror, x.filename)
+        if isinstance(x, OSError) or type(x).__name__ == "SafetensorError":
+            return write_error(path, x)
+        chain += [getattr(x, "cause", None), x.__cause__, x.__context__]
+    return None
 

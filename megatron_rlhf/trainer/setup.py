@@ -26,23 +26,16 @@ from megatron_rlhf.config import Config, ConfigError, config_diff, config_to_dic
 from megatron_rlhf.generator.pool import GeneratorPool
 from megatron_rlhf.generator.weight_sync import PublishedWeights, make_transport
 from megatron_rlhf.trainer.checkpoint import CheckpointManager
+from megatron_rlhf.trainer.lifecycle import RunResult, learner_guard
 from megatron_rlhf.trainer.metrics import MetricsLogger
 from megatron_rlhf.trainer.preflight import (check_device, check_layout_before_conversion, check_model_source,
                                              check_task_files, preflight)
-from megatron_rlhf.trainer.rollout import RolloutProducer, WeightChannel
-from megatron_rlhf.trainer.run import RunResult, learner_guard
+from megatron_rlhf.rollout.producer import RolloutProducer, WeightChannel
 from megatron_rlhf.trainer.watchdog import HangWatchdog, dump_actor_stacks
+from megatron_rlhf.utils.stop import StoppedBeforeStart  # noqa: F401 - re-exported (a BaseException)
 
 __all__ = ["ActorStartError", "LEARNER", "prepare", "start", "resolve_model_dir", "init_ray", "worker_pythonpath", "load_prompts", "resolve_reward_models",
            "build_reward_models", "reward_fns", "build_actors", "build_generators"]
-
-
-class StoppedBeforeStart(Exception):
-    """A stop signal arrived during start-up: the run stops before its first step (exit 0)."""
-
-    def __init__(self, next_step: int):
-        super().__init__(f"stopped before step {next_step}")
-        self.next_step = next_step
 
 
 class ResumeRefusedError(ConfigError):
@@ -518,7 +511,7 @@ def build_actors(cfg: Config, model_dir: Path, generators: list | None = None, p
     import ray
 
     from megatron_rlhf.learner.actor import MegatronLearner
-    from megatron_rlhf.testing.faults import actor_env
+    from megatron_rlhf.utils.faults import actor_env
 
     pin, g = cfg.generators.cpu_core, cfg.generators
     lc = cfg.learner
@@ -529,7 +522,7 @@ def build_actors(cfg: Config, model_dir: Path, generators: list | None = None, p
               cpu_core=pin + g.num_workers * g.tensor_parallel if pin >= 0 else -1)
     rank_opts = ([{"max_restarts": 0, **placement.learner_options(r)} for r in range(world)] if placement
                  else [actor_options("learner", 1)] * world)
-    test_env = actor_env()   # test hooks only (testing.faults); {} in real runs
+    test_env = actor_env()   # fault-injection hooks only (utils.faults); {} in real runs
     if test_env:
         rank_opts = [dict(o, runtime_env={"env_vars": test_env}) for o in rank_opts]
     if world == 1:
@@ -756,7 +749,7 @@ def load_pending(path: Path, state: dict, algorithm_cfg, say=lambda *a: None) ->
     Raises:
         ConfigError: a listed batch file is missing or unreadable (names it).
     """
-    from megatron_rlhf.trainer.batch_io import algorithm_tag, batch_path, load_batch
+    from megatron_rlhf.rollout.batch_io import algorithm_tag, batch_path, load_batch
 
     out, want = [], algorithm_tag(algorithm_cfg)
     for index in state.get("pending_batches", []):

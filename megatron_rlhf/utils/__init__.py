@@ -1,1 +1,3 @@
-"""Small helpers shared by the trainer's writers (:mod:`megatron_rlhf.utils.atomic`)."""
+"""Small helpers every layer may use: atomic writes (``atomic``), progress lines (``progress``), the
+fault-injection hook (``faults``, off unless ``MRLHF_TEST_*`` names a point) and the stop flag.
+It imports nothing of megatron_rlhf outside utils/."""

@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 from typing import IO, Any, Iterator
 
-__all__ = ["AtomicWriteError", "atomic_open", "write_bytes", "write_text", "write_json", "fsync_dir",
+__all__ = ["AtomicWriteError", "write_error", "atomic_open", "write_bytes", "write_text", "write_json", "fsync_dir",
            "fsync_file"]
 
 
@@ -38,9 +38,47 @@ def _describe(e: BaseException) -> str:
         return "read-only file system: set run.output_dir to a writable folder"
     if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM):
         return "permission denied: make the folder writable, or set another run.output_dir"
+    if isinstance(e, OSError) and e.errno == errno.ENAMETOOLONG:
+        return "file name too long: choose a shorter run.name or run.output_dir"
     if isinstance(e, OSError) and e.strerror:
         return e.strerror
     return f"{type(e).__name__}: {e}"
+
+
+def _os_error_of(e: BaseException) -> OSError | None:
+    """The ``OSError`` behind ``e``: ``e`` itself, its ``__cause__`` / ``__context__``, or one
+    rebuilt from a message ending in ``(os error N)`` (``safetensors``' ``SafetensorError: Error
+    while serializing: I/O error: No space left on device (os error 28)``)."""
+    import re
+
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            return e
+        m = re.search(r"os error (\d+)\)", str(e))
+        if m:
+            code = int(m.group(1))
+            return OSError(code, os.strerror(code))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def write_error(path: str | os.PathLike, e: BaseException) -> AtomicWriteError:
+    """The :class:`AtomicWriteError` for a failed write of ``path`` (a file or a folder another
+    library writes: ``safetensors``, ``torch.save``): one line naming the path, the cause and the
+    fix (no space, read-only, permission, name too long). Raise it ``from e``.
+
+    Args:
+        path: what was being written.
+        e: the error (an ``OSError``, or e.g. a ``SafetensorError`` naming an OS error).
+    """
+    if isinstance(e, AtomicWriteError):
+        return e
+    os_err = _os_error_of(e)
+    cause = _describe(os_err if os_err is not None else e)
+    return AtomicWriteError(os_err.errno if os_err is not None else None, f"cannot write {path}: {cause}",
+                            str(path))
 
 
 def fsync_dir(path: str | os.PathLike) -> None:

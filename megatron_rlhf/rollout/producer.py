@@ -58,11 +58,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 from megatron_rlhf.generator.weight_sync import PublishedWeights
 from megatron_rlhf.rewards.reward_model import length_normalized_rewards
-from megatron_rlhf.rollout.overlong import OverlongFilter
 from megatron_rlhf.rollout.carry import Carry, PartialGroup
-from megatron_rlhf.testing.faults import kill_point
-from megatron_rlhf.trainer.staleness import trained_rollouts
-from megatron_rlhf.types import Rollout, RolloutGroup
+from megatron_rlhf.rollout.overlong import OverlongFilter
+from megatron_rlhf.rollout.staleness import trained_rollouts
+from megatron_rlhf.types import Rollout, RolloutBatch, RolloutGroup
+from megatron_rlhf.utils.faults import kill_point
 
 __all__ = ["WeightChannel", "PublishedWeights", "RolloutBatch", "RolloutProducer", "ProducerError",
            "RewardError", "check_rewards", "reward_name"]
@@ -173,34 +173,6 @@ class WeightChannel:
                                        "(learner stalled?); raise async.timeout_s if steps are slower")
                 self._cond.wait(left)
             return None if self._closed else self._latest
-
-
-@dataclass(frozen=True)
-class RolloutBatch:
-    """One learner batch worth of trainable prompt groups, tagged with the weight version that
-    generated it.
-
-    Attributes:
-        index: 0-based batch index (the learner trains it as step ``index + 1``).
-        weight_version: oldest version that generated any token of its groups (carried ones
-            included).
-        groups: exactly ``algorithm.prompts_per_step`` :class:`RolloutGroup` s, each task holding
-            its quota (``tasks[].weight``, largest remainder), in task order.
-        sampler_state: data-sampler position after the last prompt this batch consumed.
-        rng_state: pair-selection RNG state after this batch.
-        producer_state: the rest of the producer's resumable state (reward normaliser, yield
-            estimates, the pool's completion-length estimate, and the carry: surplus groups and
-            parked partial requests in the ``trainer.batch_io`` encoding), JSON-plain.
-        stats: per-batch numbers for the metrics row (``time/gen_s``, ``reward/mean``, ...).
-    """
-
-    index: int
-    weight_version: int
-    groups: tuple[RolloutGroup, ...]
-    sampler_state: dict
-    rng_state: Any
-    producer_state: dict = field(default_factory=dict)
-    stats: dict = field(default_factory=dict)
 
 
 YIELD_PRIOR_PROMPTS = 4

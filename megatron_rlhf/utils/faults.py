@@ -1,5 +1,7 @@
-"""Fault injection for the crash-and-resume tests: ``kill -9`` of the driver at a named point, and a
-slow checkpoint writer.
+"""Fault injection, a product hook that is off unless an environment variable names a point: ``kill
+-9`` of the driver at a named point, and a slow checkpoint writer. The crash-and-resume tests set
+the variables (``tests/test_exact_resume.py``, ``tests/test_reliability_loop.py``); the product code
+calls the points, so what a test kills is the code a user runs.
 
 ``MRLHF_TEST_KILL_AT="<point>:<step>"`` makes :func:`kill_point` SIGKILL the calling process when it
 reaches ``point`` for ``step`` (1-based learner step). Points, in the order a step meets them:
@@ -17,8 +19,8 @@ sleep that long in its forked process before it writes (:func:`slow_writer_s`), 
 training go on while a checkpoint is being written. The learner actors get every ``MRLHF_TEST_*``
 variable of the driver (:func:`actor_env`, ``trainer.setup.build_actors``).
 
-Unset in real runs (then every call is a dictionary lookup). A new point is one call in the code
-and one name here.
+Unset in real runs (then every call is a dictionary lookup and changes nothing). A new point is one
+call in the code and one name in :data:`POINTS`.
 """
 
 from __future__ import annotations

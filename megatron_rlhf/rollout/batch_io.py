@@ -1,7 +1,7 @@
 """The one on-disk format of a rollout batch: debug replay (``run.mode: rollout_only`` /
 ``train_only``) and the untrained batches a checkpoint keeps for an exact resume.
 
-A :class:`~megatron_rlhf.trainer.rollout.RolloutBatch` is written as one gzipped JSON document
+A :class:`~megatron_rlhf.types.RolloutBatch` is written as one gzipped JSON document
 ``batch_<index:06d>.json.gz``: its dataclass fields by name (prompts, completions with their token
 ids, sampling logprobs and weight versions, rewards, pairs), never pickled objects, so a file
 outlives code changes that add fields with defaults and can be read by any tool. Non-finite floats
@@ -76,7 +76,7 @@ def batch_from_dict(doc: dict):
     Raises:
         ValueError: not a batch document, or a format version this code cannot read.
     """
-    from megatron_rlhf.trainer.rollout import RolloutBatch
+    from megatron_rlhf.types import RolloutBatch
 
     if not isinstance(doc, dict) or "batch" not in doc:
         raise ValueError("not a rollout-batch document (no 'batch' field)")
