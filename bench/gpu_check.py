@@ -16,7 +16,9 @@ section runs; a section whose time estimate no longer fits the budget is skipped
   weights, distributed optimizer, one rank), ``logprobs-P`` (megatron's token logprobs on CUDA in
   bf16 against transformers' ``LlamaForCausalLM`` in bf16 on the same weights: mean and max
   |diff| over completion tokens, nats; the number the weight-sync probe check sees between two
-  bf16 stacks), ``train-P`` (``--warmup`` + ``--steps`` Online DPO train steps: step time, real
+  bf16 stacks; and megatron's RoPE inverse frequencies against transformers' for the preset's
+  config, relative 1e-5: ``llama-3b`` and the dry run's ``tiny`` carry Llama-3.1 ``rope_scaling``,
+  the scaling the 8B/70B recipes' models use), ``train-P`` (``--warmup`` + ``--steps`` Online DPO train steps: step time, real
   tokens/s, MFU against the GPU's dense bf16 peak from ``megatron_rlhf.platform.peaks``,
   peak memory against ``tools/plan_memory.py`` with the attention term of the spec actually built:
   fused for TE or SDPA's flash kernel on CUDA), ``pack-P`` (the on-device weight pack against a

@@ -195,12 +195,11 @@ print(f"megatron_rlhf from {where}; python {sys.executable}; torch {torch.__vers
 PREFLIGHT_SH='node=${SLURMD_NODENAME:-$(hostname -s)}
 driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n 1)
 driver=${driver:-no driver}
-if out=$(timeout 300 "$0" -W ignore -c "$PREFLIGHT_PY" "$1" "$driver" 2>&1)
+if out=$(timeout 300 "$0" -W ignore -c "$2" "$1" "$driver" 2>&1)
 then echo "pre-flight $node: ok, $(printf "%s" "$out" | tail -n 1)"
 else echo "pre-flight $node: FAILED: $0 (PYTHONPATH=${PYTHONPATH:-}): $(printf "%s" "$out" | tail -n 1)"; fi'
-export PREFLIGHT_PY
 PREFLIGHT=$(srun --overlap --job-name=mrlhf-preflight --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 \
-  -w "$(IFS=,; echo "${NODES[*]}")" --chdir=/ --kill-on-bad-exit=0 bash -c "$PREFLIGHT_SH" "$PY" "$GPUS" 2>&1)
+  -w "$(IFS=,; echo "${NODES[*]}")" --chdir=/ --kill-on-bad-exit=0 bash -c "$PREFLIGHT_SH" "$PY" "$GPUS" "$PREFLIGHT_PY" 2>&1)
 echo "$PREFLIGHT"
 if grep -q 'FAILED' <<<"$PREFLIGHT" || [ "$(grep -c ': ok, ' <<<"$PREFLIGHT")" -ne "$NNODES" ]; then
   BAD=$(sed -n 's/^pre-flight \([^:]*\): FAILED.*/\1/p' <<<"$PREFLIGHT" | paste -sd ' ')

@@ -111,3 +111,24 @@ def test_train_py_prints_a_write_failure_as_one_line_exit_1(monkeypatch, capsys)
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["write failed: cannot write /r/..hf_final.tmp-1.x/stage000-00000.safetensors: read-only "
                    "file system: set run.output_dir to a writable folder"], err
+
+
+def test_a_bf16_export_says_bfloat16_in_its_config_whatever_the_base_model_says(tmp_path):
+    """A bf16 learner's HF export from an fp32 base folder: the shards hold bf16 and config.json
+    says ``bfloat16`` (it kept the base's ``float32``, found by the bf16 rehearsal on CPU)."""
+    import json
+
+    from safetensors import safe_open
+
+    from megatron_rlhf.learner.weights import finalize_hf_folder, prepare_hf_dir, write_hf_shards
+
+    base = _base(tmp_path)
+    (base / "config.json").write_text(json.dumps({"dtype": "float32", "torch_dtype": "float32"}))
+    out = tmp_path / "hf_final"
+    tmp = prepare_hf_dir(out)
+    shards = write_hf_shards(iter([("w", torch.ones(4, dtype=torch.bfloat16))]), tmp, "stage000", 2**30)
+    finalize_hf_folder(tmp, out, base, shards, dtype=torch.bfloat16)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["dtype"] == cfg["torch_dtype"] == "bfloat16"
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("w").dtype == torch.bfloat16

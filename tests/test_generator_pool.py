@@ -217,9 +217,14 @@ def test_two_workers_share_a_step_and_both_get_every_push(ray_cluster, tiny_llam
 
 
 @pytest.mark.integration
-@pytest.mark.timeout(300)
-def test_weight_sync_check_fails_when_a_push_is_skipped(ray_cluster, tiny_llama_dir, tmp_path, monkeypatch):
-    """The same check catches a worker that never received version 1 (its push is skipped)."""
+@pytest.mark.timeout(420)
+def test_in_bf16_the_importance_weights_act_and_a_skipped_push_fails_the_calibrated_gate(
+        ray_cluster, tiny_llama_dir, tmp_path, monkeypatch):
+    """The GPU recipes' dtype on CPU (issue 32): learner and engines in bf16, GRPO with token TIS.
+    The importance weights act (``is/weight_max`` != 1: two bf16 stacks give different logprobs of
+    the same tokens even at staleness 0, as learner and vLLM do on GPUs), and a worker that never
+    received version 1 (its push is skipped) fails the calibrated probe gate at the recipes'
+    tolerance (``check_weight_sync_tol`` 0.02 of ``base_cluster.yaml``), above the bf16 floor."""
     import ray
 
     from megatron_rlhf.generator.pool import GeneratorPool
@@ -233,9 +238,14 @@ def test_weight_sync_check_fails_when_a_push_is_skipped(ray_cluster, tiny_llama_
     monkeypatch.setattr(GeneratorPool, "_push_one", skipped_push)
     with pytest.raises(ProducerError) as info:
         train(_cfg(tiny_llama_dir, tmp_path, "skip", "run.num_steps=3", "generators.check_weight_sync=true",
-                   "learner.optimizer.lr=1e-3"), quiet=True)
+                   "generators.check_weight_sync_tol=0.02", "model.dtype=bfloat16", "algorithm.loss=grpo",
+                   "algorithm.is_correction=token_tis", "learner.optimizer.lr=1e-3"), quiet=True)
     assert isinstance(info.value.__cause__, WeightSyncError)
     assert "worker 0 after the push of weight version 1" in str(info.value.__cause__)
+    assert "check_weight_sync_tol=0.02" in str(info.value.__cause__)
+    rows = _rows(tmp_path / "skip")
+    assert rows and all(r["is/weight_max"] != 1.0 for r in rows), rows   # steps 1-2, before the failure
+    assert all(r["loss/total"] == r["loss/total"] for r in rows)
 
 
 @pytest.mark.integration

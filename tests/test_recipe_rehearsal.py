@@ -186,23 +186,44 @@ def test_smoke_recipe_without_model_source_stops_naming_the_key():
 
 
 @pytest.mark.timeout(60)
-def test_smoke_recipe_on_a_machine_without_a_gpu_is_refused_before_anything_starts(tiny_llama_dir, tmp_path):
-    """The smoke recipe as its header says to run it, on a machine that sees no CUDA device: refused
-    at once naming model.dtype and the CPU rehearsal (it used to start on CPU in bf16 and fail
-    minutes later in the weight-sync probe check); nothing is written to the run folder."""
+def test_smoke_recipe_on_a_cpu_that_cannot_compute_bf16_is_refused_before_anything_starts(tiny_llama_dir, tmp_path,
+                                                                                           monkeypatch, capsys):
+    """The smoke recipe (bf16) on a machine that sees no CUDA device: where the CPU computes bf16
+    (``platform.cpu_bf16_support``: native or emulated) the pre-flight lets it through, saying so
+    when emulated (tests/test_weight_broadcast.py runs it there); where it cannot, it is refused at
+    once naming model.dtype, and nothing is written to the run folder."""
     import torch
 
+    import megatron_rlhf.platform as platform
     from megatron_rlhf.config import ConfigError, load_config
     from megatron_rlhf.trainer import setup
+    from megatron_rlhf.trainer.preflight import check_device
     from megatron_rlhf.trainer.run import Run
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     cfg = load_config(REPO / SMOKE, [f"model.source={tiny_llama_dir}", f"run.output_dir={tmp_path}"])
-    with pytest.raises(ConfigError, match=r"'model\.dtype' = 'bfloat16' on a machine without a GPU.*SMOKE_SCALE"):
+    monkeypatch.setattr(platform, "cpu_bf16_support", lambda: "emulated")
+    check_device(cfg)
+    assert "bf16 is computed by widening to fp32" in capsys.readouterr().out
+    monkeypatch.setattr(platform, "cpu_bf16_support", lambda: "native")
+    check_device(cfg)
+    assert "widening" not in capsys.readouterr().out
+    monkeypatch.setattr(platform, "cpu_bf16_support", lambda: None)
+    with pytest.raises(ConfigError, match=r"'model\.dtype' = 'bfloat16' on a machine without a GPU.*float32"):
         setup.prepare(Run(cfg, lambda *a: None))
     assert not (tmp_path / "smoke-1n8g").exists()
 
+
+@pytest.mark.timeout(30)
+def test_cpu_bf16_support_reads_the_cpu_flags():
+    """``native`` with AVX512-BF16 or AMX-BF16, ``emulated`` with AVX2 alone, None without AVX2."""
+    from megatron_rlhf.platform import cpu_bf16_support
+
+    assert cpu_bf16_support("flags\t\t: fpu sse2 avx2 avx512f avx512_bf16\n") == "native"
+    assert cpu_bf16_support("flags : sse2 avx2 amx_bf16 amx_tile\n") == "native"
+    assert cpu_bf16_support("processor : 0\nflags : fpu sse2 avx avx2 fma\n") == "emulated"
+    assert cpu_bf16_support("flags : fpu sse2 sse4_2\n") is None
 
 
 def test_the_gpu_check_lets_a_bf16_recipe_through_where_cuda_is_visible(tiny_llama_dir, tmp_path, monkeypatch):

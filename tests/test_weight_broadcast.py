@@ -645,3 +645,57 @@ def test_async_loop_on_broadcast_with_a_pp2_learner_runs_3_steps_staleness_0_1_1
     assert rows[2]["sync/check_max_abs_diff"] < 1e-3                           # the probe check ran on it
     assert all(r["sync/learner_blocked_s"] > 0 for r in rows)   # versions 1, 2 and the final eval's 3
     assert all(r["sync/learner_blocked_s"] >= r["sync/push_wait_s"] >= 0 for r in rows)
+
+
+SMOKE_BF16 = [   # configs/smoke-1n8g.yaml scaled to 2 cores by overrides only; its dtype stays bfloat16
+    "learner.data_parallel=1",                  # TP=2 x DP=2 -> TP=2 x DP=1 (TP and SP as the recipe)
+    "generators.num_workers=2",                 # 4 engines -> 2
+    "generators.max_new_tokens=8", "generators.max_model_len=512", "generators.prompts_per_request=2",
+    "generators.kv_cache_gib=0.0625", "generators.cpu_core=-1",
+    "algorithm.samples_per_prompt=4", "algorithm.prompts_per_step=2",
+    "tasks.0.reward=tests.plugins:char_parity",   # random weights never solve GSM8K: a 50/50 reward
+    "run.num_steps=3", "async.timeout_s=300",   # 3: the first batch after a push is batch 3
+    "algorithm.carry_surplus=false",   # every batch generated (see test_recipe_rehearsal.SCALE)
+    "eval.num_prompts=4", "eval.samples=1", "logging.progress=false",
+]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(900)
+def test_smoke_recipe_in_bf16_on_cpu_runs_tp2_broadcast_with_a_real_bounded_mismatch(
+        ray_cluster, tiny_llama_dir, tmp_path):
+    """The GPU smoke recipe's dtype on CPU (issue 32): ``configs/smoke-1n8g.yaml`` as it is
+    (``model.dtype: bfloat16``, TP=2 with sequence parallelism and the distributed optimizer's fp32
+    main parameters, broadcast transport, the calibrated probe gate, packing on) scaled to two cores
+    by :data:`SMOKE_BF16`: learner and both vLLM engines in bf16 (emulated on an AVX2 CPU, native on
+    AVX512-BF16/AMX; ``platform.cpu_bf16_support``). Proves: 3 steps, staleness 0, 1, 1; the push
+    of version 1 reaches batch 3 and its probe check passes with a mismatch that is real
+    (``token_mult_prob_error`` > 1: two bf16 stacks differ) and bounded (below the gate and within
+    the calibrated tolerance of the start-up floor); the checkpoint and the HF export keep bf16."""
+    import json
+
+    from safetensors import safe_open
+
+    from megatron_rlhf.config import load_config
+    from megatron_rlhf.trainer.loop import train
+
+    cfg = load_config(REPO / "configs" / "smoke-1n8g.yaml", [
+        f"model.source={tiny_llama_dir}", f"run.output_dir={tmp_path}", *SMOKE_BF16])
+    assert cfg.model.dtype == "bfloat16" and cfg.generators.transport == "broadcast"
+    assert cfg.learner.tensor_parallel == 2 and cfg.learner.distributed_optimizer and cfg.learner.sequence_parallel
+    assert cfg.generators.check_weight_sync
+    res = train(cfg, quiet=True)
+    rows = [json.loads(x) for x in (Path(res["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and [r["staleness/max"] for r in rows] == [0, 1, 1]
+    last = rows[2]
+    assert last["sync/bytes"] > 0, last                    # batch 3 came after the push of version 1
+    gate = cfg.logging.warn_token_mult_prob_error
+    errs = [r["sync/check_token_mult_prob_error"] for r in rows if "sync/check_token_mult_prob_error" in r]
+    assert errs and max(errs) > 1.0 and all(e < gate for e in errs), rows   # real and bounded
+    diffs = [r["sync/check_mean_abs_diff"] for r in rows if "sync/check_mean_abs_diff" in r]
+    assert diffs and all(0 < d < cfg.generators.check_weight_sync_tol + 0.05 for d in diffs), rows
+    assert all(r["loss/total"] == r["loss/total"] for r in rows)   # finite
+    exported = Path(res["run_dir"]) / "hf_final"            # checkpoint.export_hf (the recipe's): bf16
+    with safe_open(str(next(exported.glob("*.safetensors"))), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    assert json.loads((exported / "config.json").read_text())["dtype"] == "bfloat16"

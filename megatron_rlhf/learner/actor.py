@@ -727,7 +727,7 @@ class MegatronLearner:
             dist.all_gather_object(parts, (self.pp_rank, shards))
         if self.groups.rank == 0:
             ordered = [sh for _, stage in sorted(parts, key=lambda x: x[0]) for sh in stage]
-            finalize_hf_folder(tmp, out, base_model_dir, ordered)
+            finalize_hf_folder(tmp, out, base_model_dir, ordered, dtype=self.dtype)
         if world > 1:
             dist.barrier()
 

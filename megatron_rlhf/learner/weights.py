@@ -40,7 +40,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from megatron_rlhf.convert.hf_io import apply_umask_permissions
+from megatron_rlhf.convert.hf_io import apply_umask_permissions, copy_non_weight_files
 from megatron_rlhf.convert.llama import ParamRule, align_names
 from megatron_rlhf.convert.sharding import (HFCheckpointReader, fuse_hf, iter_rules, shard,
                                             split_to_hf, unshard)
@@ -50,8 +50,6 @@ __all__ = ["LocalTensor", "local_tensors", "load_hf_weights", "mark_tensor_paral
            "stage_hf_entries", "buckets", "measure_pack",
            "write_hf_shards", "prepare_hf_dir", "finalize_hf_folder"]
 
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json",
-                    ".pt", ".pth", ".gguf")
 
 
 @dataclass(frozen=True)
@@ -412,12 +410,14 @@ def prepare_hf_dir(out_dir: str | Path) -> Path:
 
 
 def finalize_hf_folder(tmp: str | Path, out_dir: str | Path, base_model_dir: str | Path,
-                       shards: list[dict]) -> None:
+                       shards: list[dict], dtype=None) -> None:
     """Turn ``tmp`` (shard files from :func:`write_hf_shards`, in HF order) into the HF folder
     ``out_dir``: rename to ``model.safetensors`` (one shard) or ``model-0000k-of-0000n.safetensors``
     plus ``model.safetensors.index.json``, copy every non-weight file of ``base_model_dir``
     (config, tokenizer, chat template, generation config), then rename ``tmp`` to ``out_dir``
-    (atomic on one filesystem). ``tmp`` is removed on failure.
+    (atomic on one filesystem). ``tmp`` is removed on failure. ``dtype`` (the dtype the shards
+    were written in, e.g. ``torch.bfloat16`` for a bf16 learner) is written into ``config.json``
+    so that a deployment loads the folder in the dtype it holds, not the base model's.
 
     Raises:
         FileExistsError: ``out_dir`` exists and is not empty.
@@ -434,9 +434,7 @@ def finalize_hf_folder(tmp: str | Path, out_dir: str | Path, base_model_dir: str
         if n > 1:
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        for f in base.iterdir():
-            if f.is_file() and not f.name.startswith(".") and not f.name.endswith(_WEIGHT_SUFFIXES):
-                shutil.copy2(f, tmp / f.name)
+        copy_non_weight_files(base, tmp, dtype=dtype)
         if out.exists():
             if any(out.iterdir()):
                 raise FileExistsError(f"export_hf: {out} exists and is not empty; pass a new folder")
