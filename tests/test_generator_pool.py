@@ -242,7 +242,8 @@ def test_in_bf16_the_importance_weights_act_and_a_skipped_push_fails_the_calibra
                    "algorithm.is_correction=token_tis", "learner.optimizer.lr=1e-3"), quiet=True)
     assert isinstance(info.value.__cause__, WeightSyncError)
     assert "worker 0 after the push of weight version 1" in str(info.value.__cause__)
-    assert "check_weight_sync_tol=0.02" in str(info.value.__cause__)
+    why = str(info.value.__cause__)   # the absolute bound or the calibrated one, whichever trips first
+    assert "logging.warn_token_mult_prob_error" in why or "check_weight_sync_tol=0.02" in why, why
     rows = _rows(tmp_path / "skip")
     assert rows and all(r["is/weight_max"] != 1.0 for r in rows), rows   # steps 1-2, before the failure
     assert all(r["loss/total"] == r["loss/total"] for r in rows)
