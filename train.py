@@ -96,6 +96,9 @@ def _main(argv: list[str] | None) -> int:
     except AtomicWriteError as e:   # a full disk, a read-only folder, a name too long: path, cause, fix
         print(f"write failed: {e.strerror or e}", file=sys.stderr)
         return 1
+    except TimeoutError as e:   # a wait ran out: names what it waited for, the key, the stacks' file
+        print(f"timed out: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:   # a second Ctrl-C: stop now (the first one finishes the step and checkpoints)
         print("interrupted: stopped at once without a checkpoint; the last complete one is intact "
               "(run the same command again to resume from it)", file=sys.stderr)
@@ -141,8 +144,19 @@ def format_summary(res: dict) -> str:
         f"serial vs {f(res.get('steps_wall_s', res['wall_s']), 0)} s of steps, the eval before step 1 excluded)",
         *_time_lines(res.get("time") or {}),
         *_throughput_lines(res, f),
+        *_recovery_lines(res.get("recoveries") or {}),
     ]
     return "\n".join(lines)
+
+
+def _recovery_lines(rec: dict) -> list[str]:
+    """``recovered: 2 generator restarts, 1 damaged file moved aside`` (nothing when none)."""
+    names = {"reward_worker_restarts": ("reward-worker restart", "reward-worker restarts"),
+             "generator_restarts": ("generator restart", "generator restarts"),
+             "checkpoint_fallbacks": ("checkpoint fallback", "checkpoint fallbacks"),
+             "damaged_files": ("damaged file moved aside", "damaged files moved aside")}
+    parts = [f"{n} {names.get(k, (k, k))[n != 1]}" for k, n in rec.items() if n]
+    return [f"recovered: {', '.join(parts)} (each logged where it happened)"] if parts else []
 
 
 def _time_lines(t: dict) -> list[str]:

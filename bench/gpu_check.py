@@ -23,7 +23,11 @@ section runs; a section whose time estimate no longer fits the budget is skipped
   peak memory against ``tools/plan_memory.py`` with the attention term of the spec actually built:
   fused for TE or SDPA's flash kernel on CUDA), ``pack-P`` (the on-device weight pack against a
   same-device memcpy: ``megatron_rlhf.learner.weights.measure_pack``; skipped with the
-  ImportError where that function does not exist yet).
+  ImportError where that function does not exist yet), ``pack-host-P`` (review 2, N14: the
+  host-staged publish, ``measure_pack(..., staging="host")``: the pack into pinned host memory and
+  each chunk copied back into one of two device wire buffers, the path an exporter takes when its
+  stage copy does not fit next to the learner, which is what the 8B and 70B recipes' headers
+  say their plan decides; at the recipes' 256 MiB chunk; the broadcast itself is not timed).
 * ``checkpoint`` (after the first preset): a distributed-optimizer checkpoint round trip of a
   4-layer model of Llama-3.2-1B's layer shape (``llama-1b-4l``; policy + optimizer + the run's one
   shared reference, ~5 GB, deleted afterwards): save, one more step, load, the same step again;
@@ -53,7 +57,8 @@ BLOCKED = ("ray", "vllm", "transformer_engine")
 CHECKPOINT_PRESET = "llama-1b-4l"
 #: rough seconds per billion parameters (GPU) of each section, plus a fixed part: the budget rule
 #: (calibrate from the ``seconds`` of a recorded run)
-ESTIMATE_S = {"prepare": (15, 25), "logprobs": (5, 5), "train": (30, 15), "pack": (5, 5), "checkpoint": (20, 120)}
+ESTIMATE_S = {"prepare": (15, 25), "logprobs": (5, 5), "train": (30, 15), "pack": (5, 5), "pack-host": (5, 5),
+              "checkpoint": (20, 120)}
 
 
 def _dir_bytes(path: Path) -> int:
@@ -323,6 +328,17 @@ def pack(a, state: dict) -> dict:
     return {"status": "ok" if ok else "failed", "buckets": rows}
 
 
+def pack_host(a, state: dict) -> dict:
+    """The host-staged publish (``measure_pack(..., staging="host")``): pinned device -> host pack,
+    then host -> device into the wire buffers, at the recipes' 256 MiB chunk (1 MiB in the dry run)."""
+    from megatron_rlhf.learner.weights import measure_pack
+
+    rows = measure_pack(state["learner"].policy, state["learner"].hf_config,
+                        bucket_mb=(1,) if a.dry_run else (256,), repeats=3, staging="host")
+    ok = bool(rows) and all(r["staging"] == "host" and r["pack_GBps"] > 0 and r["memcpy_GBps"] > 0 for r in rows)
+    return {"status": "ok" if ok else "failed", "buckets": rows}
+
+
 def release(state: dict) -> None:
     """Close the preset's learner and delete its weights (disk bound)."""
     learner = state.pop("learner", None)
@@ -457,7 +473,8 @@ def main(argv: list[str] | None = None) -> int:
             state: dict = {}
             pb = _params_b(preset)
             prep = rep.run(f"prepare-{preset}", _estimate("prepare", pb, a.dry_run), lambda: prepare(preset, a, workdir, state))
-            for kind, fn in (("logprobs", logprobs_vs_transformers), ("train", train_steps), ("pack", pack)):
+            for kind, fn in (("logprobs", logprobs_vs_transformers), ("train", train_steps), ("pack", pack),
+                             ("pack-host", pack_host)):
                 if "learner" not in state:
                     rep.emit({"section": f"{kind}-{preset}", "status": "skipped",
                               "reason": f"prepare-{preset} {prep['status']}"})

@@ -1,9 +1,11 @@
 """The two papers' findings on a real model: sync vs one-step async, and which losses survive staleness.
 
-Issue 22. SmolLM2-135M-Instruct (``model.source: smollm2``) on the demo's math task alone
-(``configs/repro_math.yaml``: single-digit multiplication, math-verify, the demo's 128 held-out
-rows; no chat task, no reward model). Every run is evaluated (greedy pass@1 and mean@2 on the
-held-out rows) before step 1 and after its last step (``trainer/evaluate.py``).
+Issue 22, issue 34. SmolLM2-135M-Instruct (``model.source: smollm2``) on the demo's math task
+alone (``configs/repro_math.yaml``: single-digit multiplication, math-verify, the demo's 128
+held-out rows; no chat task, no reward model). Every run is evaluated (greedy pass@1; with
+``--eval-samples`` k > 0 also mean@k and the KL to the reference on the eval's fresh samples,
+``eval/math/kl_ref``) before step 1, every ``eval.interval`` steps of its cell and after its last
+step (``trainer/evaluate.py``).
 
 * **Grid A** (Noukhovitch et al. 2024, "Asynchronous RLHF", Tables 1-2): Online DPO, synchronous
   (``async.sync=true``) vs one-step asynchronous (``max_staleness = 1``), seeds 0, 1, 2; cells
@@ -12,17 +14,29 @@ held-out rows) before step 1 and after its last step (``trainer/evaluate.py``).
   ``async.sync_interval = async.max_staleness = N`` in {1, 4, 16} for online_dpo, grpo and rloo,
   seed 0; cells ``B_<loss>_N<N>``. N = 16 with 16 steps: the generator never receives new weights
   (Lanchantin's offline end). ``B_online_dpo_N1`` *is* ``A_async_s0`` (same config): read, not re-run.
-  PPO (with its critic) is defined too (``--only ppo``), not part of ``B`` by default.
-* **Pilot** (cells ``P_<loss>_lr<lr>``): each policy-gradient loss's learning rate is chosen by a
-  short run at N = 1 (``--pilot-steps`` steps, one-step async, seed 0) per lr of ``--pilot-lrs``,
-  scored on a *validation* slice of the training prompts (the task's ``eval_data`` dropped, so the
-  evaluator holds out 64 training rows, sha256 order) and never on the held-out test rows. The
-  choice: the lr with the largest validation pass@1 gain (ties: the smaller lr); then fixed across
-  N, as the paper does. Online DPO keeps the demo's lr (3e-6, which learned in 3 of 3 seeds:
-  bench/RESULTS.md). A B cell runs its loss's missing pilot cells first.
+  Defined for issue 34 (item 4): the on-policy points ``B_{grpo,rloo}_onpolicy`` (``async.sync``:
+  the papers' N = 1, where Lanchantin's GRPO lives) and ``B_{grpo,rloo}_N16_isnone``
+  (``algorithm.is_correction=none`` beside TIS at N = 16).
+* **Grid C** (issue 34, items 4 and 6c; the papers' N and estimators): ``sync_interval = N``,
+  ``max_staleness = N - 1`` (staleness 0..N-1; N = 1 on-policy), N in {1, 2, 4, 16}, for
+  online_dpo, ppo and proximal_rloo; PPO and Proximal RLOO with T = 2 updates per batch
+  (``algorithm.updates_per_batch``: the clip acts) and the KL penalty ``algorithm.kl_beta = 0.05``
+  (Noukhovitch et al. 2024 Table 4, PPO); carried surplus off (it would reach staleness N); an eval
+  every max(8, N) steps for the frontier. Cells ``C_<loss>_N<N>_s<seed>``: seed 0 is group ``C``,
+  seeds 1-2 the optional group ``Cseeds``.
+* **Pilot** (cells ``P_<loss>_lr<lr>``): each loss's learning rate is chosen by a short run at
+  N = 1 (``--pilot-steps`` steps, one-step async, seed 0, the loss's estimator overrides) per lr of
+  ``--pilot-lrs``, scored on a *validation* slice of the training prompts (the task's ``eval_data``
+  dropped, so the evaluator holds out 64 training rows, sha256 order, and trains on the rest) and
+  never on the held-out test rows. The choice: the lr with the largest validation pass@1 gain (ties:
+  the smaller lr); then fixed across N, as the paper does. Grids A and B's Online DPO keep the
+  demo's lr (3e-6, which learned in 3 of 3 seeds: bench/RESULTS.md); grid C's Online DPO, PPO and
+  Proximal RLOO take their pilots' (``P_online_dpo_*``, ``P_ppo_*``, ``P_proximal_rloo_*``). A
+  cell without a fixed lr runs its loss's missing pilot cells first.
 
-    nice -n 15 python bench/seeds_repro.py                  # everything, A seed 0 first; resumable
-    nice -n 15 python bench/seeds_repro.py --only A         # grid A (or B, P, ppo, or cell names)
+    nice -n 15 python bench/seeds_repro.py                  # everything but Cseeds; resumable
+    nice -n 15 python bench/seeds_repro.py --only A         # grid A (or B, P, C, Cseeds, or cell names)
+    python bench/seeds_repro.py --list                      # every cell: group, finished or not
     python bench/seeds_repro.py --table                     # only rewrite results.md and the plots
     python bench/seeds_repro.py --dry-run --out /tmp/x      # tiny random model, 2 steps per cell
 
@@ -37,8 +51,11 @@ key of ``metrics.jsonl`` (so the mismatch paid for staleness sits next to qualit
 the greedy 0/1 of every eval prompt before and after (``eval/math/outcomes``), their row ids and
 product ids, each eval's step and weight version and cluster-robust se (intermediate evals too);
 ``gain_paired``: the gain's paired se; ``started``: the commit and a dirty flag when the cell
-started (``commit``: when it finished). After each run it rewrites ``OUT/results.md`` and the
-plots ``gain_vs_N.png`` and ``gain_vs_wall.png``.
+started (``commit``: when it finished); ``curve``: every eval's step, loop wall seconds, pass@1,
+gain and KL on fresh samples (``kl_ref``: the after-eval's). After each run it rewrites
+``OUT/results.md`` and the plots ``gain_vs_N.png``, ``gain_vs_wall.png`` (gain at every eval
+against loop wall time) and ``frontier.png`` (gain against ``kl_ref``, one line per N;
+``bench/seeds_repro_plots.py``).
 
 One Ray cluster and one vLLM generator (``setup.build_generators`` of the first cell's config,
 reset to the base weights at each run's start and reseeded per batch, so results do not depend on
@@ -81,6 +98,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
+import seeds_repro_plots as plots  # noqa: E402 - bench/ is on the path from here
+
 RECIPE = REPO / "configs" / "repro_math.yaml"
 DPO_LR = 3.0e-6            # cpu_demo.yaml's lr: learned in 3 of 3 seeds (bench/RESULTS.md)
 PILOT_LRS = (1.0e-6, 3.0e-6, 1.0e-5)
@@ -94,6 +113,22 @@ PER_STEP_PREFIXES = ("logprobs/", "tis/", "staleness/", "kl/", "reward/mean", "t
 # as many as Online DPO's 6 pairs x 2 + a margin; Online DPO keeps the demo's K = 8 (pairs of best
 # vs worst of 8).
 PG_SHAPE = ["algorithm.samples_per_prompt=4", "algorithm.prompts_per_step=4"]
+# The papers' estimators (issue 34, item 4). PPO and Proximal RLOO: T = 2 optimizer steps per batch
+# (algorithm.updates_per_batch), so pi_old (the recompute before the first update) differs from
+# pi_theta on the second update and the clip acts (at T = 1 it is inert: ratio exactly 1), and the
+# KL penalty of Noukhovitch et al. 2024 (beta = 0.05 for PPO, Table 4; algorithm.kl_beta, in the
+# reward with pi_old, k1, as Ouyang et al. 2022 eq. 2). pi_old = the behaviour policy (the
+# generator's logprobs) is not an option of the learner; the TIS weight pi_old / pi_generator
+# corrects for the generator instead.
+PAPERS_ESTIMATOR = ["algorithm.updates_per_batch=2", "algorithm.kl_beta=0.05"]
+PAPERS_N = (1, 2, 4, 16)   # grid C: sync_interval = N, max_staleness = N - 1 (N = 1: on-policy)
+C_LOSSES = ("online_dpo", "ppo", "proximal_rloo")
+C_SEEDS = (0, 1, 2)        # seed 0 in the default run (group C); seeds 1-2 optional (group Cseeds)
+C_EVAL_EVERY = 8           # grid C evaluates every max(8, N) steps: points along each run's frontier
+# carried work would reach staleness N (max_staleness + 1): off in grid C, so staleness is 0..N-1
+C_EXTRA = ["algorithm.carry_surplus=false"]
+OPTIONAL_GROUPS = ("Cseeds",)   # not in the default run (``--only Cseeds``)
+EVAL_SAMPLES = 1           # sampled completions per eval prompt: mean@1 and the KL on fresh samples
 DRY_TASK = {"name": "math", "reward": "megatron_rlhf.rewards.synthetic:letter_rate", "instruction": "",
             "data": {"path": "data/arithmetic/mul1.jsonl", "prompt_field": "input", "answer_field": "target"},
             "eval_data": {"path": "data/arithmetic/mul1_eval.jsonl", "prompt_field": "input",
@@ -102,7 +137,7 @@ DRY_TASK = {"name": "math", "reward": "megatron_rlhf.rewards.synthetic:letter_ra
 
 @dataclass
 class Cell:
-    """One run of the grid: its name, group (A, P, B, ppo) and what it sets."""
+    """One run of the grid: its name, group (A, P, B, C, Cseeds) and what it sets."""
 
     name: str
     group: str
@@ -114,6 +149,17 @@ class Cell:
     pilot: bool = False          # validation slice of the training rows instead of the test rows
     alias: str | None = None     # same config as this cell: its result is read, not re-run
     extra: list[str] = field(default_factory=list)
+    papers_n: bool = False       # N as the papers: sync_interval = N, max_staleness = N - 1
+    vs: list[str] = field(default_factory=list)   # cells its gain is compared with (gain_diff)
+    eval_interval: int = 0       # eval.interval (0: before step 1 and after the last only)
+
+
+def estimator(loss: str) -> list[str]:
+    """The overrides that make ``loss`` the papers' estimator: the PG batch shape, plus T = 2 and
+    the KL penalty for PPO and Proximal RLOO (:data:`PAPERS_ESTIMATOR`); none for Online DPO."""
+    if loss in ("ppo", "proximal_rloo"):
+        return list(PG_SHAPE) + list(PAPERS_ESTIMATOR)
+    return list(PG_SHAPE) if loss != "online_dpo" else []
 
 
 def lr_tag(lr: float) -> str:
@@ -123,41 +169,63 @@ def lr_tag(lr: float) -> str:
 
 
 def grid(pilot_lrs=PILOT_LRS) -> list[Cell]:
-    """Every cell, in the order ``python bench/seeds_repro.py`` runs them (A seed 0 first, then the
-    pilots, then B, then A seeds 1-2, then PPO)."""
+    """Every cell, in the order ``python bench/seeds_repro.py`` runs them: A seed 0, the PG pilots,
+    B, A seeds 1-2 (all run, 2026-12-01/02), then the cells defined for issue 34 (not run yet):
+    B's on-policy PG points and TIS off at N = 16, the pilots of Online DPO, PPO and Proximal RLOO,
+    grid C seed 0, and (optional) grid C seeds 1-2."""
     def a(seed):
         return [Cell(f"A_sync_s{seed}", "A", "online_dpo", sync=True, seed=seed, lr=DPO_LR),
                 Cell(f"A_async_s{seed}", "A", "online_dpo", n=1, seed=seed, lr=DPO_LR)]
 
     def pilots(loss):
-        return [Cell(f"P_{loss}_lr{lr_tag(lr)}", "ppo" if loss == "ppo" else "P", loss, lr=lr, pilot=True,
-                     extra=list(PG_SHAPE)) for lr in pilot_lrs]
+        return [Cell(f"P_{loss}_lr{lr_tag(lr)}", "P", loss, lr=lr, pilot=True, extra=estimator(loss))
+                for lr in pilot_lrs]
 
-    def b(loss, group="B"):
+    def b(loss):
         out = []
         for n in N_VALUES:
+            vs = [] if n == 1 else [f"B_{loss}_N1"] + ([f"B_{loss}_onpolicy"] if loss != "online_dpo" else [])
             if loss == "online_dpo":
-                out.append(Cell(f"B_{loss}_N{n}", group, loss, n=n, lr=DPO_LR,
-                                alias="A_async_s0" if n == 1 else None))
+                out.append(Cell(f"B_{loss}_N{n}", "B", loss, n=n, lr=DPO_LR,
+                                alias="A_async_s0" if n == 1 else None, vs=vs))
             else:
-                out.append(Cell(f"B_{loss}_N{n}", group, loss, n=n, extra=list(PG_SHAPE)))
+                out.append(Cell(f"B_{loss}_N{n}", "B", loss, n=n, extra=estimator(loss), vs=vs))
         return out
+
+    def b_more(loss):   # the on-policy point (papers' N = 1) and N = 16 without the correction
+        return [Cell(f"B_{loss}_onpolicy", "B", loss, sync=True, extra=estimator(loss)),
+                Cell(f"B_{loss}_N16_isnone", "B", loss, n=16, extra=estimator(loss) + ["algorithm.is_correction=none"],
+                     vs=[f"B_{loss}_N16"])]
+
+    def c(loss, seed):
+        group = "C" if seed == 0 else "Cseeds"
+        return [Cell(f"C_{loss}_N{n}_s{seed}", group, loss, sync=n == 1, n=n, seed=seed, papers_n=True,
+                     extra=estimator(loss) + list(C_EXTRA), eval_interval=max(C_EVAL_EVERY, n),
+                     vs=[] if n == 1 else [f"C_{loss}_N1_s{seed}"]) for n in PAPERS_N]
 
     cells = a(0) + pilots("grpo") + pilots("rloo")
     for loss in B_LOSSES:
         cells += b(loss)
-    cells += a(1) + a(2) + pilots("ppo") + b("ppo", "ppo")
+    cells += a(1) + a(2)
+    for loss in ("grpo", "rloo"):
+        cells += b_more(loss)
+    for loss in C_LOSSES:
+        cells += pilots(loss)
+    for seed in C_SEEDS:
+        for loss in C_LOSSES:
+            cells += c(loss, seed)
     return cells
 
 
 def select(cells: list[Cell], only: list[str] | None) -> list[Cell]:
-    """The cells ``--only`` names (groups A, B, P, ppo or cell names), in grid order.
+    """The cells ``--only`` names (groups A, B, P, C, Cseeds or cell names), in grid order; none
+    named: every cell but the optional groups (:data:`OPTIONAL_GROUPS`).
 
     Raises:
         SystemExit: a name that is neither a group nor a cell (the valid names listed).
     """
     if not only:
-        return [c for c in cells if c.group != "ppo"]
+        return [c for c in cells if c.group not in OPTIONAL_GROUPS]
     names = {c.name for c in cells}
     groups = {c.group for c in cells}
     bad = [x for x in only if x not in names and x not in groups]
@@ -176,8 +244,13 @@ def overrides(cell: Cell, lr: float, args, model_dir: str) -> list[str]:
            f"run.num_steps={steps}", f"run.seed={cell.seed}", f"algorithm.loss={cell.loss}",
            f"learner.optimizer.lr={lr}", "checkpoint.resume=false", "logging.progress=false",
            "logging.tensorboard=false"]
-    out += (["async.sync=true", "async.max_staleness=1", "async.sync_interval=1"] if cell.sync else
-            ["async.sync=false", f"async.max_staleness={cell.n}", f"async.sync_interval={cell.n}"])
+    if cell.sync:   # on-policy (also the papers' N = 1)
+        out += ["async.sync=true", "async.max_staleness=1", "async.sync_interval=1"]
+    elif cell.papers_n:   # the papers' N: staleness 0, 1, ..., N - 1 (the generator waits at each sync)
+        out += ["async.sync=false", f"async.max_staleness={cell.n - 1}", f"async.sync_interval={cell.n}"]
+    else:   # grid B's N: one step of async lag on top (staleness 1..N in steady state)
+        out += ["async.sync=false", f"async.max_staleness={cell.n}", f"async.sync_interval={cell.n}"]
+    out += [f"eval.samples={args.eval_samples}", f"eval.interval={cell.eval_interval}", "eval.kl_ref=true"]
     out += list(cell.extra)
     if cell.pilot:   # validation slice of the training rows: the task without its eval_data
         task = dict(DRY_TASK if args.dry_run else _recipe_task())
@@ -246,6 +319,36 @@ def eval_outcomes(rows: list[dict], task: str = "math") -> dict | None:
                               "outcomes": e[pre + "outcomes"]} for e in evs[1:-1]]}
 
 
+def eval_curve(rows: list[dict], task: str = "math") -> list[dict]:
+    """Every eval of the run (before step 1, every ``eval.interval`` steps, after the last) in step
+    order: ``step``, ``weight_version``, ``wall_s`` (loop seconds up to that eval's weights: the sum of
+    the rows' ``time/step_s`` through its step; 0 for the eval before step 1), ``value`` and ``se``
+    (pass@1, or reward_mean for a non-math task), ``gain`` (value - the first eval's), ``kl_ref``
+    with ``kl_ref_se`` and ``kl_ref_seq`` (KL to the reference on the eval's fresh samples,
+    ``trainer.evaluate``; None in runs without it) and ``reference_version``."""
+    from megatron_rlhf.trainer.metrics import eval_records
+
+    walls, acc = {}, 0.0
+    for r in sorted(rows, key=lambda r: r["step"]):
+        acc += r.get("time/step_s") or 0.0
+        walls[r["step"]] = acc
+    pre, out = f"eval/{task}/", []
+    for e in eval_records(rows):
+        key = "pass@1" if pre + "pass@1" in e else "reward_mean"
+        if e.get(pre + key) is None:
+            continue
+        step = e.get("eval/step") or 0
+        out.append({"step": step, "weight_version": e.get("eval/weight_version"),
+                    "wall_s": walls.get(step, 0.0) if step else 0.0, "value": e[pre + key],
+                    "se": e.get(pre + key + "/se"), "kl_ref": e.get(pre + "kl_ref"),
+                    "kl_ref_se": e.get(pre + "kl_ref/se"), "kl_ref_seq": e.get(pre + "kl_ref_seq"),
+                    "reference_version": e.get("eval/reference_version")})
+    out.sort(key=lambda c: c["step"])
+    for c in out:
+        c["gain"] = c["value"] - out[0]["value"]
+    return out
+
+
 def cell_result(cell: Cell, lr: float, ov: list[str], summary: dict, rows: list[dict], load_avg: dict,
                 call_wall_s: float, started: dict | None = None) -> dict:
     """The JSON of one finished cell (see the module docstring) from the run's summary and rows;
@@ -263,6 +366,9 @@ def cell_result(cell: Cell, lr: float, ov: list[str], summary: dict, rows: list[
 
     per_step = [{k: v for k, v in r.items() if k == "step" or k.startswith(PER_STEP_PREFIXES)} for r in rows]
     outcomes = eval_outcomes(rows)   # before and after share the eval's prompts and order
+    curve = eval_curve(rows)
+    kl = ({"before": curve[0]["kl_ref"], "after": curve[-1]["kl_ref"], "after_se": curve[-1]["kl_ref_se"],
+           "after_seq": curve[-1]["kl_ref_seq"]} if curve and curve[-1]["kl_ref"] is not None else None)
     mk = ev.get("mean@k")
     return {
         "cell": asdict(cell), "lr": lr, "overrides": ov, "metric": key,
@@ -282,6 +388,7 @@ def cell_result(cell: Cell, lr: float, ov: list[str], summary: dict, rows: list[
         "steps": summary["steps"], "loop_wall_s": summary["wall_s"], "call_wall_s": call_wall_s,
         "gen_s_mean": summary.get("gen_s_mean"), "train_s_mean": summary.get("train_s_mean"),
         "async_speedup": summary.get("async_speedup"), "load": load_avg, "data": summary.get("data"),
+        "kl_ref": kl, "curve": curve,
         "per_step": per_step, "outcomes": outcomes, "started": started,
         "gain_paired": (paired_outcome_diff({"outcomes": outcomes["after"], "ids": outcomes["ids"],
                                              "groups": outcomes["groups"]},
@@ -579,21 +686,25 @@ def async_vs_sync(results: dict[str, dict], seeds=SEEDS) -> dict:
     return out
 
 
-def b_comparisons(results: dict[str, dict], cells: list[Cell]) -> list[dict]:
-    """Grid B: every N > 1 cell against the N = 1 cell of the same loss (:func:`gain_diff`), in grid order."""
-    def res(c):
-        return results.get(c.alias) if c.alias else results.get(c.name)
+def comparisons(results: dict[str, dict], cells: list[Cell], group: str) -> list[dict]:
+    """Every cell of ``group`` against each cell it names in ``vs`` (grid B: N > 1 against N = 1 and
+    the on-policy point, TIS off against TIS; grid C: N > 1 against N = 1 of the same loss and seed),
+    by :func:`gain_diff`, in grid order; pairs with a missing cell are left out."""
+    def res(name):
+        c = next((x for x in cells if x.name == name), None)
+        return results.get(c.alias or c.name) if c else results.get(name)
 
     out = []
     for c in cells:
-        if not c.name.startswith("B_") or c.n == 1:
+        if c.group != group:
             continue
-        base = next((b for b in cells if b.name == f"B_{c.loss}_N1"), None)
-        r, r1 = res(c), res(base) if base else None
-        if r and r1:
-            g = gain_diff(r, r1)
-            n = len((r.get("outcomes") or {}).get("after") or "") or _n_prompts(r)
-            out.append({"loss": c.loss, "n": c.n, "prompts": round(g["diff"] * n) if n else None, **g})
+        for base in c.vs:
+            r, r0 = res(c.name), res(base)
+            if r and r0:
+                g = gain_diff(r, r0)
+                n = len((r.get("outcomes") or {}).get("after") or "") or _n_prompts(r)
+                out.append({"cell": c.name, "base": base, "loss": c.loss, "n": c.n,
+                            "prompts": round(g["diff"] * n) if n else None, **g})
     return out
 
 
@@ -640,15 +751,15 @@ def write_tables(out: Path, results: dict[str, dict], cells: list[Cell], pilot_l
                  "Differences are paired over prompts (McNemar); [cl.] = cluster-robust se by product."), ""]
     a_cells = [c for c in cells if c.group == "A"]
     lines += ["## A. Sync vs one-step async Online DPO (Noukhovitch et al. 2024, Tables 1-2)", "",
-              "| cell | seed | mode | pass@1 before -> after | gain ± se (z) | mean@2 before -> after | KL k1 | "
-              "staleness mean | loop wall (min) | load avg |", "|---|---|---|---|---|---|---|---|---|---|"]
+              "| cell | seed | mode | pass@1 before -> after | gain ± se (z) | mean@k before -> after | KL k1 | "
+              "staleness mean | loop wall (min) | load avg | KL fresh after |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in a_cells:
         r = res(c)
         if r:
             mk = r.get("mean@k") or {}
             lines.append(f"| {c.name} | {c.seed} | {'sync' if c.sync else 'async N=1'} | {_ba(r)} | {_gain(r)} | "
                          f"{_f(mk.get('before'))} -> {_f(mk.get('after'))} | {_f(r['kl_k1'], '.4f')} | "
-                         f"{_f(r['staleness_mean'], '.2f')} | {r['loop_wall_s'] / 60:.1f} | {_load(r)} |")
+                         f"{_f(r['staleness_mean'], '.2f')} | {r['loop_wall_s'] / 60:.1f} | {_load(r)} | {_kl(r)} |")
     avs = async_vs_sync(results)
     lines.append("")
     for p in avs["per_seed"]:
@@ -686,43 +797,82 @@ def write_tables(out: Path, results: dict[str, dict], cells: list[Cell], pilot_l
     lines += ["", "## B. Off-policyness N = sync_interval = max_staleness (Noukhovitch Fig. 3-4; "
               "Lanchantin Table 1)", "",
               "| loss | N | lr | pass@1 before -> after | gain ± se (z) | KL k1 | staleness mean | "
-              "token_mult_prob_error | TIS weight mean | TIS capped frac | loop wall (min) | load avg |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "token_mult_prob_error | TIS weight mean | TIS capped frac | loop wall (min) | load avg | KL fresh after |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
-        r = res(c) if c.name.startswith("B_") else None
+        r = res(c) if c.group == "B" else None
         if r:
-            lines.append(f"| {c.loss} | {c.n} | {r['lr']:g} | {_ba(r)} | {_gain(r)} | {_f(r['kl_k1'], '.4f')} | "
+            lines.append(f"| {c.loss} | {_mode(c)} | {r['lr']:g} | {_ba(r)} | {_gain(r)} | {_f(r['kl_k1'], '.4f')} | "
                          f"{_f(r['staleness_mean'], '.2f')} | {_f(r['token_mult_prob_error_mean'], '.4f')} | "
                          f"{_f(r['tis_weight_mean'], '.4f')} | {_f(r['tis_capped_frac'], '.4f')} | "
+                         f"{r['loop_wall_s'] / 60:.1f} | {_load(r)} | {_kl(r)} |")
+    lines += _comparison_lines(comparisons(results, cells, "B"),
+                               "Each cell against the cells it is compared with (seed 0): N > 1 against N = 1 "
+                               "and the on-policy point of the same loss, TIS off against TIS at N = 16. The greedy "
+                               "before is the same in every cell, so a difference of gains is a difference of "
+                               "afters: se = hypot(after_se, after_se) (unpaired; paired McNemar when both cells "
+                               "store outcomes). The last column is the z the earlier verdicts used, hypot(gain_se, "
+                               "gain_se): it counts the shared before twice. No B se includes run-to-run variance "
+                               "(one seed; grid A's seed sd of a DPO gain is 0.005-0.016).")
+    lines += ["", "## C. The papers' N: sync_interval = N, max_staleness = N - 1 (Noukhovitch Fig. 3-4)", "",
+              "Staleness 0..N-1 (N = 1 on-policy), carried surplus off; PPO and Proximal RLOO with T = 2 "
+              "updates per batch (the clip acts) and the KL penalty beta = 0.05 in the reward; lr per loss "
+              "from its pilot. Evals every max(8, N) steps; KL fresh = KL(policy || reference) per token on "
+              "the eval's own samples of the evaluated weights (`eval/math/kl_ref`, k3), the frontier's "
+              "x-axis (`frontier.png`).", "",
+              "| loss | N | seed | lr | pass@1 before -> after | gain ± se (z) | KL fresh after (nats/token) | "
+              "staleness mean | token_mult_prob_error | loop wall (min) | load avg |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in cells:
+        r = res(c) if c.group in ("C", "Cseeds") else None
+        if r:
+            lines.append(f"| {c.loss} | {c.n} | {c.seed} | {r['lr']:g} | {_ba(r)} | {_gain(r)} | {_kl(r)} | "
+                         f"{_f(r['staleness_mean'], '.2f')} | {_f(r['token_mult_prob_error_mean'], '.4f')} | "
                          f"{r['loop_wall_s'] / 60:.1f} | {_load(r)} |")
-    comps = b_comparisons(results, cells)
-    if comps:
-        lines += ["", "Each N against N = 1 of the same loss (seed 0). The greedy before is the same in every "
-                  "cell, so a difference of gains is a difference of afters: se = hypot(after_se, after_se) "
-                  "(unpaired; paired McNemar when both cells store outcomes). The last column is the z the "
-                  "earlier verdicts used, hypot(gain_se, gain_se): it counts the shared before twice. No B "
-                  "se includes run-to-run variance (one seed; grid A's seed sd of a DPO gain is 0.005-0.016).",
-                  "", "| loss | N vs 1 | diff of gains (prompts) | se | how | z | z (old, before counted twice) |",
-                  "|---|---|---|---|---|---|---|"]
-        for g in comps:
-            cl = f" [cl. {g['se_cluster']:.3f}]" if g.get("se_cluster") is not None else ""
-            lines.append(f"| {g['loss']} | {g['n']} - 1 | {g['diff']:+.3f} ({_f(g['prompts'], '+d')}) | "
-                         f"{g['se']:.3f}{cl} | {g['how']} | {_f(g['z'], '+.2f')} | "
-                         f"{_f(g['z_double_counted'], '+.2f')} |")
-    missing = [c.name for c in cells if res(c) is None and c.group != "ppo"]
-    optional = [c.name for c in cells if res(c) is None and c.group == "ppo"]
+    lines += _comparison_lines(comparisons(results, cells, "C") + comparisons(results, cells, "Cseeds"),
+                               "Each N against N = 1 (on-policy) of the same loss and seed.")
+    missing = [c.name for c in cells if res(c) is None and c.group not in OPTIONAL_GROUPS]
+    optional = [c.name for c in cells if res(c) is None and c.group in OPTIONAL_GROUPS]
     lines += ["", "## Not run yet", ""]
     if missing:
         lines += [f"{len(missing)} cell(s): {' '.join(missing)}", "",
                   "    nice -n 15 python bench/seeds_repro.py --only " + " ".join(missing), ""]
     else:
-        lines += ["none of grids A, P, B: every cell is finished", ""]
+        lines += ["none of grids A, P, B, C: every cell is finished", ""]
     if optional:
-        lines += [f"PPO (if the time allows): {' '.join(optional)} (`--only ppo`)"]
+        lines += [f"Optional (seeds 1-2 of grid C, if the time allows): {' '.join(optional)} (`--only Cseeds`)"]
     text = "\n".join(lines) + "\n"
     (out / "results.md").write_text(text)
     _plot(out, results, cells)
     return text
+
+
+def _mode(c: Cell) -> str:
+    """Grid B's N column: ``4``, ``on-policy``, ``16, TIS off``."""
+    if c.sync:
+        return "on-policy"
+    return f"{c.n}, TIS off" if "algorithm.is_correction=none" in c.extra else str(c.n)
+
+
+def _kl(r: dict) -> str:
+    """KL to the reference on the after-eval's fresh samples, ``0.0123 ± 0.0010`` (``–`` without)."""
+    k = r.get("kl_ref") or {}
+    if k.get("after") is None:
+        return "–"
+    return f"{k['after']:.4f}" + (f" ± {k['after_se']:.4f}" if k.get("after_se") is not None else "")
+
+
+def _comparison_lines(comps: list[dict], intro: str) -> list[str]:
+    """The table of :func:`comparisons` (nothing when empty)."""
+    if not comps:
+        return []
+    lines = ["", intro, "", "| cell | minus | diff of gains (prompts) | se | how | z | z (old, before counted twice) |",
+             "|---|---|---|---|---|---|---|"]
+    for g in comps:
+        cl = f" [cl. {g['se_cluster']:.3f}]" if g.get("se_cluster") is not None else ""
+        lines.append(f"| {g['cell']} | {g['base']} | {g['diff']:+.3f} ({_f(g['prompts'], '+d')}) | "
+                     f"{g['se']:.3f}{cl} | {g['how']} | {_f(g['z'], '+.2f')} | {_f(g['z_double_counted'], '+.2f')} |")
+    return lines
 
 
 def _machine() -> str:
@@ -736,59 +886,11 @@ def _machine() -> str:
     return f"{os.cpu_count()}-core {model}".strip()
 
 
-def _save(fig, ax, title: str, path: Path) -> None:
-    """Title, legend (when anything is labelled), tight layout; write ``path`` (PNG) and close."""
-    import matplotlib.pyplot as plt
-
-    ax.set_title(title)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def _plot(out: Path, results: dict[str, dict], cells: list[Cell]) -> None:
-    """``gain_vs_N.png`` (per loss) and ``gain_vs_wall.png`` (grid A); error bars = the after-eval's se
-    (every cell's greedy before is the same, so the gap between two points is after - after)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4.2))
-    for i, loss in enumerate(dict.fromkeys(c.loss for c in cells if c.name.startswith("B_"))):
-        pts = []
-        for c in cells:
-            if c.name.startswith("B_") and c.loss == loss:
-                r = results.get(c.alias or c.name)
-                if r:   # the before is shared by every cell: what separates two points is the after's se
-                    pts.append((c.n * (1 + 0.04 * (i - 1)), r["gain"], r["after_se"]))
-        if pts:
-            ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker="o",
-                        capsize=3, label=loss)
-    ax.axhline(0, color="grey", lw=0.8)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(list(N_VALUES), [str(n) for n in N_VALUES])
-    ax.set_xlabel("N = async.sync_interval = max_staleness (16 = never synced)")
-    ax.set_ylabel("held-out gain (after - before), ± se of the after")
-    ax.text(0.01, 0.01, "bars: se of the after-eval (the before is the same in every cell)", fontsize=7,
-            transform=ax.transAxes, color="grey")
-    _save(fig, ax, "Held-out gain vs off-policyness N (seed 0)", out / "gain_vs_N.png")
-
-    fig, ax = plt.subplots(figsize=(6, 4.2))
-    for mode, marker in (("sync", "s"), ("async", "o")):
-        pts = [(r["loop_wall_s"] / 60, r["gain"], r["after_se"], c.seed) for c in cells
-               if c.group == "A" and (c.sync == (mode == "sync")) and (r := results.get(c.name))]
-        if pts:
-            ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] for p in pts], marker=marker,
-                        ls="none", capsize=3, label=f"{mode} Online DPO")
-            for p in pts:
-                ax.annotate(f"s{p[3]}", (p[0], p[1]), textcoords="offset points", xytext=(5, 4), fontsize=8)
-    ax.axhline(0, color="grey", lw=0.8)
-    ax.set_xlabel("loop wall time (min; under the load average recorded in results.md)")
-    ax.set_ylabel("held-out gain, ± se of the after (shared before)")
-    _save(fig, ax, "Gain vs wall time: sync vs one-step async", out / "gain_vs_wall.png")
+    """``gain_vs_N.png``, ``gain_vs_wall.png`` and ``frontier.png`` (``bench/seeds_repro_plots.py``)."""
+    plots.gain_vs_n(out / "gain_vs_N.png", results, cells, N_VALUES)
+    plots.gain_vs_wall(out / "gain_vs_wall.png", results, cells)
+    plots.frontier(out / "frontier.png", results, cells)
 
 
 # ----- running --------------------------------------------------------------------------------
@@ -856,7 +958,8 @@ def run_cell(cell: Cell, lr: float, args, model_dir: str, gen) -> dict:
     tmp.write_text(json.dumps(res, indent=1, default=str))
     tmp.replace(path)     # a half-written JSON never counts as finished
     print(f"[seeds_repro] {cell.name}: {res['metric']} {res['before']:.3f} -> {res['after']:.3f} "
-          f"(gain {res['gain']:+.3f} ± {res['gain_se']:.3f}), KL {res['kl_k1']}, staleness "
+          f"(gain {res['gain']:+.3f} ± {res['gain_se']:.3f}), KL {res['kl_k1']}, KL fresh "
+          f"{(res['kl_ref'] or {}).get('after')}, staleness "
           f"{res['staleness_mean']:.2f}; loop wall {res['loop_wall_s']:.0f} s, run {call_wall:.0f} s, "
           f"load avg {load_avg['mean']:.1f} (max {load_avg['max']:.1f}) on {load_avg['nproc']} cores",
           flush=True)
@@ -874,7 +977,8 @@ def main(argv: list[str] | None = None, *, generator=None, model_dir: str | None
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=Fmt)
     ap.add_argument("--only", nargs="+", default=None,
-                    help="groups (A, B, P, ppo) or cell names, space- or comma-separated (default: all but ppo)")
+                    help="groups (A, B, P, C, Cseeds) or cell names, space- or comma-separated "
+                         "(default: all but Cseeds)")
     ap.add_argument("--dry-run", action="store_true",
                     help="tiny random Llama, synthetic reward, 2 steps per cell (CI: the harness end to end)")
     ap.add_argument("--steps", type=int, default=None, help="learner steps per grid run (16; dry run 2)")
@@ -885,8 +989,11 @@ def main(argv: list[str] | None = None, *, generator=None, model_dir: str | None
                     help="results folder (bench/results/seeds_repro; dry run: runs/seeds_repro_dry)")
     ap.add_argument("--min-free-gib", type=float, default=None,
                     help="wait for this much available memory before each run (7; dry run 0)")
+    ap.add_argument("--eval-samples", type=int, default=EVAL_SAMPLES,
+                    help="sampled completions per eval prompt (mean@k and the KL on fresh samples; 0: greedy only)")
     ap.add_argument("--table", action="store_true", help="only rewrite results.md and the plots")
-    ap.add_argument("--list", action="store_true", help="print the cells and whether each is finished")
+    ap.add_argument("--list", action="store_true",
+                    help="print every cell (the optional groups too), its group and whether it is finished")
     ap.add_argument("override", nargs="*", help="extra key=value config overrides for every run")
     args = ap.parse_args(argv)
     args.only = [x for o in (args.only or []) for x in o.split(",") if x] or None
@@ -908,8 +1015,9 @@ def main(argv: list[str] | None = None, *, generator=None, model_dir: str | None
     todo = select(cells, args.only)
     results = read_results(args.out)
     if args.list:
-        for c in todo:
-            print(f"{c.name:24} {'done' if c.name in results or c.alias in results else '-'}")
+        for c in (todo if args.only else cells):
+            state = "done" if c.name in results or c.alias in results else "defined, not run"
+            print(f"{c.name:28} {c.group:7} {state}" + (" (optional)" if c.group in OPTIONAL_GROUPS else ""))
         return 0
     if not args.table:
         run_cells(args, cells, todo, results, pilot_lrs, generator=generator, model_dir=model_dir)
@@ -968,8 +1076,9 @@ def run_cells(args, cells: list[Cell], todo: list[Cell], results: dict, pilot_lr
                 print(f"[seeds_repro] {c.loss}: lr {lr:g} chosen by its pilot", flush=True)
             wait_for_memory(args.min_free_gib)
             results[c.name] = run_cell(c, lr, args, model_dir, gen)
-            write_tables(args.out, read_results(args.out), cells, pilot_lrs, dry_run=args.dry_run,
-                         steps=args.steps, pilot_steps=args.pilot_steps)
+            if not args.dry_run:   # the table after every run of a long grid (the dry run: at its end)
+                write_tables(args.out, read_results(args.out), cells, pilot_lrs, dry_run=args.dry_run,
+                             steps=args.steps, pilot_steps=args.pilot_steps)
         if own:
             ray.kill(gen)
     finally:

@@ -309,9 +309,15 @@ class GeneratorConfig:
     exporting rank and every vLLM worker process; NCCL on GPU, gloo on CPU; any TP x PP x DP
     learner, any engine TP; the broadcast overlaps the next train step)."""
     weight_sync_bucket_mb: float = 256.0
-    """Bucket size of the ``broadcast`` and ``filesystem`` transports (MiB): tensors go out in
-    buckets of at most this size (a larger tensor in chunks of it); ``broadcast`` keeps two device
-    buffers of this size on each exporting learner rank."""
+    """Wire buffer size of the ``broadcast`` and ``filesystem`` transports (MiB): a bucket holds
+    whole HF tensors up to this many bytes (a larger tensor is a bucket of its own) and goes over
+    the wire in chunks of at most this size. The memory it bounds: on each exporting learner GPU
+    with host staging, the two device wire buffers one chunk each (2 x 256 MiB = 0.5 GiB at the
+    default: ``tools/plan_memory.py``'s ``staging`` line); on each vLLM worker, the receive buffers,
+    one bucket each (this size, or the largest tensor when that is larger, e.g. 1 GiB for
+    Llama-3.1-8B's embedding), the next one posted while one loads. It does not bound the stage
+    copy an exporter keeps (its whole stage's HF tensors: on the GPU when the memory plan has room
+    for it there, else in pinned host memory; ``megatron_rlhf.sync.staging``)."""
     cpu_core: int = 0
     """CPU only: generator i is pinned to core ``cpu_core + i`` and the learner to core
     ``cpu_core + num_workers`` (modulo the cores available), so the overlap of generation and
@@ -542,8 +548,8 @@ class AlgorithmConfig:
     carry_surplus: bool = True
     """true (default): trainable groups finished beyond a batch's quota (requests that were running
     when the quota filled) go to the next batch with their weight version, per task (they count
-    toward its quota and its staleness; dropped only beyond ``async.max_staleness``:
-    ``rollout/dropped_stale``); false: they are dropped (``pairs/surplus_dropped``), as versions
+    toward its quota and its staleness; trained within ``async.max_carry_staleness``, beyond it
+    their prompts are requeued: ``rollout/requeued_stale``); false: they are dropped (``pairs/surplus_dropped``), as versions
     before issue 23 did. Exact resume holds with it on (``tests/test_exact_resume.py``: every row of
     a run killed at three points equals the uninterrupted run's). A batch filled by carried groups
     alone generated nothing: its ``reward/mean`` (the mean over the completions the batch
@@ -738,13 +744,41 @@ class AsyncConfig:
 
     sync: bool = False
     """``true``: on-policy baseline (generate, train, push; staleness always 0)."""
-    max_staleness: int = 1
+    max_staleness: int | str = 1
     """Batch k is generated with weights of version >= k - max_staleness (1 = one-step async);
     a sample whose staleness (learner version at train time - generating version) exceeds it is
-    dropped and counted (Online DPO has no importance correction). Must be >= ``sync_interval - 1``:
+    dropped and counted (Online DPO has no importance correction); work carried from an earlier
+    batch has its own bound, ``max_carry_staleness``. Must be >= ``sync_interval - 1``:
     ``sync_interval = N, max_staleness = N - 1`` is Noukhovitch et al. 2024's off-policyness N
     (staleness 0, 1, ..., N-1 repeating; the generator waits at each sync point), ``max_staleness =
-    sync_interval`` adds one step of async lag (staleness 1..N in steady state)."""
+    sync_interval`` adds one step of async lag (staleness 1..N in steady state). ``auto``: a
+    controller moves the bound by one within ``[max(1, sync_interval - 1), max_staleness_cap]``
+    after each step, up when the learner waited for a batch and the off-policy cost is under the
+    ``auto_*`` thresholds, down when it is over or the generator waited and the learner did not
+    (``rollout/staleness_control.py``; logged as ``async/max_staleness`` and
+    ``async/max_staleness_reason``)."""
+    max_staleness_cap: int = 4
+    """``max_staleness: auto``: the largest bound the controller may choose (it starts at
+    ``max(1, sync_interval - 1)``, which must not exceed this)."""
+    auto_learner_wait_frac: float = 0.1
+    """``max_staleness: auto``: a step votes to raise the bound when the learner waited for its batch
+    more than this share of the step (``time/learner_idle_s / time/step_s``); the generator's wait
+    (``time/generator_idle_s / time/step_s``) above it, with the learner's at most half of it, votes
+    to lower it."""
+    auto_max_mult_prob_error: float = 1.1
+    """``max_staleness: auto``: off-policy cost over when a step's ``logprobs/token_mult_prob_error``
+    (mean exp|learner - generator| over sampled tokens; grows with staleness: 1.02 at 1, 1.04 at 4,
+    1.19 at 16 on the demo's grpo, bench/RESULTS.md) exceeds this: the step votes to lower the bound."""
+    auto_min_is_ess: float = 0.8
+    """``max_staleness: auto``: off-policy cost over when ``is/ess`` (normalised effective sample
+    size of the importance weights, policy-gradient losses with ``algorithm.is_correction``) is
+    below this."""
+    auto_max_is_masked_frac: float = 0.05
+    """``max_staleness: auto``: off-policy cost over when ``is/masked_frac`` (share of completion
+    tokens the importance correction set to 0) exceeds this."""
+    auto_patience: int = 2
+    """``max_staleness: auto``: votes in a row the same way before the bound moves (a step whose
+    batch was generated under an older bound does not vote; a step with no vote restarts the count)."""
     sync_interval: int = 1
     """Push weights to the generators every s learner batches: 1 = online, larger = semi-online
     (Lanchantin et al. 2025); with ``max_staleness = s - 1`` also the off-policyness N = s of
@@ -757,9 +791,19 @@ class AsyncConfig:
     step, and go on waiting until ``timeout_s``. 0 turns it off."""
     watchdog_min_steps: int = 3
     """Finished steps the watchdog needs before it judges a step (the median of fewer is noise)."""
+    max_carry_staleness: int | None = None
+    """Staleness bound of carried work: surplus groups (``algorithm.carry_surplus``) and parked
+    partial requests (``generators.partial_rollouts``) of an earlier batch train while their oldest
+    token is at most this many versions older than the learner that trains them, with the loss's
+    importance correction (per-token sampling logprobs of the version that sampled each token);
+    older ones are discarded and their prompts go back to the sampler, drawn again first
+    (``rollout/requeued_stale``). ``null`` (default): ``max_staleness + 1``, so under one-step
+    async what batch k leaves over trains in batch k+1 (staleness 2); 0 with ``sync: true`` (the
+    on-policy baseline stays on-policy). Online DPO has no importance correction: its carried pairs
+    train uncorrected at up to this staleness (docs/algorithms.md, "Leftovers")."""
 
     def __post_init__(self):
-        _check(self.max_staleness >= 0, "async.max_staleness", self.max_staleness, ">= 0")
+        self._check_auto()
         _check(self.sync_interval >= 1, "async.sync_interval", self.sync_interval, "an integer >= 1")
         if self.sync:
             _check(self.sync_interval == 1, "async.sync_interval", self.sync_interval,
@@ -772,7 +816,8 @@ class AsyncConfig:
             # (0 <= j < s) the newest version that can be published is m*s, and batch k can start
             # iff j <= max_staleness: every j in 0..s-1 iff max_staleness >= s - 1, when batch
             # m*s + j is generated by version m*s exactly (staleness j: 0, 1, ..., s-1 repeating).
-            _check(self.max_staleness >= self.sync_interval - 1, "async.max_staleness", self.max_staleness,
+            _check(self.max_staleness == "auto" or self.max_staleness >= self.sync_interval - 1,
+                   "async.max_staleness", self.max_staleness,
                    f">= async.sync_interval - 1 (async.sync_interval = {self.sync_interval}): weights are "
                    "published only every async.sync_interval steps, so batch k = m*sync_interval + "
                    "max_staleness + 1 would wait for a version only trained after it, forever; raise "
@@ -781,11 +826,54 @@ class AsyncConfig:
         _check(self.watchdog_factor == 0 or self.watchdog_factor > 1, "async.watchdog_factor",
                self.watchdog_factor, "0 (off) or a number > 1 (times the median step)")
         _check(self.watchdog_min_steps >= 1, "async.watchdog_min_steps", self.watchdog_min_steps, ">= 1")
+        fresh_max = self.max_staleness_cap if self.max_staleness == "auto" else self.max_staleness   # auto: up to the cap
+        _check(self.max_carry_staleness is None or self.max_carry_staleness >= (0 if self.sync else fresh_max),
+               "async.max_carry_staleness", self.max_carry_staleness,
+               "null (max_staleness + 1) or an integer >= 0 with async.sync, else >= async.max_staleness "
+               f"(= {fresh_max}, max_staleness_cap with auto: a lower bound would discard carried work as old as the fresh work "
+               "every batch trains)")
 
     @property
     def staleness_bound(self) -> int:
-        """The staleness the handshake allows: 0 when ``sync`` else ``max_staleness``."""
-        return 0 if self.sync else self.max_staleness
+        """The staleness the handshake allows at the start: 0 when ``sync``, else ``max_staleness``
+        (with ``auto`` the controller's starting bound, ``max(1, sync_interval - 1)``)."""
+        if self.sync:
+            return 0
+        return max(1, self.sync_interval - 1) if self.max_staleness == "auto" else self.max_staleness
+
+    def _check_auto(self) -> None:
+        """``max_staleness`` (an integer >= 0 or ``auto``) and the ``auto`` controller's fields."""
+        ms = self.max_staleness
+        if isinstance(ms, str):
+            _check_choice("async.max_staleness", ms, ["auto"], " (the controller) or an integer >= 0")
+            _check(not self.sync, "async.max_staleness", ms,
+                   "an integer with async.sync: true (the on-policy baseline's bound is 0); set "
+                   "async.sync=false to let the controller choose the bound")
+        else:
+            _check(ms >= 0, "async.max_staleness", ms, ">= 0, or auto")
+        floor = max(1, self.sync_interval - 1)
+        _check(self.max_staleness_cap >= 1, "async.max_staleness_cap", self.max_staleness_cap, "an integer >= 1")
+        _check(ms != "auto" or self.max_staleness_cap >= floor, "async.max_staleness_cap", self.max_staleness_cap,
+               f">= max(1, async.sync_interval - 1) = {floor} with async.max_staleness: auto (the bound "
+               "starts there: below sync_interval - 1 the handshake would wait forever); raise "
+               "async.max_staleness_cap or lower async.sync_interval")
+        _check(0 < self.auto_learner_wait_frac < 1, "async.auto_learner_wait_frac",
+               self.auto_learner_wait_frac, "a share of the step in (0, 1)")
+        _check(self.auto_max_mult_prob_error >= 1, "async.auto_max_mult_prob_error",
+               self.auto_max_mult_prob_error, "a number >= 1 (exp of a non-negative gap)")
+        _check(0 < self.auto_min_is_ess <= 1, "async.auto_min_is_ess", self.auto_min_is_ess,
+               "a number in (0, 1] (the normalised effective sample size)")
+        _check(0 < self.auto_max_is_masked_frac <= 1, "async.auto_max_is_masked_frac",
+               self.auto_max_is_masked_frac, "a share of tokens in (0, 1] (1: never over)")
+        _check(self.auto_patience >= 1, "async.auto_patience", self.auto_patience, "an integer >= 1")
+
+    @property
+    def carry_staleness_bound(self) -> int:
+        """The staleness carried work may train at: ``max_carry_staleness``, else 0 when ``sync``,
+        else ``max_staleness + 1``."""
+        if self.max_carry_staleness is not None:
+            return self.max_carry_staleness
+        return 0 if self.sync else self.staleness_bound + 1   # auto: the starting bound's (the controller moves both)
 
 
 @dataclass(kw_only=True)
@@ -847,7 +935,8 @@ class EvalConfig:
     before the first step, every ``interval`` steps and after the last step, on the generator pool,
     one weight version per eval. Math tasks: ``pass@1`` (greedy) and ``mean@k`` (``samples``
     completions at ``temperature``); reward-model and plug-in tasks: the reward of the greedy
-    completion; every task: greedy completion length. Standard errors over prompts."""
+    completion; every task: greedy completion length and (``kl_ref``) KL to the reference on fresh
+    samples. Standard errors over prompts."""
 
     enabled: bool = True
     """Run the evaluation (``false``: no ``eval/*`` keys, no held-out slice is taken out)."""
@@ -860,9 +949,21 @@ class EvalConfig:
     """Largest share of a task's prompts taken out of training as its held-out slice (tasks
     without ``tasks[].eval_data``)."""
     samples: int = 4
-    """k of ``mean@k`` on math tasks (mean correctness of k sampled completions); 0 = greedy only."""
+    """Sampled completions per held-out prompt: k of ``mean@k`` on math tasks (mean correctness of
+    k sampled completions), and with ``kl_ref`` the fresh samples its KL is measured on (every
+    task's prompts are then sampled; other tasks' samples are not scored); 0 = greedy only."""
     temperature: float | None = None
     """Sampling temperature of the ``mean@k`` samples (``null``: ``generators.temperature``)."""
+    kl_ref: bool = False
+    """KL(policy || reference) on fresh samples at every eval (off by default: it costs a reference
+    forward pass per eval and, on a task with ``samples`` 0, a sampling pass; ``bench/seeds_repro.py``
+    turns it on for every cell): the learner scores the eval's
+    sampled completions (``samples`` per prompt, from the evaluated weight version) with the
+    reference (one forward-only pass, at ``temperature``); ``eval/<task>/kl_ref`` = mean k3
+    estimate per completion token (nats/token; unbiased and >= 0), with ``kl_ref_k1``,
+    ``kl_ref_seq`` (nats/completion) and the standard error by prompt (``trainer.evaluate``). Absent,
+    with ``eval/kl_ref_skipped`` saying why, when ``samples`` is 0 or no reference model is
+    loaded (``tools/evaluate.py``). ``false``: no extra generation or forward pass."""
     pass_at_k: list[int] = field(default_factory=list)
     """Math tasks: unbiased ``pass@k`` for each k listed (e.g. ``[1, 4, 8]``), from the same
     ``samples`` (n) sampled completions per prompt (Chen et al. 2021, eq. 1:

@@ -32,7 +32,8 @@ def process_env(tmp_dir: str | None = None) -> dict[str, str]:
 
     * Ray on loopback only, no token auth, no usage stats (cpu-stack.md, Ray traps).
     * gloo on loopback; one OpenMP thread per process unless the caller set one.
-    * vLLM in-process engine (2-5 s start instead of ~20 s), no hub access.
+    * vLLM in-process engine on CPU and GPU alike (2-5 s start instead of ~20 s on CPU; why on GPU
+      too: the comment at ``VLLM_ENABLE_V1_MULTIPROCESSING`` below), no hub access.
     * ``tmp_dir``: where vLLM puts its sockets and caches (tests pass a temp folder).
     * ``MRLHF_VERBOSE=1`` (the smoke recipe's command sets it; review 2, N11): the first GPU run's
       debugging logs instead of the quiet console: vLLM at INFO (KV-cache size, CUDA-graph capture,
@@ -54,6 +55,19 @@ def process_env(tmp_dir: str | None = None) -> dict[str, str]:
         # loopback unless a job named the interface (ray_cluster.sh from placement.network_interface)
         "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME") or os.environ.get("MRLHF_NET_IFNAME") or "lo",
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        # In-process vLLM engine core, on GPU too (review 2, N10), deliberately. Each engine is
+        # already a process of its own, a Ray actor holding its GPU(s): multiprocess mode would
+        # put the engine core in a child process behind ZMQ that Ray neither sees nor restarts
+        # (the pool's death detection and generators.max_restarts watch the actor). And the
+        # weight path needs the model in the actor's process: update_weights streams a Python
+        # iterator of tensors into reload_weights, the broadcast receive runs there through
+        # collective_rpc, and generator/step_loop.py drives LLMEngine.step() so a load lands
+        # between two steps (multiprocess collective_rpc pickles its arguments to the core).
+        # TP > 1 engines still run their workers as processes (distributed_executor_backend).
+        # The cost: vLLM's output processing (RequestOutputs, detokenising the text) runs in the
+        # actor between steps instead of beside the core; with async scheduling (vLLM's GPU
+        # default when generators.inflight_updates is off) the next step is already queued on
+        # the GPU meanwhile. Not measured on a GPU; a real-model rollout profile should show it.
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO" if verbose else "ERROR"),
         "VLLM_CONFIGURE_LOGGING": "1",

@@ -29,6 +29,24 @@ def checkpoint_steps(run_dir: Path) -> list[int]:
     return sorted(int(p.name.split("_")[1]) for p in d.glob("step_*") if p.is_dir()) if d.is_dir() else []
 
 
+def carried(row: dict) -> int:
+    """Groups a metrics row trained from an earlier batch's leftovers (``rollout/carried_trained``
+    + ``rollout/partial_trained``)."""
+    return (row.get("rollout/carried_trained") or 0) + (row.get("rollout/partial_trained") or 0)
+
+
+def check_staleness(rows: list[dict], fresh: list[int]) -> None:
+    """Assert each row's ``staleness/max`` is ``fresh[i]``, the staleness of the work its batch
+    generated (what the handshake gives), except that a row training leftovers of the batch before
+    (:func:`carried`) may reach one version more than that batch had: carried work trains within
+    ``async.max_carry_staleness`` (default max_staleness + 1, docs/algorithms.md#leftovers-carried-and-parked-work)."""
+    got = [r["staleness/max"] for r in rows]
+    for i, (r, s) in enumerate(zip(rows, got)):
+        top = max(fresh[i], fresh[i - 1] + 1) if i > 0 and carried(r) else fresh[i]
+        assert fresh[i] <= s <= top, f"step {r['step']}: staleness/max {got} (fresh work {fresh}, carried {carried(r)})"
+    assert len(got) == len(fresh), (got, fresh)
+
+
 _CONFIG: dict = {}
 """``{"config": pytest.Config}`` of this process, for :func:`pytest_runtest_logreport`."""
 

@@ -15,6 +15,20 @@ def char_parity(completions: list[str], answers: list[str]) -> list[float]:
     return [float(len(c) % 2 == 0) for c in completions]
 
 
+SLOW_REWARD_S = 1.0
+"""Seconds :func:`slow_char_parity` sleeps per call: a generator side slower than the tiny
+learner's step, so the learner waits for every batch (``tests/test_async_loop.py``)."""
+
+
+def slow_char_parity(completions: list[str], answers: list[str]) -> list[float]:
+    """:func:`char_parity` after sleeping :data:`SLOW_REWARD_S` (a slowed generator side: rewards are
+    scored on the producer's thread, inside each batch's generation time)."""
+    import time
+
+    time.sleep(SLOW_REWARD_S)
+    return char_parity(completions, answers)
+
+
 def nan_for_odd_lengths(completions: list[str], answers: list[str]) -> list[float]:
     """NaN for completions of odd length, else 1.0: a broken reward (issue 16, failure 1)."""
     return [float("nan") if len(c) % 2 else 1.0 for c in completions]

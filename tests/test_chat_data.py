@@ -89,7 +89,7 @@ def test_task_config_driven_loading_and_empty_result_raises_naming_the_path(tok,
         load_chat_prompts(tmp_path / "empty.jsonl", task="chat", tokenizer=tok, max_prompt_tokens=10)
 
 
-@pytest.mark.timeout(10)
+@pytest.mark.timeout(120)   # a session fixture (tiny model, tokenizer) may be built in its setup
 def test_format_detection_and_missing_chat_template_error(tok):
     assert detect_chat_format([None, {"turns": ["a", "b"]}]) == "mt_bench"
     assert detect_chat_format([{"instruction": "x"}]) == "instruction"
@@ -99,7 +99,7 @@ def test_format_detection_and_missing_chat_template_error(tok):
         chat_prompt_token_ids(no_template, "hi")
 
 
-@pytest.mark.timeout(10)
+@pytest.mark.timeout(120)   # a session fixture (tiny model, tokenizer) may be built in its setup
 def test_chat_sets_are_in_the_shared_dataset_registry_with_their_licences():
     from megatron_rlhf.data.prompts import DATASETS
 

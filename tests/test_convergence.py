@@ -3,8 +3,8 @@ metric thresholds; prime-rl's reverse-text in 15 steps).
 
 A tiny random Llama learns the synthetic vowel-rate reward (``rewards/synthetic.py:letter_rate``,
 about 0.25 at the start) on real MAWPS prompts in the
-real loop (vLLM generator + Megatron learner as Ray actors), for online_dpo and grpo, on-policy
-(``async.sync: true``) and one-step async. Each run must reach :data:`THRESHOLD` (mean
+real loop (vLLM generator + Megatron learner as Ray actors), for online_dpo and grpo one-step async
+and grpo on-policy (``async.sync: true``). Each run must reach :data:`THRESHOLD` (mean
 ``reward/mean`` of the last :data:`TAIL` steps) within :data:`STEPS` steps; the same runs with
 ``learner.optimizer.lr=1e-30`` (the weights never move; once per loss, :data:`FROZEN_STEPS` steps)
 must stay below it, so the threshold measures learning, not luck. One Ray cluster and one generator for the module (``train`` resets
@@ -81,9 +81,10 @@ def _mean_reward(rows: list[dict]) -> float:
 MODES = {"sync": ["async.sync=true"], "async": ["async.sync=false", "async.max_staleness=1"]}
 
 
+# Both losses async (the default), and one on-policy point (grpo): the on-policy online_dpo run
+# (137 s of CI at load 10) proved nothing the async online_dpo run and the on-policy grpo run do not.
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("loss", ["online_dpo", "grpo"])
+@pytest.mark.parametrize(("loss", "mode"), [("online_dpo", "async"), ("grpo", "async"), ("grpo", "sync")])
 def test_reward_reaches_threshold_and_not_at_lr_1e_30(generator, tiny_llama_dir, tmp_path, loss, mode):
     extra = [f"algorithm.loss={loss}", *MODES[mode]]
     first, final = _final_reward(generator, tmp_path, tiny_llama_dir, f"{loss}-{mode}", *extra)
@@ -101,6 +102,7 @@ def test_seeds_repro_dry_run_end_to_end_and_resume(generator, tiny_llama_dir, tm
     generator: a B cell whose loss's pilot runs first (the pilot's lr carried over), one JSON per
     run with the per-step mismatch and TIS keys, the table and the plots; a second call skips every
     finished cell. The harness the issue-22 grid runs with, so it cannot rot."""
+    import math
     import sys
 
     sys.path.insert(0, str(REPO / "bench"))
@@ -124,8 +126,16 @@ def test_seeds_repro_dry_run_end_to_end_and_resume(generator, tiny_llama_dir, tm
     assert "async.sync_interval=4" in b["overrides"] and "async.max_staleness=4" in b["overrides"]
     p = json.loads((tmp_path / "P_grpo_lr1e-3.json").read_text())
     assert any(o.startswith("tasks=") and "eval_data" not in o for o in p["overrides"])  # validation slice
+    # KL to the reference on every eval's fresh samples (eval.samples=1): ~0 before step 1
+    assert [c["step"] for c in b["curve"]] == [0, 2] and b["curve"][0]["kl_ref"] < 1e-4
+    assert all(math.isfinite(c["kl_ref"]) and c["kl_ref"] >= 0 for c in b["curve"]) and b["kl_ref"]["after"] >= 0
+    assert "eval.samples=1" in b["overrides"]
     table = (tmp_path / "results.md").read_text()
     assert "| grpo | 4 | 0.001 |" in table and "| grpo | 0.001 |" in table
-    assert (tmp_path / "gain_vs_N.png").stat().st_size > 1000
+    not_run = table.split("## Not run yet")[1]   # issue 34's cells are defined and listed
+    assert all(n in not_run for n in ("C_ppo_N4_s0", "C_proximal_rloo_N2_s0", "B_rloo_onpolicy",
+                                      "B_grpo_N16_isnone", "P_online_dpo_lr1e-3", "C_ppo_N4_s1"))
+    for png in ("gain_vs_N.png", "gain_vs_wall.png", "frontier.png"):
+        assert (tmp_path / png).stat().st_size > 1000
     assert seeds_repro.main(argv, generator=generator, model_dir=str(tiny_llama_dir)) == 0
     assert "every selected cell is finished" in capsys.readouterr().out

@@ -1,10 +1,11 @@
 """Evaluation on held-out prompts (trainer/evaluate.py, tools/evaluate.py).
 
 Unit tests with a fake pool (hand-computed pass@1, mean@k, reward mean and their standard
-errors; one weight version per eval; request order), the held-out split on real data (eval and
-training prompts disjoint), and one integration run on the tiny model: eval rows in
-metrics.jsonl (one row per step, the eval before step 1 in row 1) and tools/evaluate.py agreeing
-with the in-loop eval of the final weights.
+errors; one weight version per eval; request order; KL to the reference on fresh samples by
+hand), the held-out split on real data (eval and training prompts disjoint), and one integration
+run on the tiny model: eval rows in metrics.jsonl (one row per step, the eval before step 1 in
+row 1, kl_ref ~0 before any update) and tools/evaluate.py agreeing with the in-loop eval of the
+final weights.
 """
 
 from __future__ import annotations
@@ -246,9 +247,9 @@ def test_eval_service_serves_requests_in_order_and_cancels_the_rest():
         def __init__(self):
             self.seen = []
 
-        def evaluate(self, step, weights=None):
+        def start(self, step, weights=None):
             self.seen.append(step)
-            return {"eval/step": step, "time/eval_s": 0.0}
+            return lambda: {"eval/step": step, "time/eval_s": 0.0}
 
     ev = Ev()
     svc = EvalService(ev)
@@ -265,6 +266,106 @@ def test_eval_service_serves_requests_in_order_and_cancels_the_rest():
     d = svc.request(6)
     svc.cancel_pending()
     assert d.result(timeout=1) is None
+
+
+# ------------------------------------------------------------------------------ KL on fresh samples
+def test_kl_ref_metrics_match_hand_computed_values():
+    """k3 = exp(d) - d - 1 with d = ref - policy, per token; k1 = policy - ref; a non-finite token is
+    left out; the se is clustered by prompt, the per-completion sum averaged per prompt."""
+    from megatron_rlhf.trainer.evaluate import kl_ref_metrics
+
+    pol = [[-1.0, -0.5], [-2.0], [-0.3, float("nan")]]
+    ref = [[-1.5, -0.5], [-1.0], [-0.3, -0.1]]
+    out = kl_ref_metrics("m", pol, ref, [0, 1, 1])
+    a, b = math.exp(-0.5) + 0.5 - 1, math.exp(1.0) - 1.0 - 1   # 0.1065, 0.7183; the other tokens: d = 0
+    m = (a + b) / 4                                            # 4 finite tokens
+    assert out["eval/m/kl_ref"] == pytest.approx(m) and out["eval/m/kl_ref_tokens"] == 4
+    assert out["eval/m/kl_ref_k1"] == pytest.approx((0.5 - 1.0) / 4)
+    # CR1 by prompt: totals a - 2m and b - 2m (= -(a - 2m)); sqrt(2 / 1 x 2 (a - 2m)^2) / 4
+    assert out["eval/m/kl_ref/se"] == pytest.approx(math.sqrt(2 * 2 * (a - 2 * m) ** 2) / 4)
+    # per prompt: a, and (b + 0) / 2; two values: se = |x1 - x2| / 2
+    assert out["eval/m/kl_ref_seq"] == pytest.approx((a + b / 2) / 2)
+    assert out["eval/m/kl_ref_seq/se"] == pytest.approx(abs(a - b / 2) / 2)
+    # policy == reference: exactly 0, whatever the values
+    same = kl_ref_metrics("m", [[-0.7, -3.0]], [[-0.7, -3.0]], [0])
+    assert same["eval/m/kl_ref"] == 0 and same["eval/m/kl_ref_k1"] == 0
+    assert kl_ref_metrics("m", [[]], [[]], [0]) == {}
+    with pytest.raises(ValueError, match="different lengths"):
+        kl_ref_metrics("m", [[-1.0]], [[-1.0, -2.0]], [0])
+
+
+class KLPool(FakePool):
+    """FakePool whose sampled completions are math (5, 6) with sampling logprobs (-1, -0.5) and
+    chat (9,) with (-2,)."""
+
+    def generate(self, prompts, n, refresh=None, temperature=None):
+        if temperature == 0:
+            return super().generate(prompts, n, refresh, temperature)
+        self.sampled = [p.task for p in prompts]
+        ids = {"math": ((5, 6), (-1.0, -0.5)), "chat": ((9,), (-2.0,))}
+        return [[Completion(token_ids=ids[p.task][0], logprobs=ids[p.task][1], finish_reason="stop",
+                            text="#### 7" if j == 0 else "#### 1", weight_version=self.version)
+                 for j in range(n)] for p in prompts]
+
+
+class FakeReference:
+    """The learner's reference pass: token 5 -> -1.5, 6 -> -0.5, 9 -> -1.0 (column t holds token t's
+    logprob); the result waits for ``release``."""
+
+    def __init__(self):
+        self.calls, self.release = [], threading.Event()
+
+    def __call__(self, input_ids, loss_mask, temperature):
+        self.calls.append((input_ids, loss_mask, temperature))
+        table = {5: -1.5, 6: -0.5, 9: -1.0}
+
+        def wait():
+            assert self.release.wait(10)
+            return {"logprobs": [[table.get(t, 0.0) for t in row] for row in input_ids], "reference_version": 0}
+        return wait
+
+
+def test_evaluator_kl_ref_scores_every_tasks_fresh_samples_with_the_reference_without_blocking():
+    held = {"math": [Prompt(index=i, task="math", token_ids=(1, 2), answer="7", text=f"m{i}") for i in range(2)],
+            "chat": [Prompt(index=i, task="chat", token_ids=(3,), text=f"c{i}") for i in range(3)]}
+    pool, ref = KLPool(version=4), FakeReference()
+    ev = Evaluator(pool, held, {"math": "math_verify", "chat": "reward_model"}, _fns(),
+                   EvalConfig(samples=2, temperature=0.7, kl_ref=True), 1.0, reference=ref)
+    svc = EvalService(ev)
+    fut = svc.request(4)
+    svc.serve_pending()   # generation and scoring done; the reference pass not answered yet
+    assert not fut.done() and pool.sampled == ["math", "math", "chat", "chat", "chat"]
+    ids, mask, temperature = ref.calls[0]
+    assert temperature == 0.7 and len(ids) == 10                       # 5 prompts x 2 samples
+    assert ids[0] == [1, 2, 5, 6] and mask[0] == [0, 0, 1, 1]          # prompt + completion, mask on it
+    assert ids[-1] == [3, 9, 0, 0] and mask[-1] == [0, 1, 0, 0]        # right-padded
+    ref.release.set()
+    out = fut.result(timeout=10)
+    a, b = math.exp(-0.5) + 0.5 - 1, math.exp(1.0) - 2             # math tokens a and 0; chat token b
+    assert out["eval/math/kl_ref"] == pytest.approx(a / 2) and out["eval/chat/kl_ref"] == pytest.approx(b)
+    assert out["eval/math/kl_ref_k1"] == pytest.approx(0.25) and out["eval/chat/kl_ref_k1"] == pytest.approx(-1.0)
+    assert out["eval/math/kl_ref_seq"] == pytest.approx(a) and out["eval/math/kl_ref_tokens"] == 8
+    assert out["eval/reference_version"] == 0 and out["time/eval_kl_ref_s"] >= 0
+    # math's samples are scored as before (mean@2: one of two correct), chat's are not
+    assert out["eval/math/mean@k"] == pytest.approx(0.5) and "eval/chat/mean@k" not in out
+    assert "eval/kl_ref_skipped" not in out
+
+
+def test_kl_ref_is_absent_with_a_reason_without_samples_or_reference_and_off_when_disabled():
+    held = {"math": [Prompt(index=0, task="math", token_ids=(1,), answer="7", text="m")],
+            "chat": [Prompt(index=0, task="chat", token_ids=(3,), text="c")]}
+    kinds = {"math": "math_verify", "chat": "reward_model"}
+    lines: list[str] = []
+    pool = KLPool()
+    out = Evaluator(pool, held, kinds, _fns(), EvalConfig(samples=2, kl_ref=True), 1.0, log=lines.append).evaluate(1)
+    assert "no reference model loaded" in out["eval/kl_ref_skipped"] and pool.sampled == ["math"]
+    assert not any("kl_ref" in k for k in out if k != "eval/kl_ref_skipped")
+    assert lines[1].startswith("eval: no KL to the reference (eval.kl_ref): no reference model")
+    out = Evaluator(KLPool(), held, kinds, _fns(), EvalConfig(samples=0, kl_ref=True), 1.0, reference=FakeReference()).evaluate(1)
+    assert out["eval/kl_ref_skipped"].startswith("eval.samples=0")
+    ref = FakeReference()
+    out = Evaluator(KLPool(), held, kinds, _fns(), EvalConfig(samples=2, kl_ref=False), 1.0, reference=ref).evaluate(1)
+    assert not any("kl_ref" in k for k in out) and ref.calls == []
 
 
 # ------------------------------------------------------------------------------ integration
@@ -286,12 +387,19 @@ def test_eval_rows_in_metrics_and_tool_agrees_with_loop(ray_cluster, tiny_llama_
     from megatron_rlhf.trainer.loop import train
     from megatron_rlhf.trainer.metrics import REQUIRED_KEYS
 
-    cfg = _cfg(tiny_llama_dir, tmp_path, "evalrun", "run.num_steps=3", "eval.interval=2", "eval.num_prompts=12")
+    cfg = _cfg(tiny_llama_dir, tmp_path, "evalrun", "run.num_steps=3", "eval.interval=2", "eval.num_prompts=12",
+               "eval.kl_ref=true")   # off by default (and in ci_tiny.yaml)
     res = train(cfg, quiet=True)
     rows = [json.loads(x) for x in (Path(res["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]                        # still one row per step
     assert [r.get("eval/step") for r in rows] == [0, 2, 3]               # before step 1, interval, end
     assert [r["eval/weight_version"] for r in rows] == [0, 2, 3]
+    # KL to the (frozen) reference on each eval's fresh samples: finite, >= 0, ~0 before any update
+    # (policy == reference: only the generator's vs the learner's kernels differ), larger after
+    kl = [r["eval/math/kl_ref"] for r in rows]
+    assert all(math.isfinite(v) and v >= 0 for v in kl) and kl[0] < 1e-4 and kl[-1] > kl[0], kl
+    assert all(r["eval/reference_version"] == 0 and r["eval/math/kl_ref_tokens"] > 0 for r in rows)
+    assert res["eval"]["math"]["kl_ref"]["first_step"] == 0
     for r in rows:
         assert set(REQUIRED_KEYS) <= set(r) and r["time/eval_s"] > 0
         for key in ("eval/math/reward_mean", "eval/math/len_mean_tokens"):
@@ -305,6 +413,7 @@ def test_eval_rows_in_metrics_and_tool_agrees_with_loop(ray_cluster, tiny_llama_
     assert all(f'<img id="plot-{name}"' in page for name in PLOTS)
     # the tool on the exported final weights agrees with the in-loop eval of version 3
     scored = tool.evaluate_folder(Path(res["run_dir"]) / "hf_final", cfg, step=3)
+    assert "no reference model" in scored["eval/kl_ref_skipped"] and "eval/math/kl_ref" not in scored
     last = rows[-1]
     for key in ("eval/math/reward_mean", "eval/math/len_mean_tokens"):
         assert abs(scored[key] - last[key]) <= max(last[key + "/se"], 1e-9), (key, scored[key], last[key])
@@ -333,6 +442,27 @@ def test_a_failed_eval_still_writes_its_row_and_every_later_row_then_raises():
     assert [r["step"] for r in written] == [1, 2, 3]      # every trained step is in metrics.jsonl
     assert written[0]["eval/math/pass@1"] == 0.5 and written[0]["time/eval_s"] == 2.0
     assert "eval/step" not in written[1] and written[1]["time/eval_s"] == 0.0
+
+
+@pytest.mark.timeout(30)
+def test_a_served_eval_still_waiting_for_its_reference_pass_is_kept_when_the_producer_ends():
+    """The final eval's reference pass (eval.kl_ref) may answer after the producer thread ended: a
+    served (running) eval is waited for (one the producer never served resolves to no fields)."""
+    import queue
+    from concurrent.futures import Future
+
+    from megatron_rlhf.trainer.evaluate import PendingRows
+
+    written = []
+    ended = threading.Thread(target=lambda: None)   # never started: not alive, as an ended producer
+    rows = PendingRows(written.append, ended, queue.Queue(), timeout=10.0)
+    served = Future()
+    assert served.set_running_or_notify_cancel()
+    threading.Timer(1.2, lambda: served.set_result({"eval/step": 3, "eval/math/kl_ref": 0.01,
+                                                    "time/eval_s": 1.0})).start()
+    rows.add({"step": 3}, [served])
+    rows.flush()
+    assert written[0]["eval/math/kl_ref"] == 0.01
 
 
 @pytest.mark.timeout(30)

@@ -26,20 +26,24 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import check_staleness
+
 pytestmark = [pytest.mark.integration]
 REPO = Path(__file__).resolve().parents[1]
 NUM_STEPS = 4
 # each entry: a kill -9 of the driver, then a re-run; one line per point (megatron_rlhf.utils.faults)
 KILLS = ["row:3",          # after step 3's metrics row, before its checkpoint (a fresh run: the
                            # re-run resumes with batch 3 generated but untrained)
-         "save:3",         # mid-save of checkpoint 3 (learner files written, no COMPLETE marker)
          "async_save:3"]   # the learner is writing checkpoint 3 in the background (async_save)
+# (a kill mid-save of a synchronous checkpoint, "save:3", is the unit tests'
+# test_crash_during_save_keeps_previous_checkpoint and test_incomplete_folder_is_ignored: a folder
+# without its COMPLETE marker is never resumed from; one train.py run less here)
 ASYNC = "checkpoint.async_save=true"
 # what must be equal, step by step: staleness, prompts, rewards, loss (and what they follow from)
 FIELDS = ["weight_version", "staleness/max", "staleness/mean", "generator/weight_version", "prompts/drawn",
           "pairs/count", "pairs/skipped_prompts", "reward/mean", "reward/trained_mean",
           "response/len_mean_tokens", "loss/total", "rollout/surplus_carried", "rollout/surplus_used",
-          "rollout/carry_groups"]
+          "rollout/carry_groups", "rollout/carried_trained", "rollout/requeued_stale"]
 
 
 def _train(model_dir: Path, out_dir: Path, name: str, log: Path, kill_at: str | None = None,
@@ -94,7 +98,7 @@ def test_resume_after_kill9_at_each_point_trains_what_the_uninterrupted_run_trai
 
     whole, crashed = _rows_by_step(tmp_path / "whole"), _rows_by_step(tmp_path / "crashed")
     assert sorted(whole) == sorted(crashed) == list(range(1, NUM_STEPS + 1))
-    assert [whole[s]["staleness/max"] for s in sorted(whole)] == [0, 1, 1, 1]
+    check_staleness([whole[s] for s in sorted(whole)], [0, 1, 1, 1])   # leftovers of batch >= 1: 2
     for step in sorted(whole):
         for key in FIELDS:
             a, b = whole[step].get(key), crashed[step].get(key)

@@ -194,26 +194,103 @@ def _rows(run_dir):
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+def _logprobs_at(hf, weights, prompt, tokens, temperature):
+    """Sampling logprobs ``[len(tokens)]`` of ``tokens`` after ``prompt`` under ``weights`` (an HF
+    state dict; the transformers model ``hf`` is left holding it), at ``temperature``."""
+    import torch
+
+    hf.load_state_dict(weights, strict=True)
+    seq = torch.tensor([list(prompt) + list(tokens)])
+    with torch.no_grad():
+        lp = torch.log_softmax(hf(seq).logits[0].float() / temperature, -1)
+    return [lp[len(prompt) + t - 1, tok].item() for t, tok in enumerate(tokens)]
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(300)
-def test_two_workers_share_a_step_and_both_get_every_push(ray_cluster, tiny_llama_dir, tmp_path):
-    """M=2, 4 async steps, object store transport, weight-sync check on after every push."""
-    from megatron_rlhf.trainer.loop import train
+def test_two_workers_share_a_step_get_every_push_and_train_parked_completions_as_sampled(
+        ray_cluster, tiny_llama_dir, tmp_path, monkeypatch):
+    """M=2, 4 one-step async steps, object store transport, weight-sync check on after every push,
+    partial rollouts on. Worker 1's requests start 0.2 s late (a slowed generator, on purpose: the
+    long tail), so worker 0's request fills a batch first and worker 1's is aborted mid-way and
+    parked; the next batch continues it first under the newer weights (holding its quota slots, so
+    it is not aborted again). A request parked in batch 1 or 2 trains in step 3 or 4, staleness 2
+    from its first token, within ``async.max_carry_staleness`` (``rollout/partial_trained``; under
+    one bound it was dropped). The saved batches (``run.save_rollouts``) show what trained: each
+    continued completion starts with its parked prefix's tokens and sampling logprobs unchanged,
+    and every token's logprob is that of the weights its version's push loaded (version 0: the
+    base model; transformers at the sampling temperature)."""
+    import time
 
-    res = train(_cfg(tiny_llama_dir, tmp_path, "m2", "run.num_steps=4", "generators.num_workers=2",
-                     "generators.check_weight_sync=true"), quiet=True)
+    import ray
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from megatron_rlhf.generator.pool import GeneratorPool
+    from megatron_rlhf.rollout.batch_io import list_batches, load_batch
+    from megatron_rlhf.rollout.carry import ABORTED, Carry
+    from megatron_rlhf.trainer.loop import train
+    from megatron_rlhf.trainer.replay import ROLLOUTS_DIR
+    from tests.conftest import check_staleness
+
+    pushed = {0: load_file(str(next(Path(tiny_llama_dir).glob("*.safetensors"))))}   # version -> HF tensors
+    push, submit = GeneratorPool.push, GeneratorPool._submit
+
+    def keep_weights(self, weights, only_stale=False):   # what the engines load, per version
+        if weights.payload is not None and weights.version not in pushed:
+            pushed[weights.version] = {k: v.clone() for b in ray.get(weights.payload)
+                                       for k, v in (ray.get(b) if isinstance(b, ray.ObjectRef) else b).items()}
+        return push(self, weights, only_stale)
+
+    def late_on_worker_1(self, w, prompts, idx, n):
+        if w.index == 1:
+            time.sleep(0.2)
+        return submit(self, w, prompts, idx, n)
+
+    monkeypatch.setattr(GeneratorPool, "push", keep_weights)
+    monkeypatch.setattr(GeneratorPool, "_submit", late_on_worker_1)
+    cfg = _cfg(tiny_llama_dir, tmp_path, "m2", "run.num_steps=4", "generators.num_workers=2",
+               "generators.check_weight_sync=true", "generators.partial_rollouts=true", "run.save_rollouts=true",
+               "generators.max_new_tokens=64")   # ~0.5 s a request: the late start is a fraction of it
+    res = train(cfg, quiet=True)
     rows = _rows(res["run_dir"])
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    assert [r["staleness/max"] for r in rows] == [0, 1, 1, 1]
+    check_staleness(rows, [0, 1, 1, 1])
     for i in (0, 1):
         assert sum(r[f"generator/{i}/prompts"] for r in rows) > 0          # both workers generated
         assert all(r[f"generator/{i}/tokens_per_s"] > 0 for r in rows)
         assert [r[f"generator/{i}/weight_version"] for r in rows] == [0, 0, 1, 2]   # both advance
-    assert all(r["staleness/hist_0"] + r["staleness/hist_1"] == 2 * r["pairs/count"] for r in rows)
+    assert all(sum(r[f"staleness/hist_{d}"] for d in range(3)) == 2 * r["pairs/count"] for r in rows)
     checked = [r["sync/check_max_abs_diff"] for r in rows if "sync/check_max_abs_diff" in r]
     assert len(checked) == 2 and max(checked) < 1e-3                     # passed after each push
     assert all(r["sync/bytes"] > 0 and r["sync/GBps"] > 0 for r in rows[2:])
     assert rows[-1]["generator/restarts"] == 0
+
+    partial = [(r["rollout/partial_parked"], r["rollout/partial_trained"], r["staleness/max"]) for r in rows]
+    assert any(r["rollout/partial_trained"] > 0 and r["staleness/max"] == 2 for r in rows[2:]), partial
+    batches = [load_batch(p) for p in list_batches(Path(res["run_dir"]) / ROLLOUTS_DIR)]
+    assert [b.index for b in batches] == [0, 1, 2, 3]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    temp, crossed, tokens = cfg.generators.temperature, 0, 0   # continued across versions; tokens checked
+    for prev, b in zip(batches, batches[1:]):
+        parked = {p.prompt.index: p for p in Carry.from_state_dict(prev.producer_state["carry"]).parked
+                  if p.weight_version >= b.index - cfg.async_.carry_staleness_bound}   # older: requeued
+        for g in (g for g in b.groups if g.prompt.index in parked):
+            for pre, r in zip(parked[g.prompt.index].completions, g.rollouts):
+                c, n = r.completion, len(pre.token_ids)
+                assert c.token_ids[:n] == pre.token_ids and c.logprobs[:n] == pre.logprobs
+                if pre.finish_reason != ABORTED:
+                    assert c == pre
+                    continue
+                assert (c.weight_version, c.weight_version_last) == (pre.weight_version if n else c.weight_version,
+                                                                     max(0, b.index - 1))
+                old = _logprobs_at(hf, pushed[c.weight_version], g.prompt.token_ids, c.token_ids, temp)[:n]
+                new = _logprobs_at(hf, pushed[c.weight_version_last], g.prompt.token_ids, c.token_ids, temp)[n:]
+                assert max(abs(x - y) for x, y in zip(c.logprobs, old + new)) < 5e-4, (c.weight_version, n)
+                crossed += bool(n) and c.weight_version_last > c.weight_version
+                tokens += len(c.token_ids)
+    assert crossed > 0 and tokens > 0, (partial, crossed, tokens)
 
 
 @pytest.mark.integration
@@ -253,9 +330,14 @@ def test_in_bf16_the_importance_weights_act_and_a_skipped_push_fails_the_calibra
 @pytest.mark.timeout(420)
 def test_killed_worker_is_restarted_and_run_completes(ray_cluster, tiny_llama_dir, tmp_path, monkeypatch, capfd):
     """Worker 1 is SIGKILLed while it generates batch 2 (during the learner's step 2 of 5): Ray
-    restarts it, it gets weight version 1, its prompts are redone, all 5 steps finish."""
+    restarts it, it gets weight version 1, its prompts are redone, all 5 steps finish, and the
+    restart is counted in the rows (``recovery/generator_restarts``), the summary's
+    ``recoveries`` and the log (issue 36). (A kill in every other phase of the pool, reseeding
+    included: ``test_a_generator_death_in_every_pool_phase_is_recovered_5_of_5``; one more real
+    engine restart here cost 41 s.)"""
     import ray
 
+    import train as train_py
     from megatron_rlhf.generator.pool import GeneratorPool
     from megatron_rlhf.trainer.loop import train
 
@@ -278,8 +360,14 @@ def test_killed_worker_is_restarted_and_run_completes(ray_cluster, tiny_llama_di
     assert rows[2]["generator/1/restarts"] == 1 and rows[2]["generator/1/weight_version"] == 1
     assert rows[2]["generator/1/prompts"] > 0                      # its re-queued prompts were redone
     assert [r["generator/1/weight_version"] for r in rows] == [r["generator/0/weight_version"] for r in rows]
+    # counted once in the rows (in the row of step 2 or 3: the producer runs a batch ahead), the summary
+    assert sorted(r["recovery/generator_restarts"] for r in rows) == [0, 0, 0, 0, 1]
+    assert [i for i, r in enumerate(rows) if r["recovery/generator_restarts"]][0] in (1, 2)
+    assert res["recoveries"]["generator_restarts"] == 1 and json.loads(
+        (tmp_path / "kill" / "summary.json").read_text())["recoveries"]["generator_restarts"] == 1
+    assert "recovered: 1 generator restart " in train_py.format_summary(res)
     err = capfd.readouterr().err
-    assert "generator worker 1 died during batch 2" in err and "restarted by Ray" in err
+    assert "generator worker 1 died during batch 2 (generating batch 2" in err and "restarted by Ray" in err
 
 
 @pytest.mark.integration
@@ -340,3 +428,127 @@ def test_dead_learner_stops_the_run_naming_the_intact_checkpoint(ray_cluster, tm
     with pytest.raises(LearnerDiedError, match=r"step 3 .*checkpoint .*step_2 is intact"):
         _learner_call(Dies.remote().train_step.remote(), "train_step of step 3", 60, ckpts)
     assert (tmp_path / "checkpoints" / "step_2" / "COMPLETE").is_file()
+
+
+# ----------------------------------------------------------------------------------- engine deaths in every phase
+class _StandInEngine:
+    """Stands in for ``VLLMGenerator`` in the pool's fault test: every verb the pool calls, each
+    taking ``delay_s`` (so a kill lands during the call), completions stamped with the loaded
+    weight version and the engine's seed. A restart gives a fresh object (version 0, no seed), as
+    a restarted vLLM engine holds the base model."""
+
+    def __init__(self, delay_s: float = 0.5):
+        self.version, self.seed, self.delay_s = 0, None, delay_s
+
+    def generate(self, prompts, n, temperature=None, prefixes=None):
+        import time
+
+        from megatron_rlhf.types import Completion
+
+        time.sleep(self.delay_s)
+        return [[Completion(token_ids=(1, 2), logprobs=(-1.0, -1.0), finish_reason="stop", text=f"{p.index}/{i}",
+                            weight_version=self.version, weight_version_last=self.version) for i in range(n)]
+                for p in prompts]
+
+    def reseed(self, seed):
+        import time
+
+        time.sleep(self.delay_s)
+        self.seed = seed
+
+    def update_weights(self, buckets, version):
+        import time
+
+        time.sleep(self.delay_s)
+        self.version = version
+        return {"bytes": 8, "seconds": self.delay_s, "tensors": 1}
+
+    def prompt_logprobs(self, token_ids):
+        return [[0.0] + [-1.0] * (len(token_ids[0]) - 1)]
+
+    def abort_generation(self):
+        return 0
+
+    def get_weight_version(self):
+        return self.version
+
+    def state(self):
+        return self.version, self.seed
+
+    def pid(self):
+        return os.getpid()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_a_generator_death_in_every_pool_phase_is_recovered_5_of_5(ray_cluster, monkeypatch):
+    """One pool of two engines (stand-ins: Ray actors restarted by Ray, as vLLM engines are), one
+    kill per phase through the fault hook (``MRLHF_TEST_KILL_ENGINE_AT``, ``utils.faults``):
+    reseeding between batches (the issue's ``ProducerError: ActorUnavailableError`` from a bare
+    ``ray.get``), a weight load (publishing), the weight-sync probe, a generate request, and the
+    abort of a full batch's running requests. Each is recovered: the call completes, the restarted
+    engine holds the current weights and this batch's seed, every prompt comes back, and the
+    restart is counted and logged."""
+    import ray
+
+    from megatron_rlhf.config import GeneratorConfig
+    from megatron_rlhf.generator.pool import GeneratorPool, batch_seed
+    from megatron_rlhf.generator.weight_sync import ObjectStoreTransport, PublishedWeights
+    from megatron_rlhf.types import Prompt
+    from megatron_rlhf.utils.faults import ENGINE_ENV
+
+    engine = ray.remote(num_cpus=0, max_restarts=10)(_StandInEngine)
+    handles = [engine.remote() for _ in range(2)]
+    ray.get([h.__ray_ready__.remote() for h in handles], timeout=120)
+    probe = [5, 6, 7, 8]
+    gcfg = GeneratorConfig(max_new_tokens=2, check_weight_sync=True, check_weight_sync_tol=1e-3, max_restarts=10)
+    lines: list[str] = []
+    pool = GeneratorPool(handles, transport=ObjectStoreTransport(), generator_cfg=gcfg, timeout_s=60,
+                         probe=probe, log=lines.append)
+    learner_lp = [[0.0] + [-1.0] * (len(probe) - 1)]
+    weights = [PublishedWeights(version=v, payload=ray.put([{}]), probe_ref=learner_lp) for v in (1, 2)]
+    prompts = [Prompt(index=i, task="t", token_ids=(3, 4)) for i in range(4)]
+    recovered = []
+
+    def killed_at(spec: str, action):
+        monkeypatch.setenv(ENGINE_ENV, spec)
+        before = pool.restarts
+        out = action()
+        recovered.append((spec, pool.restarts == before + 1))
+        return out
+
+    try:
+        pool.calibrate_check(learner_lp)
+        pool.batch_index = 0
+        killed_at("reseed:0:0", lambda: pool.reseed(7, 0))
+        assert ray.get(handles[0].state.remote(), timeout=60) == (0, batch_seed(7, 0, 0))
+        pool.batch_index = 1
+        res = killed_at("push:1:1", lambda: pool.push(weights[0]))
+        assert pool.versions() == [1, 1] and res["sync/check_max_abs_diff"] == 0.0
+        pool.reseed(7, 1)
+        killed_at("check:1:0", lambda: pool.check(weights[0]))
+        assert ray.get(handles[0].state.remote(), timeout=60) == (1, batch_seed(7, 1, 0))
+        pool.batch_index = 2
+        pool.push(weights[1])
+        groups = killed_at("generate:2:1", lambda: pool.generate(prompts, 2))
+        assert [len(g) for g in groups] == [2] * 4
+        assert {c.weight_version for g in groups for c in g} == {2}
+        pool.batch_index = 3
+        parked, yielded, todo = [], [], [[p] for p in prompts]
+
+        def stream_a_full_batch():   # full after the first request: the running ones are aborted
+            for ps, _ in pool.stream(2, lambda: todo.pop(0) if todo else [], park=parked.append,
+                                     full=lambda: len(yielded) >= 1):
+                yielded.append(ps)
+
+        killed_at("abort:3:1", stream_a_full_batch)
+        assert sorted(p.index for ps in yielded for p in ps) == [0, 1, 2, 3] and not parked
+        assert ray.get([h.state.remote() for h in handles], timeout=60) == [(2, batch_seed(7, 1, 0)),
+                                                                            (2, batch_seed(7, 1, 1))]
+    finally:
+        for h in handles:
+            ray.kill(h)
+    assert recovered == [(s, True) for s in ("reseed:0:0", "push:1:1", "check:1:0", "generate:2:1", "abort:3:1")]
+    assert pool.restarts == 5 and [w.restarts for w in pool.workers] == [2, 3]
+    assert len(lines) == 5 and all("restarted by Ray" in ln for ln in lines), lines
+    assert "reseeding for batch 0" in lines[0] and "loading weight version 1" in lines[1], lines

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SECTIONS = ["env", "prepare-tiny", "logprobs-tiny", "train-tiny", "pack-tiny", "checkpoint"]
+SECTIONS = ["env", "prepare-tiny", "logprobs-tiny", "train-tiny", "pack-tiny", "pack-host-tiny", "checkpoint"]
 
 
 def _cmd(*args):
@@ -58,6 +58,10 @@ def test_dry_run_writes_each_row_while_running_stays_in_the_disk_bound_and_passe
     assert by["logprobs-tiny"]["rope_type"] == "llama3", by["logprobs-tiny"]
     assert by["logprobs-tiny"]["rope_inv_freq_max_rel_diff"] <= 1e-5, by["logprobs-tiny"]
     assert by["train-tiny"]["tokens_per_s"] > 0 and by["train-tiny"]["plan_GiB"] > 0
+    # review 2, N14: the host-staged publish beside the device pack, over the same bytes
+    dev, host = by["pack-tiny"]["buckets"], by["pack-host-tiny"]["buckets"]
+    assert [r["staging"] for r in host] == ["host"] and host[0]["pack_GBps"] > 0
+    assert host[0]["bytes"] == dev[0]["bytes"] and {r["staging"] for r in dev} == {"device"}
     ck = by["checkpoint"]
     assert ck["restore_max_abs"] == 0 and ck["next_step_max_abs"] <= 1e-6 and ck["update_max_abs"] > 0
     assert 0 < ck["ckpt_GB"] <= ck["peak_disk_GB"] <= rows[-1]["max_disk_GB"] <= 10

@@ -58,7 +58,8 @@ def _run(learner, batch, export) -> dict:
     """What both the reference and the groups are asked, in this order."""
     res = {"seq": learner.sequence_logprobs(batch.input_ids, batch.loss_mask),
            "ref_seq": learner.sequence_logprobs(batch.input_ids, batch.loss_mask, "reference"),
-           "tok": learner.token_logprobs(batch.input_ids), "w0": export(learner)}
+           "tok": learner.token_logprobs(batch.input_ids), "w0": export(learner),
+           "ref_tok": learner.reference_logprobs(batch.input_ids, batch.loss_mask)["logprobs"]}   # eval.kl_ref
     res["metrics"] = learner.train_step(batch)
     res["grads"] = learner.gradients_hf()
     res["w1"] = export(learner)
@@ -189,9 +190,13 @@ def test_parallel_learner_matches_one_process_logprobs_export_grads_and_update(
         got = _run(group, _batch(), lambda g: _flat(ray_cluster.get(g.export_weights(bucket_bytes=100_000))))
         assert len(group.layout()) == tp * pp * dp
         # logprobs: vocab-parallel CE on TP shards, pipeline stages, DP-dealt rows
-        for key in ("seq", "ref_seq", "tok"):
+        for key in ("seq", "ref_seq", "tok", "ref_tok"):
             assert got[key].shape == ref[key].shape
             assert (got[key] - ref[key]).abs().max().item() < TOL, key
+        # the eval's reference pass (rows cut to their length) = the reference's token logprobs on
+        # the completion tokens (before training the policy is the reference)
+        on = _batch().loss_mask > 0
+        assert (got["ref_tok"] - ref["tok"])[on].abs().max().item() < TOL
         # export before training: every HF tensor, bit for bit, no lm_head when tied
         hf = load_hf_state_dict(model_dir)
         assert list(got["w0"]) == list(ref["w0"])           # HF checkpoint order across stages

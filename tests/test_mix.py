@@ -8,14 +8,14 @@ import pytest
 from megatron_rlhf.data.mix import task_quotas
 
 
-@pytest.mark.timeout(10)
+@pytest.mark.timeout(120)   # a session fixture (tiny model, tokenizer) may be built in its setup
 def test_batch_of_8_with_weights_075_025_is_exactly_6_math_2_chat():
     assert task_quotas({"math": 0.75, "chat": 0.25}, 8) == {"math": 6, "chat": 2}
     # unnormalised weights give the same split
     assert task_quotas({"math": 3.0, "chat": 1.0}, 8) == {"math": 6, "chat": 2}
 
 
-@pytest.mark.timeout(10)
+@pytest.mark.timeout(120)   # a session fixture (tiny model, tokenizer) may be built in its setup
 def test_largest_remainder_gives_leftover_seats_to_largest_fractions():
     # exact shares 10 * (0.47, 0.33, 0.2) = 4.7, 3.3, 2.0 -> floors 4, 3, 2, one seat left -> a (0.7)
     assert task_quotas({"a": 0.47, "b": 0.33, "c": 0.2}, 10) == {"a": 5, "b": 3, "c": 2}
@@ -23,7 +23,7 @@ def test_largest_remainder_gives_leftover_seats_to_largest_fractions():
     assert task_quotas({"a": 0.4, "b": 0.35, "c": 0.25}, 7) == {"a": 3, "b": 2, "c": 2}
 
 
-@pytest.mark.timeout(10)
+@pytest.mark.timeout(120)   # a session fixture (tiny model, tokenizer) may be built in its setup
 def test_ties_are_broken_by_weight_then_name_independent_of_dict_order():
     # equal weights, one seat: name order decides, whatever the insertion order
     assert task_quotas({"b": 1.0, "a": 1.0}, 1) == {"b": 0, "a": 1}
@@ -52,7 +52,7 @@ def test_random_weights_sum_to_total_and_respect_the_quota_property():
                 assert q[name] == 0
 
 
-@pytest.mark.timeout(10)
+@pytest.mark.timeout(120)   # a session fixture (tiny model, tokenizer) may be built in its setup
 @pytest.mark.parametrize("weights,total", [({}, 8), ({"a": -1.0}, 8), ({"a": float("nan")}, 8),
                                            ({"a": 0.0, "b": 0.0}, 8), ({"a": 1.0}, -1)])
 def test_invalid_weights_or_total_raise_value_error_naming_the_problem(weights, total):

@@ -127,14 +127,14 @@ def _keys(ps):
     return [(p.task, p.index) for p in ps]
 
 
-@pytest.mark.timeout(10)
+@pytest.mark.timeout(120)   # a session fixture (tiny model, tokenizer) may be built in its setup
 def test_quotas_of_8_with_weights_075_025_are_6_and_2():
     s = _sampler()
     assert s.tasks == ["math", "chat"] and s.weights == {"math": 0.75, "chat": 0.25}
     assert s.quotas(8) == {"math": 6, "chat": 2}
 
 
-@pytest.mark.timeout(10)
+@pytest.mark.timeout(120)   # a session fixture (tiny model, tokenizer) may be built in its setup
 def test_resumed_sampler_draws_exactly_what_the_original_draws_next():
     a = _sampler(seed=3)
     a.next("math", 5), a.next("chat", 9), a.next("math", 4)          # chat crosses an epoch
@@ -146,7 +146,7 @@ def test_resumed_sampler_draws_exactly_what_the_original_draws_next():
         assert _keys(b.next(task, k)) == _keys(a.next(task, k))
 
 
-@pytest.mark.timeout(10)
+@pytest.mark.timeout(120)   # a session fixture (tiny model, tokenizer) may be built in its setup
 def test_tasks_draw_independently_and_seeds_are_stable():
     a, b = _sampler(seed=1), _sampler(seed=1)
     a.next("math", 3)                                                 # only a draws math first
@@ -158,7 +158,7 @@ def test_tasks_draw_independently_and_seeds_are_stable():
         a.next("code", 1)
 
 
-@pytest.mark.timeout(10)
+@pytest.mark.timeout(120)   # a session fixture (tiny model, tokenizer) may be built in its setup
 def test_loading_state_into_changed_tasks_data_or_seed_raises_value_error():
     state = json.loads(json.dumps(_sampler().state_dict()))
     changed = MultiTaskSampler({"math": _prompts("math", 7, tag="!"), "chat": _prompts("chat", 5)},
@@ -178,7 +178,7 @@ def test_loading_state_into_changed_tasks_data_or_seed_raises_value_error():
 
 
 # ------------------------------------------------------------------------------ allocation
-@pytest.mark.timeout(10)
+@pytest.mark.timeout(120)   # a session fixture (tiny model, tokenizer) may be built in its setup
 @pytest.mark.parametrize("remaining, rates, budget, want", [
     # need = remaining / rate: 12 and 2 -> 14 * (12/14, 2/14) = 12, 2
     ({"math": 6, "chat": 2}, {"math": 0.5, "chat": 1.0}, 14, {"math": 12, "chat": 2}),
@@ -202,7 +202,7 @@ def test_allocate_draws_matches_hand_computed_splits(remaining, rates, budget, w
         assert sum(got.values()) == max(budget, active)
 
 
-@pytest.mark.timeout(10)
+@pytest.mark.timeout(120)   # a session fixture (tiny model, tokenizer) may be built in its setup
 def test_allocate_draws_rejects_bad_inputs_naming_the_task():
     with pytest.raises(ValueError, match=r"rates\['chat'\]"):
         allocate_draws({"math": 1, "chat": 1}, {"math": 1.0, "chat": 0.0}, 4)
@@ -214,7 +214,7 @@ def test_allocate_draws_rejects_bad_inputs_naming_the_task():
         allocate_draws({"chat": 1}, {"chat": 1.0}, -1)
 
 
-@pytest.mark.timeout(10)
+@pytest.mark.timeout(120)   # a session fixture (tiny model, tokenizer) may be built in its setup
 def test_estimate_yield_shrinks_toward_the_prior_and_stays_positive():
     assert estimate_yield(0, 0) == 0.5                       # prior only
     assert estimate_yield(0, 8) == pytest.approx(1 / 10)    # (0 + 1) / (8 + 2)

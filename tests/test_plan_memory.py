@@ -157,6 +157,35 @@ def test_recipe_header_totals_are_what_plan_memory_gives_for_the_recipe_layout(r
     assert got["learner"]["total"] == pytest.approx(want + st["device_gib"], abs=0.006)
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("recipe", ["online-dpo-llama3.1-8b-2n8g", "online-dpo-qwen2.5-7b-math-chat-2n8g",
+                                    "online-dpo-llama3.1-70b-8n8g-tp8pp2", "smoke-1n8g"])
+def test_recipe_header_names_the_weight_sync_staging_plan_memory_decides_for_the_recipe_layout(recipe):
+    """Each GPU recipe's header has plan_memory's staging line for its layout: the place (device or
+    host), the GiB it adds on the exporting GPU, the stage copy and the numbers of the decision, so
+    a reader knows which publish path the run takes (the run decides from the same plan)."""
+    import re
+
+    from megatron_rlhf.config import load_config
+
+    path = REPO / "configs" / f"{recipe}.yaml"
+    text = path.read_text()
+    preset = re.search(r"plan_memory\.py --model (\S+)", text).group(1)
+    m = re.search(r"\+ staging\s+([\d.]+) GiB\s+(device|host): ([\d.]+) GiB stage copy "
+                  r"\(([\d.]+) \+ ([\d.]+) GiB (<=|>) 90% of (\d+) GiB\)", text)
+    assert m, f"{path.name}: no '+ staging ... GiB device|host: ... GiB stage copy (...)' line in the header"
+    cfg = load_config(path, ["model.source=smollm2"])   # the real folder is not on this machine
+    got = pm.plan(pm.PRESETS[preset], pm.learner_layout_from_config(cfg), None,
+                  gpu_mem_gib=cfg.placement.gpu_memory_gib, bucket_mb=cfg.generators.weight_sync_bucket_mb)
+    st, row = got["learner"]["staging"], got["learner"]
+    assert m.group(2) == st["place"]
+    assert float(m.group(1)) == pytest.approx(st["device_gib"], abs=0.006)
+    assert float(m.group(3)) == pytest.approx(st["stage_gib"], abs=0.006)
+    assert float(m.group(4)) == pytest.approx(row["resident"], abs=0.05)
+    assert float(m.group(5)) == pytest.approx(st["stage_gib"], abs=0.05)
+    assert (m.group(6) == "<=") == (st["place"] == "device") and float(m.group(7)) == cfg.placement.gpu_memory_gib
+
+
 @pytest.mark.timeout(30)
 def test_staging_is_counted_on_the_device_when_the_plan_has_room_and_on_the_host_when_not(capsys):
     # 70B TP=8 PP=2: stage 0's full HF tensors are 35.3 B params (65.7 GiB bf16) -> host staging,

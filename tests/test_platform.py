@@ -321,12 +321,31 @@ def test_transformer_fields_per_platform_and_te_needs_cuda():
     assert transformer_fields(cuda=False, te=False) == {"use_cpu_initialization": True}
     gpu = transformer_fields(cuda=True, te=False)
     assert gpu == {"use_cpu_initialization": False, "bias_activation_fusion": True, "apply_rope_fusion": False,
+                   "gradient_accumulation_fusion": False,
                    "batch_p2p_sync": False}   # review 2, N9: no device-wide sync after each pipeline p2p
     assert transformer_fields(cuda=True, te=True)["apply_rope_fusion"] is True
+    assert transformer_fields(cuda=True, te=True, wgrad_kernel=True)["gradient_accumulation_fusion"] is True
     # batch_p2p_sync=False runs on CPU as well (it removes a sync): not a CUDA-only field
     assert set(CUDA_ONLY_FIELDS) == {k for k, v in gpu.items() if k not in ("use_cpu_initialization", "batch_p2p_sync")}
     with pytest.raises(ValueError, match="Transformer Engine needs CUDA"):
         transformer_fields(cuda=False, te=True)
+
+
+@pytest.mark.timeout(30)
+def test_gradient_accumulation_fusion_is_on_only_with_cuda_te_and_the_apex_wgrad_kernel_and_off_on_cpu():
+    """Review 2, N8: the fusion writes every linear layer's weight gradient into DDP's fp32
+    ``main_grad`` inside the wgrad GEMM. TE's linears do it themselves; GPTModel's output layer is a
+    megatron ``ColumnParallelLinear`` that refuses the flag without APEX's kernel, so both are needed."""
+    import itertools
+
+    from megatron_rlhf.platform import get_platform, grad_accumulation_fusion, transformer_fields
+
+    table = {(cuda, te, k): grad_accumulation_fusion(cuda=cuda, te=te, wgrad_kernel=k)
+             for cuda, te, k in itertools.product((False, True), repeat=3)}
+    assert [key for key, on in table.items() if on] == [(True, True, True)]
+    assert "gradient_accumulation_fusion" not in transformer_fields(cuda=False, te=False, wgrad_kernel=True)
+    assert transformer_fields(cuda=True, te=True, wgrad_kernel=False)["gradient_accumulation_fusion"] is False
+    assert get_platform("cpu").fused_wgrad_kernel is False   # never imports the CUDA extension on CPU
 
 
 # ------------------------------------------------------------------ peak table (review 2, N12)

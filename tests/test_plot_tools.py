@@ -65,8 +65,9 @@ def test_seeds_repro_grid_pilot_choice_and_async_difference(tmp_path):
     names = [c.name for c in cells]
     assert names[:2] == ["A_sync_s0", "A_async_s0"] and "B_rloo_N16" in names and "P_grpo_lr1e-5" in names
     assert {c.name for c in sr.select(cells, ["A"])} == {f"A_{m}_s{s}" for m in ("sync", "async") for s in (0, 1, 2)}
-    assert all(c.group != "ppo" for c in sr.select(cells, None))
-    assert [c.name for c in sr.select(cells, ["B_grpo_N4", "P"])][-1] == "B_grpo_N4"
+    assert all(c.group != "Cseeds" for c in sr.select(cells, None))
+    picked = [c.name for c in sr.select(cells, ["B_grpo_N4", "P"])]   # grid order: B_grpo_N4 after the PG pilots
+    assert picked.index("B_grpo_N4") == picked.index("P_rloo_lr1e-5") + 1
     with pytest.raises(SystemExit, match="unknown"):
         sr.select(cells, ["B_grpo_N3"])
     assert next(c for c in cells if c.name == "B_online_dpo_N1").alias == "A_async_s0"
@@ -95,10 +96,11 @@ def test_seeds_repro_grid_pilot_choice_and_async_difference(tmp_path):
     assert "95% t-interval [-0.371, +0.391] (mean ± t_{0.975, 1} = 12.71 × se)" in text   # 0.01 ± 12.706 x 0.03
     assert "unpaired after-after se: no per-prompt outcomes stored" in text
     assert "| grpo | 3e-06 |" in text and "**yes**" in text
-    missing = text.split("## Not run yet")[1].split("PPO (if")[0].split()
+    missing = text.split("## Not run yet")[1].split("Optional (")[0].split()
     assert "A_sync_s2" in missing and "B_grpo_N1" in missing and "A_sync_s0" not in missing
-    assert "B_online_dpo_N1" not in missing and "B_ppo_N1" not in missing   # read from A_async_s0; optional
-    for png in ("gain_vs_N.png", "gain_vs_wall.png"):
+    assert "B_online_dpo_N1" not in missing and "C_ppo_N4_s1" not in missing   # read from A_async_s0; optional
+    assert "C_ppo_N4_s0" in missing and "C_ppo_N4_s1" in text.split("Optional (")[1]
+    for png in ("gain_vs_N.png", "gain_vs_wall.png", "frontier.png"):
         assert (tmp_path / png).stat().st_size > 1000
 
 
@@ -180,3 +182,70 @@ def test_seeds_repro_cells_keep_per_prompt_outcomes_and_the_table_pairs_them(tmp
     text = sr.write_tables(tmp_path, sr.read_results(tmp_path), sr.grid(), sr.PILOT_LRS, dry_run=False,
                            steps=16, pilot_steps=8)
     assert "paired over prompts (McNemar), discordant 0/1" in text and "stored in 2 of 2 cell files" in text
+
+
+def test_seeds_repro_papers_estimators_and_n_are_defined_and_every_cell_config_loads():
+    """Issue 34's cells (defined, not run): the papers' N (max_staleness = N - 1, N = 1 on-policy),
+    PPO and Proximal RLOO with T = 2 and beta = 0.05, on-policy GRPO/RLOO, TIS off at N = 16, Online
+    DPO's pilot on the training rows; every cell of the grid gives a config the loader accepts."""
+    import argparse
+
+    sys.path.insert(0, str(REPO / "bench"))
+    import seeds_repro as sr
+
+    args = argparse.Namespace(steps=16, pilot_steps=8, runs="/tmp/seeds-repro-cfg", dry_run=False,
+                              pilot_eval_prompts=64, override=[], eval_samples=1)
+    cells = {c.name: c for c in sr.grid()}
+    ov = {n: sr.overrides(c, c.lr or 1e-5, args, "smollm2") for n, c in cells.items()}
+    for key in ("async.max_staleness=3", "async.sync_interval=4", "algorithm.updates_per_batch=2",
+                "algorithm.kl_beta=0.05", "algorithm.carry_surplus=false", "eval.interval=8", "eval.samples=1"):
+        assert key in ov["C_ppo_N4_s0"] and key in ov["C_proximal_rloo_N4_s0"], key
+    assert "async.sync=true" in ov["C_online_dpo_N1_s0"] and "eval.interval=16" in ov["C_ppo_N16_s0"]
+    assert "algorithm.kl_beta=0.05" not in ov["C_online_dpo_N4_s0"] and cells["C_online_dpo_N4_s0"].lr is None
+    assert "async.sync=true" in ov["B_grpo_onpolicy"] and "algorithm.is_correction=none" in ov["B_rloo_N16_isnone"]
+    assert cells["B_rloo_N16_isnone"].vs == ["B_rloo_N16"] and cells["C_ppo_N2_s1"].vs == ["C_ppo_N1_s1"]
+    pilot = ov["P_online_dpo_lr3e-6"]   # a validation slice of the training rows: no eval_data
+    assert any(o.startswith("tasks=") and "eval_data" not in o for o in pilot) and cells["P_online_dpo_lr3e-6"].pilot
+    assert cells["C_ppo_N4_s1"].group == "Cseeds" and cells["C_ppo_N4_s1"] not in sr.select(list(cells.values()), None)
+    for name, c in cells.items():   # the config checks every run would meet at its start
+        cfg, _ = sr.load(args, c, c.lr or 1e-5, "smollm2")
+        if c.papers_n and not c.sync:
+            assert cfg.async_.max_staleness == cfg.async_.sync_interval - 1 == c.n - 1, name
+
+
+def test_seeds_repro_eval_curve_kl_ref_frontier_and_wall_plots(tmp_path):
+    """A cell's curve: every eval's loop wall (sum of time/step_s through its step), gain and KL on
+    fresh samples; the C table and its comparison with N = 1; the frontier and gain-vs-wall PNGs from
+    synthetic cell files (a cell without a curve falls back to its end point)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import seeds_repro as sr
+    import seeds_repro_plots as plots
+
+    ev = lambda s, p, kl: {"eval/step": s, "eval/weight_version": s, "eval/math/pass@1": p,  # noqa: E731
+                           "eval/math/pass@1/se": 0.04, "eval/math/kl_ref": kl, "eval/math/kl_ref/se": 0.001,
+                           "eval/reference_version": 0}
+    rows = [{"step": 1, "time/step_s": 10.0, **ev(0, 0.5, 0.0)}, {"step": 2, "time/step_s": 12.0, **ev(2, 0.6, 0.01)},
+            {"step": 3, "time/step_s": 11.0}, {"step": 4, "time/step_s": 9.0, **ev(4, 0.7, 0.02)}]
+    curve = sr.eval_curve(rows)
+    assert [(c["step"], c["wall_s"]) for c in curve] == [(0, 0.0), (2, 22.0), (4, 42.0)]
+    assert [round(c["gain"], 6) for c in curve] == [0.0, 0.1, 0.2] and curve[-1]["kl_ref"] == 0.02
+    assert plots.curve_points({"curve": curve}, "kl_ref") == [(0.0, 0.0), (0.01, curve[1]["gain"]), (0.02, curve[2]["gain"])]
+    assert plots.curve_points({"loop_wall_s": 600.0, "gain": 0.1}, "wall_s") == [(10.0, 0.1)]
+    assert plots.curve_points({"loop_wall_s": 600.0, "gain": 0.1}, "kl_ref") == []
+
+    for name, gain, kl in (("C_online_dpo_N1_s0", 0.2, 0.010), ("C_online_dpo_N4_s0", 0.1, 0.006),
+                           ("A_sync_s0", 0.2, None), ("A_async_s0", 0.15, None)):
+        _cell_json(tmp_path, name, gain)
+        d = json.loads((tmp_path / f"{name}.json").read_text())
+        if kl is not None:
+            d["kl_ref"] = {"before": 0.0, "after": kl, "after_se": 0.001, "after_seq": kl * 20}
+            d["curve"] = [{"step": s, "wall_s": 60.0 * s, "gain": gain * s / 16, "kl_ref": kl * s / 16,
+                           "value": 0.6 + gain * s / 16} for s in (0, 8, 16)]
+        (tmp_path / f"{name}.json").write_text(json.dumps(d))
+    text = sr.write_tables(tmp_path, sr.read_results(tmp_path), sr.grid(), sr.PILOT_LRS, dry_run=False,
+                           steps=16, pilot_steps=8)
+    assert "| online_dpo | 4 | 0 | 3e-06 |" in text and "| 0.0060 ± 0.0010 |" in text
+    assert "| C_online_dpo_N4_s0 | C_online_dpo_N1_s0 | -0.100 (" in text
+    assert "| A_sync_s0 | 0 | sync |" in text and text.split("| A_sync_s0 |")[1].split("\n")[0].endswith("| – |")
+    for png in ("frontier.png", "gain_vs_wall.png", "gain_vs_N.png"):
+        assert (tmp_path / png).stat().st_size > 5000, png

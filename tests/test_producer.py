@@ -259,10 +259,14 @@ class VersionedPool:
     recorded with the producer's yield estimate at the time (``draws``). With ``park``, the last
     request of a batch is aborted once ``full()`` is true: its samples come back with 2 tokens
     (``finish_reason="abort"``) and are parked; a later request continues them with 3 more tokens
-    sampled at the then current version. Batch k samples with version k at least (``reseed``)."""
+    sampled at the then current version. The version changes only by the producer's ``push`` of
+    what :func:`_step_batches` publishes: batch k samples with version k-1, as in the real loop.
+    With ``resumed_last`` a wave hands back its requests of parked groups after the others (a
+    continuation slower than a fresh request)."""
 
-    def __init__(self, every=1, num_workers=1, per_wave=1):
+    def __init__(self, every=1, num_workers=1, per_wave=1, resumed_last=False):
         self.every, self.num_workers, self.per_wave = every, num_workers, per_wave
+        self.resumed_last = resumed_last
         self.version, self.batch_index, self.free_workers = 0, 0, 1
         self.draws, self.continued, self.drawn_indices = [], [], []
         self.producer = None
@@ -277,8 +281,8 @@ class VersionedPool:
     def take_stats(self):
         return {}
 
-    def reseed(self, seed, batch_index):   # batch k generates with version k (a caught-up learner)
-        self.version = max(self.version, batch_index)
+    def reseed(self, seed, batch_index):
+        pass
 
     def state_dict(self):
         return {"expected_len": 1.0, "seen_completions": 0}
@@ -328,6 +332,8 @@ class VersionedPool:
                 wave.append(items)
             if not wave:
                 return
+            if self.resumed_last:
+                wave.sort(key=lambda items: any(isinstance(x, PartialGroup) for x in items))
             for items in wave:
                 if park is not None and full():
                     for x in items:
@@ -340,7 +346,7 @@ class VersionedPool:
 
 
 def _carry_producer(pool, *, first=0, num_batches=3, bound=100, state=None, ppr=None, max_num_seqs=256,
-                    partial=False, prompts_per_step=2, rounding="auto", **algo):
+                    partial=False, prompts_per_step=2, rounding="auto", carry_bound=None, **algo):
     algo.setdefault("carry_surplus", True)   # the carry under test (off by default, config.py says why)
     sampler = MultiTaskSampler({"math": _prompts("math", 200)}, {"math": 1.0}, seed=0)
     if state is not None:
@@ -354,16 +360,19 @@ def _carry_producer(pool, *, first=0, num_batches=3, bound=100, state=None, ppr=
         generator_cfg=GeneratorConfig(prompts_per_request=ppr, max_num_seqs=max_num_seqs,
                                       partial_rollouts=partial, draw_rounding=rounding),
         staleness_bound=bound, first_batch=first, num_batches=num_batches, min_version=first,
-        rng_state=state["rng"] if state else None, producer_state=state["producer"] if state else None,
+        carry_staleness_bound=carry_bound, rng_state=state["rng"] if state else None, producer_state=state["producer"] if state else None,
         seed=0, timeout_s=60)
     pool.producer = prod
     return prod, out, channel
 
 
 def _step_batches(prod, out, channel, n):
-    """Run the producer for ``n`` batches, publishing version k+1 after taking batch k (as the
-    learner would) and pushing it (the fake pool's version) before the next batch."""
-    return _run(prod, out, n, lambda b: channel.publish(PublishedWeights(version=b.index + 1)), timeout_s=60)
+    """Run the producer for ``n`` batches with the real loop's timing under one-step async: the
+    learner takes batch k holding version k (published when it finished batch k-1) and trains it
+    while batch k+1 is generated, so version k is published as batch k is taken, never earlier.
+    With ``bound=1`` batch k+1 waits for it and is generated with version k (batch 0 and 1 with
+    version 0), and trained at version k+1: staleness 1, and 2 for what batch k+1 carries on."""
+    return _run(prod, out, n, lambda b: channel.publish(PublishedWeights(version=b.index)), timeout_s=60)
 
 
 def _checkpointed(batch) -> dict:
@@ -376,27 +385,56 @@ def _key(b):
     return [(g.prompt.index, g.weight_version, g.pair) for g in b.groups]
 
 
-def test_surplus_groups_train_in_the_next_batch_with_their_version_and_survive_a_checkpoint():
-    """A hand-set request of 8 prompts (all trainable) for a quota of 2: 6 groups are surplus;
-    batch 1 trains 2 of them (version 0, drawn in batch 0) and draws nothing; a producer resumed
-    from batch 0's checkpoint state produces the same batch 1; with bound 1, what is still
-    carried at batch 2 (version 0, staleness 2) is dropped and counted."""
+def test_surplus_groups_train_under_one_step_async_and_too_stale_ones_are_requeued_not_lost():
+    """A hand-set request of 8 prompts (all trainable) for a quota of 2, one-step async (bound 1,
+    carry bound 2 by default): batch 0 (version 0) carries 6 groups. Batch 1 (version 0) trains 2
+    of them and draws nothing; batch 2 (generated with version 1, trained at version 2) trains 2
+    more at staleness 2 (``rollout/carried_trained``), which the learner's check accepts; at batch
+    3 the last 2 would be 3 old: their prompts are requeued and drawn first, and train in batch 3
+    at version 2. Every prompt batch 0 drew trains exactly once. A producer resumed from batch 0's
+    checkpoint state produces the same batch 1, one resumed from batch 2's the same batch 3."""
     pool = VersionedPool()
-    prod, out, ch = _carry_producer(pool, ppr=8, bound=1)
-    b0, b1, b2 = _step_batches(prod, out, ch, 3)
+    prod, out, ch = _carry_producer(pool, ppr=8, bound=1, num_batches=4)
+    b0, b1, b2, b3 = _step_batches(prod, out, ch, 4)
     assert b0.stats["rollout/surplus_carried"] == 6 and b0.stats["pairs/surplus_dropped"] == 0
-    carried = [g.prompt.index for g in b0.groups]
-    assert b1.stats["rollout/surplus_used"] == 2 and b1.stats["prompts/drawn"] == 0
-    assert [g.weight_version for g in b1.groups] == [0, 0] and b1.weight_version == 0
-    assert not set(g.prompt.index for g in b1.groups) & set(carried)   # other groups than batch 0's
-    # batch 2 (learner at version 2, bound 1): the 4 groups of version 0 left are too old
-    assert b2.stats["rollout/dropped_stale"] == 4 and b2.stats["pairs/surplus_dropped"] == 4
-    assert all(g.weight_version == 2 for g in b2.groups)
+    drawn0 = pool.drawn_indices[0][1]
+    assert b1.stats["rollout/surplus_used"] == b1.stats["rollout/carried_trained"] == 2
+    assert b1.stats["prompts/drawn"] == 0 and [g.weight_version for g in b1.groups] == [0, 0]
+    # batch 2: two more version-0 groups, trained at version 2 (staleness 2 <= max_carry_staleness)
+    assert b2.stats["rollout/carried_trained"] == 2 and b2.stats["prompts/drawn"] == 0
+    assert [g.weight_version for g in b2.groups] == [0, 0] and b2.stats["rollout/requeued_stale"] == 0
+    learner_batch, stale = _learner_batch(b2, version=2)
+    assert learner_batch.num_units == 2 and stale["staleness/max"] == 2 and stale["staleness/dropped_pairs"] == 0
+    # batch 3: the last two would be 3 old: requeued, drawn again first (fresh, version 2)
+    assert b3.stats["rollout/requeued_stale"] == 2 and b3.stats["rollout/carried_trained"] == 0
+    assert b3.stats["rollout/dropped_stale"] == 2   # their samples: discarded, not trained
+    (k3, drawn3), = [d for d in pool.drawn_indices if d[0] == 3]
+    assert drawn3[:2] == drawn0[-2:] and b3.stats["prompts/drawn"] == 8
+    assert [g.prompt.index for g in b3.groups] == drawn0[-2:] and {g.weight_version for g in b3.groups} == {2}
+    trained = [g.prompt.index for b in (b0, b1, b2, b3) for g in b.groups]
+    assert sorted(trained) == sorted(drawn0) and len(set(trained)) == 8   # nothing lost, nothing twice
 
-    resumed, out2, ch2 = _carry_producer(VersionedPool(), first=1, num_batches=2, bound=1, ppr=8,
-                                         state=_checkpointed(b0))
-    (again,) = _step_batches(resumed, out2, ch2, 1)
-    assert _key(again) == _key(b1)
+    for state, expected in ((b0, b1), (b2, b3)):   # a resumed run starts at its own version
+        first = expected.index
+        resumed, out2, ch2 = _carry_producer(VersionedPool(), first=first, num_batches=first + 1, bound=1,
+                                             ppr=8, state=_checkpointed(state))
+        (again,) = _step_batches(resumed, out2, ch2, 1)
+        assert [(g.prompt.index, g.pair) for g in again.groups] == [(g.prompt.index, g.pair) for g in expected.groups]
+        assert again.stats["rollout/requeued_stale"] == expected.stats["rollout/requeued_stale"]
+
+
+def _learner_batch(batch, version):
+    """The learner's side of ``batch`` at ``version`` (``trainer.loop._learner_batch``, default
+    ``async`` section: max_staleness 1, max_carry_staleness null)."""
+    from types import SimpleNamespace
+
+    from megatron_rlhf.config import AlgorithmConfig, AsyncConfig
+    from megatron_rlhf.rollout.staleness_control import StalenessController
+    from megatron_rlhf.trainer.loop import _learner_batch as learner_batch
+
+    cfg = SimpleNamespace(async_=AsyncConfig(), algorithm=AlgorithmConfig(), learner=SimpleNamespace(data_parallel=1))
+    run = SimpleNamespace(cfg=cfg, pad_id=0, staleness=StalenessController(cfg.async_))
+    return learner_batch(run, batch, version, version + 1)
 
 
 def test_carry_surplus_off_drops_the_surplus_as_before():
@@ -404,37 +442,87 @@ def test_carry_surplus_off_drops_the_surplus_as_before():
     prod, out, ch = _carry_producer(pool, ppr=8, num_batches=1, carry_surplus=False)
     (b0,) = _step_batches(prod, out, ch, 1)
     assert b0.stats["pairs/surplus_dropped"] == 6 and b0.stats["rollout/surplus_carried"] == 0
-    assert b0.producer_state["carry"] == {"surplus": {}, "parked": []}
+    assert b0.producer_state["carry"] == {"surplus": {}, "parked": [], "requeued": {}}
 
 
-def test_parked_partial_requests_continue_first_in_the_next_batch_and_survive_a_checkpoint():
-    """Two engines, waves of two requests: once the first request fills the quota, the second is
-    aborted and parked (2 tokens each, version 0); batch 1 continues it first under version 1:
-    its completions keep the 2 old tokens and logprobs, add 3 new ones, and span versions 0 -> 1.
-    A producer resumed from batch 0's checkpoint state continues the same parked prompts."""
+def test_parked_requests_train_under_one_step_async_and_survive_a_checkpoint():
+    """Two engines, waves of two requests of 2 prompts, one-step async (bound 1): once the first
+    request of a wave fills the quota, the second is aborted and parked (2 tokens each). Batch 0's
+    parked prompts continue in batch 1 (still version 0); batch 1's (version 0) continue first in
+    batch 2 under version 1: their completions keep the 2 old tokens and logprobs, add 3 new ones
+    and span versions 0 -> 1, and they train at version 2 (staleness 2 from the first token:
+    ``rollout/partial_trained``), which the learner's check accepts. A producer resumed from
+    batch 1's checkpoint state continues the same parked prompts with the same tokens."""
     pool = VersionedPool(num_workers=2, per_wave=2)
-    prod, out, ch = _carry_producer(pool, partial=True, num_batches=2, bound=1, max_num_seqs=8)
-    b0, b1 = _step_batches(prod, out, ch, 2)
-    parked = b0.producer_state["carry"]["parked"]
-    assert b0.stats["rollout/partial_parked"] == len(parked) > 0
-    assert pool.continued and pool.continued[0].prompt.index == parked[0]["prompt"]["index"]
-    assert b1.stats["rollout/partial_resumed"] >= 1
-    resumed = [g for g in b1.groups if g.prompt.index in {p["prompt"]["index"] for p in parked}]
-    assert resumed
-    for g in resumed:
+    prod, out, ch = _carry_producer(pool, partial=True, num_batches=3, bound=1, ppr=2)
+    b0, b1, b2 = _step_batches(prod, out, ch, 3)
+    parked = [[p["prompt"]["index"] for p in b.producer_state["carry"]["parked"]] for b in (b0, b1)]
+    assert b0.stats["rollout/partial_parked"] == b1.stats["rollout/partial_parked"] == 2
+    assert [g.prompt.index for g in b1.groups] == parked[0] and b1.stats["rollout/partial_trained"] == 2
+    assert [g.prompt.index for g in b2.groups] == parked[1] and b2.stats["rollout/partial_trained"] == 2
+    assert b2.stats["rollout/partial_resumed"] == 2 and b2.stats["rollout/requeued_stale"] == 0
+    for g in b2.groups:
         for r in g.rollouts:
             c = r.completion
             assert len(c.logprobs) == len(c.token_ids) == 5
-            assert c.token_ids[:2] == (1, 2) and c.logprobs[:2] == (-0.1, -0.2)
+            assert c.token_ids == (1, 2, 7, 8, 9) and c.logprobs == (-0.1, -0.2, -0.7, -0.8, -0.9)
             assert (c.weight_version, c.weight_version_last) == (0, 1)
         assert g.weight_version == 0   # staleness counts from the oldest token
+    _, stale = _learner_batch(b2, version=2)
+    assert stale["staleness/max"] == 2 and stale["staleness/hist_2"] == 4 and stale["staleness/dropped_pairs"] == 0
 
     pool2 = VersionedPool(num_workers=2, per_wave=2)
-    again, out2, ch2 = _carry_producer(pool2, partial=True, first=1, num_batches=2, bound=1, max_num_seqs=8,
-                                       state=_checkpointed(b0))
-    (b1_again,) = _step_batches(again, out2, ch2, 1)
-    assert [x.prompt.index for x in pool2.continued[:len(parked)]] == [p["prompt"]["index"] for p in parked]
+    again, out2, ch2 = _carry_producer(pool2, partial=True, first=2, num_batches=3, bound=1, ppr=2,
+                                       state=_checkpointed(b1))
+    (b2_again,) = _step_batches(again, out2, ch2, 1)
+    assert [x.prompt.index for x in pool2.continued] == parked[1]
     assert all(tuple(c.token_ids) == (1, 2) for x in pool2.continued for c in x.completions)
+    assert [g.prompt.index for g in b2_again.groups] == parked[1]
+
+
+def test_continued_parked_requests_hold_their_quota_slots_and_are_not_aborted_again():
+    """A continuation slower than the fresh request beside it: in batch 1 the fresh request comes
+    back first, but the two parked requests running hold the quota's two slots, so its groups go
+    to the surplus instead of filling the batch (which would abort the continuations a second
+    time, and the next batch would find them too old); the continuations train in batch 1 and the
+    surplus in batch 2 (staleness 2), which then generates nothing."""
+    pool = VersionedPool(num_workers=2, per_wave=2, resumed_last=True)
+    prod, out, ch = _carry_producer(pool, partial=True, num_batches=3, bound=1, ppr=2)
+    b0, b1, b2 = _step_batches(prod, out, ch, 3)
+    parked0 = [p["prompt"]["index"] for p in b0.producer_state["carry"]["parked"]]
+    assert len(parked0) == 2 and b1.stats["rollout/partial_parked"] == 0
+    assert [g.prompt.index for g in b1.groups] == parked0 and b1.stats["rollout/partial_trained"] == 2
+    assert b1.stats["rollout/surplus_carried"] == 2
+    assert b2.stats["rollout/carried_trained"] == 2 and b2.stats["prompts/drawn"] == 0
+    assert {g.weight_version for g in b2.groups} == {0}   # trained at version 2
+
+
+def test_parked_requests_older_than_the_carry_bound_are_requeued_not_lost():
+    """The same run with ``async.max_carry_staleness: 1`` (= max_staleness, the rule before issue
+    35): batch 1's parked prompts (version 0) would train 2 old in batch 2, so their samples are
+    discarded and the prompts requeued: drawn again first in batch 2, generated afresh with
+    version 1, and trained there."""
+    pool = VersionedPool(num_workers=2, per_wave=2)
+    prod, out, ch = _carry_producer(pool, partial=True, num_batches=3, bound=1, ppr=2, carry_bound=1)
+    b0, b1, b2 = _step_batches(prod, out, ch, 3)
+    parked1 = [p["prompt"]["index"] for p in b1.producer_state["carry"]["parked"]]
+    assert len(parked1) == 2 and b2.stats["rollout/requeued_stale"] == b2.stats["rollout/dropped_stale"] == 2
+    assert [d for d in pool.drawn_indices if d[0] == 2][0][1] == parked1   # first drawn in batch 2
+    assert [g.prompt.index for g in b2.groups] == parked1 and b2.stats["rollout/partial_trained"] == 0
+    assert all((r.completion.token_ids, r.completion.weight_version) == ((1, 2, 3), 1)
+               for g in b2.groups for r in g.rollouts)
+
+
+def test_the_carry_state_keeps_requeued_prompts():
+    """What :meth:`Carry.state_dict` writes (and a checkpoint keeps) brings the requeued prompts back."""
+    import json
+
+    from megatron_rlhf.rollout.carry import Carry
+
+    carry = Carry(requeued={"math": _prompts("math", 3)})
+    back = Carry.from_state_dict(json.loads(json.dumps(carry.state_dict())))
+    assert back.requeued == carry.requeued
+    assert back.take_requeued("math", 2) == _prompts("math", 2) and back.take_requeued("math", 5) == _prompts("math", 3)[2:]
 
 
 @pytest.mark.parametrize("rounding", ["nearest", "down"])

@@ -751,3 +751,90 @@ def test_run_folder_writers_all_go_through_the_atomic_helper():
     found = {(str(f.relative_to(pkg)), line.strip()) for f in scanned
              for line in f.read_text().splitlines() if pattern.search(line) and not line.strip().startswith("#")}
     assert found - allowed == set()
+
+
+# ------------------------------------------------------------------------- waits name what they wait for (issue 36)
+@pytest.mark.timeout(60)
+def test_a_reward_that_never_returns_times_out_naming_task_reward_and_scoring_and_dumps_the_stacks(tmp_path):
+    """The real producer and the loop's wait (``Run.next_batch``), a reward that never returns and
+    ``async.timeout_s=2``: the TimeoutError names the task, the reward function and the phase
+    (scoring, not generation), and the file in ``logs/`` whose stacks show the reward's frame."""
+    import collections
+    import re
+    import time
+    from types import SimpleNamespace
+
+    from megatron_rlhf.trainer.run import Run
+
+    release = threading.Event()
+
+    def never_returns(ps, texts):
+        release.wait(120)   # "forever" (released when the test ends)
+        return [0.0] * len(texts)
+
+    never_returns.reward_name = "tests.plugins:never_returns"
+    cfg = load_config(REPO / "configs" / "ci_tiny.yaml", [f"run.output_dir={tmp_path}", "async.timeout_s=2"])
+    run = Run(cfg, lambda *a: None)
+    run.batches, run.pending = queue.Queue(maxsize=1), collections.deque()
+    run.producer = RolloutProducer(
+        pool=FakePool(), sampler=MultiTaskSampler({"math": _prompts("math", 40)}, {"math": 1.0}, seed=0),
+        reward_fns={"math": never_returns}, pair_fn=select_pair, channel=WeightChannel(PublishedWeights(version=0)),
+        out_queue=run.batches, algorithm_cfg=AlgorithmConfig(loss="grpo", samples_per_prompt=4, prompts_per_step=4),
+        generator_cfg=GeneratorConfig(prompts_per_request=4), staleness_bound=1, first_batch=0, num_batches=1,
+        min_version=0, seed=0, timeout_s=60)
+    threading.Thread(target=run.producer.run, daemon=True).start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError) as err:
+            run.next_batch(SimpleNamespace(requested=False))
+    finally:
+        release.set()
+    msg = str(err.value)
+    assert time.monotonic() - t0 < 10
+    assert re.fullmatch(r"no rollout batch within async\.timeout_s=2 s: the rollout producer is in scoring: the "
+                        r"reward of task 'math' \(tests\.plugins:never_returns\) has not returned for \d+ s \(batch 0: "
+                        r"scoring 4 prompts x 4 completions\); if it is only slow, raise async\.timeout_s, else fix "
+                        r"the reward function \(it must return\); stacks of every process: \S+", msg), msg
+    stacks = Path(msg.rsplit("stacks of every process: ", 1)[1])
+    assert stacks.parent == cfg.run_dir / "logs" and stacks.name.startswith("stacks-no_rollout_batch-")
+    assert re.search(r"line \d+ in never_returns", stacks.read_text()), stacks.read_text()[-2000:]
+
+
+def test_train_py_prints_a_timeout_as_one_line_exit_1(monkeypatch, capsys):
+    import train
+
+    import megatron_rlhf.trainer.loop as loop
+
+    def timing_out(cfg):
+        raise TimeoutError("no rollout batch within async.timeout_s=2 s: the rollout producer is in scoring")
+
+    monkeypatch.setattr(loop, "train", timing_out)
+    assert train.main(["--config", str(REPO / "configs" / "ci_tiny.yaml")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["timed out: no rollout batch within async.timeout_s=2 s: the rollout producer is in scoring"], err
+
+
+# ------------------------------------------------------------------------- recoveries are counted (issue 36)
+def test_every_recovery_kind_is_counted_once_in_the_row_after_it_and_summed_in_the_summary(tmp_path):
+    """``Run.recovery_metrics`` (the row's ``recovery/*``): what happened since the previous row,
+    from the math-verify pool's and the generator pool's own counters and the start-up's
+    fallbacks and moved files; ``recovery_totals`` (the summary's ``recoveries``) sums the rows."""
+    from types import SimpleNamespace
+
+    from megatron_rlhf.trainer.metrics import RECOVERY_KINDS, recovery_totals
+    from megatron_rlhf.trainer.run import Run
+
+    run = Run(load_config(REPO / "configs" / "ci_tiny.yaml", [f"run.output_dir={tmp_path}"]), lambda *a: None)
+    run.reward, run.pool = SimpleNamespace(num_restarts=0), SimpleNamespace(restarts=0)
+    run.checkpoint_fallbacks, run.damaged_moved = 2, 1            # found at start-up
+    first = run.recovery_metrics()
+    assert first == {"recovery/reward_worker_restarts": 0, "recovery/generator_restarts": 0,
+                     "recovery/checkpoint_fallbacks": 2, "recovery/damaged_files": 1}
+    run.reward.num_restarts, run.pool.restarts = 2, 1            # during step 2
+    second = run.recovery_metrics()
+    assert second == {"recovery/reward_worker_restarts": 2, "recovery/generator_restarts": 1,
+                      "recovery/checkpoint_fallbacks": 0, "recovery/damaged_files": 0}
+    assert set(run.recovery_metrics().values()) == {0}          # nothing new: nothing counted twice
+    assert recovery_totals([first, second, {}]) == {"reward_worker_restarts": 2, "generator_restarts": 1,
+                                                    "checkpoint_fallbacks": 2, "damaged_files": 1}
+    assert set(recovery_totals([])) == set(RECOVERY_KINDS)

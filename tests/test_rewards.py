@@ -90,7 +90,10 @@ def test_pathological_input_times_out_scores_zero_and_is_counted(reward):
 
 
 @pytest.mark.timeout(120)
-def test_dead_worker_rebuilds_the_pool(reward):
+def test_dead_worker_rebuilds_the_pool(reward, capfd):
+    """kill -9 of every math-verify worker: the pool is rebuilt, the items are scored, and the
+    recovery is counted (``num_restarts``: the run's ``recovery/reward_worker_restarts``) and
+    logged in one line."""
     import os
     import signal
 
@@ -99,8 +102,12 @@ def test_dead_worker_rebuilds_the_pool(reward):
     for p in list(reward._pool._processes.values()):
         os.kill(p.pid, signal.SIGKILL)
     time.sleep(0.5)
+    capfd.readouterr()
     assert reward(["#### 72", "#### 7"], ["72", "7"]) == [1.0, 1.0]
     assert reward.num_restarts > before
+    lines = [ln for ln in capfd.readouterr().err.splitlines() if "math-verify" in ln]
+    assert len(lines) == reward.num_restarts - before and all(
+        "a worker process died; the worker pool is rebuilt (restart" in ln for ln in lines), lines
 
 
 @pytest.mark.timeout(30)

@@ -1,13 +1,12 @@
 """The project's sbatch script against a real one-node SLURM (slurmctld + slurmd on this machine).
 
-Proves, with the real train.py on a tiny random Llama (tests/slurm/start_slurm.sh starts SLURM):
-1. ``slurm/cpu-ci-1n0g.sbatch`` starts Ray inside the job; ``scancel --signal=TERM --batch`` at
-   step 2 reaches train.py through the batch shell's trap; the job writes a checkpoint and exits 0;
-   after ``scontrol requeue`` + ``scontrol update StartTime=now`` the same job resumes from that
-   checkpoint (step numbers continue), runs the CI config to the end, leaves the run folder
-   (metrics for every step, checkpoints, per-node logs) and stops Ray;
-2. a signal to every step of the job (``scancel --full`` and the Ray head's step) is ridden out:
-   checkpoint, exit 0, and a resubmitted job resumes.
+Proves, with the real train.py on a tiny random Llama (tests/slurm/start_slurm.sh starts SLURM),
+in one job of two legs: ``slurm/cpu-ci-1n0g.sbatch`` starts Ray inside the job; ``scancel
+--signal=TERM --batch`` at step 2 reaches train.py through the batch shell's trap; the job writes
+a checkpoint and exits 0; after ``scontrol requeue`` + ``scontrol update StartTime=now`` the same
+job resumes from that checkpoint (step numbers continue); then a signal to every step of the job
+(``scancel --full`` and the Ray head's step) is ridden out: checkpoint, exit 0, per-node logs, no
+Ray process left.
 
 When it runs (otherwise skipped with the reason): as root, with ``MRLHF_SLURM_TESTS=1`` (then
 start_slurm.sh may apt-get install slurmctld slurmd slurm-client munge tini, about 10 s), or
@@ -15,7 +14,7 @@ without the variable when those packages are already installed. CI (.ci/run) set
 Ray in the job stays on loopback (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, RAY_AUTH_MODE=disabled,
 head IP 127.0.0.1, free ports), as cpu-stack.md requires for tests on this machine.
 
-Run it alone (takes 3-6 minutes on 2 cores):
+Run it alone (takes 2-4 minutes on 2 cores):
     MRLHF_SLURM_TESTS=1 .venv/bin/pytest -q tests/test_slurm.py -m integration
 """
 
@@ -204,17 +203,31 @@ def _ray_processes(ray_tmp: str) -> list[str]:
 
 
 @pytest.mark.timeout(1500)
-def test_sbatch_term_checkpoints_exits_0_and_requeue_resumes_to_the_end(slurm_env, tiny_llama_dir, tmp_path):
-    env = slurm_env
+def test_sbatch_term_checkpoints_exits_0_requeue_resumes_and_a_whole_step_sigterm_is_ridden_out(
+        slurm_env, tiny_llama_dir, tmp_path):
+    """One job, two legs (one job start less than a test per leg: each start imports the stack on the
+    node, starts Ray, builds an engine and a learner).
+
+    Leg 1: ``scancel --signal=TERM --batch`` once step 2 is logged reaches train.py through the
+    batch shell's trap: checkpoint, exit 0. Leg 2: ``scontrol requeue`` + ``StartTime=now``: the
+    same job resumes from that checkpoint (step numbers continue); once it has trained a step,
+    ``scancel --signal=TERM --full`` (every process of the batch step: the batch shell, train.py,
+    the log's tee, the srun clients) and ``scancel --signal=TERM JOB.S`` (S: the step named
+    ray-head) are ridden out: the Ray step ignores it (its guard), the srun clients never see it
+    (own session), train.py finishes its step and writes a checkpoint (made slow, 12 s, by the
+    test hook, so a process that died of the signal would show), exit 0, no Ray process left.
+    (A whole run through the sbatch script to its end is tests/test_recipe_rehearsal.py's, on 2 nodes.)"""
+    env = dict(slurm_env, MRLHF_TEST_SLOW_SAVE_S="12")
     runs = tmp_path / "runs"
     runs.mkdir()
+    # a tiny-model step takes about 0.2 s on an idle machine: 50 steps leave each signal time to
+    # land before the run could end on its own
+    num_steps = 50
+    jid = _submit(env, runs, tiny_llama_dir, "preempt", f"run.num_steps={num_steps}", "checkpoint.interval=0",
+                  "checkpoint.export_hf=false")
+    run, log = runs / "preempt", runs / f"slurm-{jid}.out"
+    driver = run / "logs" / f"driver-{jid}.log"
 
-    # SIGTERM at step 2 -> checkpoint, clean exit; requeue -> resume from it, run to the end (a whole
-    # run through the sbatch script with no signal is tests/test_recipe_rehearsal.py's, on 2 nodes)
-    num_steps = 6   # margin: the signal lands while steps 2-3 run
-    jid = _submit(env, runs, tiny_llama_dir, "preempt", f"run.num_steps={num_steps}")
-    run = runs / "preempt"
-    log = runs / f"slurm-{jid}.out"
     deadline = time.time() + 600
     while not any(s >= 2 for s in metrics_steps(run)):
         assert time.time() < deadline, f"no step 2 after 600 s: {_job(env, jid)}"
@@ -227,65 +240,35 @@ def test_sbatch_term_checkpoints_exits_0_and_requeue_resumes_to_the_end(slurm_en
     ckpt = checkpoint_steps(run)[-1]
     assert 2 <= ckpt < num_steps, (ckpt, steps_before)
     assert steps_before[-1] == ckpt, "the checkpoint holds every logged step"
-    assert "forwarding to the trainer" in (run / "logs" / f"driver-{jid}.log").read_text()
+    assert "forwarding to the trainer" in driver.read_text()
 
     subprocess.run(["scontrol", "requeue", jid], env=env, check=True)
     time.sleep(1)
     subprocess.run(["scontrol", "update", f"jobid={jid}", "StartTime=now"], env=env, check=True)
     _wait(env, jid, {"RUNNING"} | DONE_STATES, 120, log)
-    info = _wait(env, jid, DONE_STATES, 600, log)
-    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, log.read_text()[-3000:])
-    assert info.get("Restarts") == "1"
-    steps = metrics_steps(run)
-    assert steps[:len(steps_before)] == steps_before
-    assert steps[len(steps_before):] == list(range(ckpt + 1, num_steps + 1)), steps
-    assert checkpoint_steps(run)[-1] == num_steps
-    text = log.read_text()
-    assert "restart 1" in text and f"step_{ckpt}" in text, text[-3000:]
-    assert (run / "config.yaml").is_file() and (run / "logs" / f"driver-{jid}.log").is_file()
-    assert list((run / "logs").glob(f"ray-*-{jid}.log")), "one Ray log per node"
-    time.sleep(3)
-    assert not _ray_processes(env["MRLHF_RAY_TMPDIR"]), "Ray processes left after the job"
-
-
-@pytest.mark.timeout(1500)
-def test_sbatch_whole_step_sigterm_checkpoints_exits_0_and_resubmit_resumes(slurm_env, tiny_llama_dir, tmp_path):
-    """``scancel --signal=TERM --full`` (every process of the batch step: the batch shell, train.py,
-    the log's tee, the srun clients) and ``scancel --signal=TERM JOB.S`` (S: the step named ray-head, which runs the Ray
-    head; step 0 is the pre-flight). The Ray step ignores it (its guard), the srun clients never see it (own session), train.py finishes its step and writes a checkpoint (made slow here, 12 s, by the test
-    hook), the job exits 0 with no Ray process left, and a resubmitted job resumes and finishes."""
-    env = dict(slurm_env, MRLHF_TEST_SLOW_SAVE_S="12")
-    runs = tmp_path / "runs"
-    runs.mkdir()
-    # a tiny-model step takes about 0.2 s on an idle machine: 50 steps leave the signal (sent once
-    # step 1's row is seen) about 10 s to land before the run could end on its own
-    num_steps = 50
-    common = (f"run.num_steps={num_steps}", "checkpoint.interval=0", "checkpoint.export_hf=false")
-    jid = _submit(env, runs, tiny_llama_dir, "step_signal", *common)
-    run, log = runs / "step_signal", runs / f"slurm-{jid}.out"
     deadline = time.time() + 600
-    while not metrics_steps(run):
-        assert time.time() < deadline, f"no step 1 after 600 s: {_job(env, jid)}"
+    while len(metrics_steps(run)) <= len(steps_before):
+        assert time.time() < deadline, f"no step after the resume in 600 s: {_job(env, jid)}"
         assert _job(env, jid).get("JobState") not in DONE_STATES, log.read_text()[-3000:]
         time.sleep(0.2)
     subprocess.run(["scancel", "--signal=TERM", "--full", jid], env=env, check=True)
     subprocess.run(["scancel", "--signal=TERM", _step(env, jid, "ray-head")], env=env, check=True)
     info = _wait(env, jid, DONE_STATES, 600, log)
-    driver_log = (run / "logs" / f"driver-{jid}.log").read_text()
-    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, driver_log[-3000:])
-    first = metrics_steps(run)
-    assert checkpoint_steps(run) == [first[-1]] and first[-1] < num_steps, (first, driver_log[-3000:])
-    assert "signal SIGTERM: finishing this step" in driver_log
+    leg2 = driver.read_text().split(f"job {jid} restart 1 ", 1)[-1]
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, leg2[-3000:])
+    assert info.get("Restarts") == "1"
+    steps = metrics_steps(run)
+    assert steps[:len(steps_before)] == steps_before
+    assert steps[len(steps_before):] == list(range(ckpt + 1, steps[-1] + 1)) and steps[-1] < num_steps, steps
+    assert checkpoint_steps(run)[-1] == steps[-1], "the ridden-out signal checkpointed the last step"
+    text = log.read_text()
+    assert "restart 1" in text and f"step_{ckpt}" in text, text[-3000:]
+    assert "signal SIGTERM: finishing this step" in leg2, leg2[-3000:]
     ray_log = "".join(p.read_text() for p in (run / "logs").glob(f"ray-*-{jid}.log"))
     assert "SIGTERM ignored" in ray_log, ray_log[-2000:]
+    assert (run / "config.yaml").is_file() and list((run / "logs").glob(f"ray-*-{jid}.log")), "one Ray log per node"
     time.sleep(3)
     assert not _ray_processes(env["MRLHF_RAY_TMPDIR"]), "Ray processes left after the job"
-
-    jid = _submit(slurm_env, runs, tiny_llama_dir, "step_signal", *common)
-    info = _wait(slurm_env, jid, DONE_STATES, 600, runs / f"slurm-{jid}.out")
-    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", info
-    assert metrics_steps(run) == list(range(1, num_steps + 1))
-    assert checkpoint_steps(run)[-1] == num_steps
 
 
 def _fake_slurm_bin(tmp_path: Path, nodes: str) -> Path:

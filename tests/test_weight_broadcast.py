@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import check_staleness
+
 REPO = Path(__file__).resolve().parents[1]
 BUCKET = 64 * 1024    # below the tiny model's 256 KiB embedding: that tensor goes out in chunks
 TIMEOUT = 120.0
@@ -177,6 +179,72 @@ def test_staging_is_decided_from_the_plan_device_when_it_has_room_host_when_not_
     assert plan_staging(GiB, 2**20, planned_bytes=None, device_total_bytes=80 * GiB, is_cpu=False).place == "host"
     with pytest.raises(ValueError, match="weight_sync_bucket_mb"):
         plan_staging(GiB, 0, planned_bytes=None, device_total_bytes=None, is_cpu=True)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("recipe, preset, gib, places", [
+    # 8B recipe (TP=2 DP=4, 8k-token micro-batches): 64.1 GiB resident + the 15.0 GiB stage copy
+    # is above 90% of an H100's 80 GiB (host, as its header says), fits an H200's 141 GiB (device)
+    ("online-dpo-llama3.1-8b-2n8g", "llama3.1-8b", 80, {0: "host"}),
+    ("online-dpo-llama3.1-8b-2n8g", "llama3.1-8b", 141, {0: "device"}),
+    # the same 8B layout with 2-sequence micro-batches (54.1 GiB) fits its copy on 80 GiB
+    ("online-dpo-llama3.1-8b-2n8g learner.micro_batch_size=2", "llama3.1-8b", 80, {0: "device"}),
+    # 70B TP=8 PP=2: stage 0's copy alone is 65.7 GiB; host on both GPUs, for both stages
+    ("online-dpo-llama3.1-70b-8n8g-tp8pp2", "llama3.1-70b", 80, {0: "host", 1: "host"}),
+    ("online-dpo-llama3.1-70b-8n8g-tp8pp2", "llama3.1-70b", 141, {0: "host", 1: "host"}),
+])
+def test_the_run_hands_its_memory_plan_to_each_exporter_which_decides_its_staging_once(
+        recipe, preset, gib, places, tmp_path, caplog):
+    """What ``trainer/setup.py`` passes to ``make_transport`` (``staging_plan_bytes``: the memory
+    plan of the recipe's layout and the model's ``config.json``) reaches each stage's exporter
+    (``exporter_join``), which decides device vs host from it and its GPU's total memory (a fake
+    device of ``gib`` GiB: CUDA is only behind the platform) once, logging it, with the numbers and
+    verdict of ``tools/plan_memory.py``'s staging line."""
+    import dataclasses
+    import json
+    import logging
+    import types
+
+    from megatron_rlhf import memory_plan
+    from megatron_rlhf.config import load_config
+    from megatron_rlhf.generator import broadcast_sync as bs
+    from megatron_rlhf.generator.weight_sync import make_transport
+    from megatron_rlhf.sync.wire import entry, plan_layout
+    from megatron_rlhf.trainer.setup import staging_plan_bytes
+
+    GiB = 2**30
+    name, *overrides = recipe.split()
+    cfg = load_config(REPO / "configs" / f"{name}.yaml", ["model.source=smollm2", *overrides])
+    shape = memory_plan.PRESETS[preset]
+    hf = dataclasses.asdict(shape)   # the model folder's config.json, in HF's key names
+    (tmp_path / "config.json").write_text(json.dumps({
+        "hidden_size": hf["hidden_size"], "num_hidden_layers": hf["num_layers"], "num_attention_heads": hf["num_heads"],
+        "num_key_value_heads": hf["num_kv_heads"], "head_dim": hf["head_dim"], "intermediate_size": hf["ffn_size"],
+        "vocab_size": hf["vocab_size"], "tie_word_embeddings": False, "model_type": "llama"}))
+    t = make_transport(cfg.generators, tmp_path, learner_plan_bytes=staging_plan_bytes(cfg, tmp_path))
+    assert t.learner_plan_bytes == memory_plan.learner_plan_bytes(cfg, shape)
+    assert sorted(t.learner_plan_bytes) == list(range(cfg.learner.pipeline_parallel))
+    table = memory_plan.plan(shape, memory_plan.learner_layout_from_config(cfg), None, gpu_mem_gib=gib,
+                             bucket_mb=cfg.generators.weight_sync_bucket_mb)["learner"]
+    got = {}
+    caplog.set_level(logging.WARNING, logger=bs.log.name)
+    for stage in places:
+        ex = bs.StageExporter.__new__(bs.StageExporter)   # the decision only: no sender thread, no group
+        ex.stage, ex.force_host, ex.planned_bytes = stage, False, None
+        ex.join = lambda *a, **k: None
+        ex.platform = types.SimpleNamespace(is_cpu=False, device_memory_bytes=lambda: gib * GiB)
+        rank = types.SimpleNamespace(tp_rank=0, dp_rank=0, pp_rank=stage, _mrlhf_stage_exporter=ex)
+        bs.exporter_join(rank, [{"host": "h", "port": 1}] * len(places), 9, 1.0, t.learner_plan_bytes)
+        assert ex.planned_bytes == t.learner_plan_bytes[stage]
+        nbytes = memory_plan.stage_hf_bytes(shape, cfg.learner.pipeline_parallel, stage)
+        ex.layout = plan_layout(stage, [entry("w", "bfloat16", (nbytes // 2,))], t.bucket_bytes)
+        got[stage] = ex._decide_staging()
+    assert {s: p.place for s, p in got.items()} == places
+    worst = got[table["stage"]]   # the stage plan_memory's learner row shows
+    assert worst.place == table["staging"]["place"] and worst.reason == table["staging"]["reason"]
+    lines = [r.getMessage() for r in caplog.records if "weight-sync staging" in r.getMessage()]
+    assert [f"stage {s} exporter: weight-sync staging: {p}" in ln for ln, (s, p) in zip(lines, places.items())] \
+        == [True] * len(places)
 
 
 @pytest.mark.timeout(60)
@@ -639,7 +707,8 @@ def test_async_loop_on_broadcast_with_a_pp2_learner_runs_3_steps_staleness_0_1_1
     # version 1; the final eval's publish of version 3 supersedes it instead of waiting for it
     assert time.monotonic() - t0 < 300, "a publish waited out async.timeout_s"
     rows = [json.loads(x) for x in (Path(res["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3] and [r["staleness/max"] for r in rows] == [0, 1, 1]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    check_staleness(rows, [0, 1, 1])
     assert rows[0]["eval/weight_version"] == 0 and rows[2]["eval/weight_version"] == 3   # the final eval ran on v3
     assert rows[2]["sync/bytes"] > 0 and rows[2]["sync/GBps"] > 0              # batch 3 came after the push of v1
     assert rows[2]["sync/check_max_abs_diff"] < 1e-3                           # the probe check ran on it
@@ -686,7 +755,8 @@ def test_smoke_recipe_in_bf16_on_cpu_runs_tp2_broadcast_with_a_real_bounded_mism
     assert cfg.generators.check_weight_sync
     res = train(cfg, quiet=True)
     rows = [json.loads(x) for x in (Path(res["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3] and [r["staleness/max"] for r in rows] == [0, 1, 1]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    check_staleness(rows, [0, 1, 1])
     last = rows[2]
     assert last["sync/bytes"] > 0, last                    # batch 3 came after the push of version 1
     gate = cfg.logging.warn_token_mult_prob_error

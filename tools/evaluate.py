@@ -14,7 +14,8 @@ folder given is scored). One vLLM engine (``generators.*``, engine seed ``run.se
 Ray cluster runs the same ``trainer.evaluate.Evaluator`` the training loop runs on its generator
 pool, so the numbers agree with the run's ``eval/*`` values of the same weights (greedy values
 exactly up to kernel numerics; ``mean@k`` and ``pass@<k>_unbiased`` within their standard
-errors). Prints the values as JSON
+errors). No reference model is loaded, so there is no ``kl_ref`` (``eval/kl_ref_skipped`` says so;
+the trainer's eval measures it). Prints the values as JSON
 (and writes them to ``--out``).
 """
 

@@ -387,6 +387,15 @@ def transformer_config_from_hf(hf_config, *, dtype="float32", tp: int = 1, pp: i
         params_dtype=dt, pipeline_dtype=dt, bf16=dt == torch.bfloat16, fp16=dt == torch.float16,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         use_cpu_initialization=not torch.cuda.is_available(),
+        # Fusions (review 2, N8), decided per field. Off here, the conversion's and the CPU's
+        # values; the learner turns on what its platform runs (platform.transformer_fields):
+        # bias_activation_fusion (SwiGLU) and apply_rope_fusion on CUDA, gradient_accumulation_fusion
+        # with TE and APEX's wgrad kernel (platform.grad_accumulation_fusion). Off everywhere, on
+        # purpose: masked_softmax_fusion (read only by megatron's DotProductAttention, which neither
+        # spec builds: TE's attention and local_spec's SDPA do their own softmax) and
+        # bias_dropout_fusion (these models have no linear biases and hidden_dropout is 0, so the
+        # bias-dropout-add is a plain residual add: nothing to fuse, and the fused variant is a jit
+        # function to compile); persist_layer_norm is APEX's LayerNorm kernel, not RMSNorm.
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
         init_method_std=float(getattr(hf_config, "initializer_range", 0.02)),

@@ -355,7 +355,7 @@ class StageExporter:
         self.layout: StageLayout | None = None
         self.staging: list = []          # one uint8 buffer per bucket of the layout
         self.staged_on_device = False    # staging on the learner's device (else host memory)
-        self.planned_bytes: float | None = None   # the memory plan's bytes of a learner GPU (exporter_join)
+        self.planned_bytes: float | None = None   # the memory plan's bytes of this stage's GPU (exporter_join)
         self.force_host = False          # bench: host staging with device wire buffers, also on CPU
         self.staging_plan: StagingPlan | None = None   # decided once, at the first publish
         self.version: int | None = None
@@ -658,13 +658,15 @@ def exporter_address(learner) -> dict | None:
 
 
 def exporter_join(learner, stages: list[dict], world_size: int, timeout_s: float,
-                  planned_bytes: float | None = None) -> None:
+                  planned_bytes: dict[int, float] | None = None) -> None:
     """On every learner rank: exporters join their stage's group as rank 0. ``planned_bytes``:
-    the memory plan's bytes of one learner GPU (``tools/plan_memory.py``; where the staging lives,
-    :func:`~megatron_rlhf.sync.staging.plan_staging`; None: host staging on a GPU)."""
+    the memory plan's resident bytes of one learner GPU per pipeline stage (``{stage: bytes}``,
+    ``megatron_rlhf.memory_plan.learner_plan_bytes``); the exporter keeps its own stage's, from
+    which it decides once where its staging lives (:func:`~megatron_rlhf.sync.staging.plan_staging`;
+    None or no entry: host staging on a GPU)."""
     ex = _exporter(learner)
     if ex is not None:
-        ex.planned_bytes = planned_bytes
+        ex.planned_bytes = None if planned_bytes is None else planned_bytes.get(ex.stage)
         s = stages[ex.stage]
         ex.join(s["host"], s["port"], world_size, timeout_s, (stages[0]["host"], stages[0]["port"]))
 

@@ -21,8 +21,12 @@ Used by the rollout producer (one controller thread; the pool is not thread-safe
 * Faults: a worker whose request raises ``RayActorError`` (process killed, OOM; Ray reports
   ``ActorUnavailableError`` while it restarts) or exceeds ``timeout_s`` (then it is killed with
   ``ray.kill(no_restart=False)``) is restarted by Ray (``max_restarts``): the pool waits until it
-  answers again, pushes the current weights to it (the version the pool's workers hold), and
-  re-sends its unfinished prompts to it. A worker that answers with an older weight version than
+  answers again, pushes the current weights to it (the version the pool's workers hold), reseeds
+  it for the current batch, and re-sends its unfinished prompts to it. This holds in every phase
+  of the pool: every remote call to an engine goes through :meth:`GeneratorPool._wait_each`
+  (reseeding between batches, weight loads, the probe check, aborts, ``pids``) or, for the
+  generate requests of :meth:`GeneratorPool.stream`, through :meth:`GeneratorPool._collect` and
+  :meth:`GeneratorPool._check_timeouts`; all three end in :meth:`GeneratorPool._recover`. A worker that answers with an older weight version than
   the pool gave it (Ray restarted it between requests and ran the request on the fresh engine)
   is treated the same way, so no batch is silently generated with base weights. Each restart
   prints a line and counts in
@@ -50,6 +54,7 @@ from typing import Any, Callable, Iterator
 
 from megatron_rlhf.generator.weight_sync import PublishedWeights, WeightTransport, compare_probe
 from megatron_rlhf.types import Completion, Prompt
+from megatron_rlhf.utils.faults import engine_kill_point
 
 __all__ = ["GeneratorPool", "GeneratorDiedError", "balance", "batch_seed"]
 
@@ -158,6 +163,8 @@ class GeneratorPool:
         self._pending: tuple[dict, int] = ({}, 0)   # generate requests in flight (the watchdog's view)
         self._temperature: float | None = None      # generate()'s per-call temperature (the eval's)
         self.free_workers = 1   # while draw() runs: free workers left to fill, this one included
+        self._seed: tuple[int, int] | None = None   # (run seed, batch index) of the last reseed
+        self._sent: dict = {}   # generate request (ObjectRef) -> its worker's restarts when it was sent
 
     @property
     def num_workers(self) -> int:
@@ -168,26 +175,73 @@ class GeneratorPool:
         return [w.version for w in self.workers]
 
     def pids(self) -> list[int]:
-        """OS process id of each worker (``VLLMGenerator.pid``)."""
-        import ray
-
-        return ray.get([w.handle.pid.remote() for w in self.workers], timeout=self.timeout_s)
+        """OS process id of each worker (``VLLMGenerator.pid``; a dead worker is restarted first)."""
+        return self._wait_each([(w, w.handle.pid.remote()) for w in self.workers], "pid",
+                               again=lambda w: w.handle.pid.remote())
 
     def reseed(self, seed: int, batch_index: int) -> None:
         """Reseed every worker's engine for batch ``batch_index``: worker i gets
         :func:`batch_seed` ``(seed, batch_index, i)``, so each batch samples the same completions
-        whenever it is generated (an uninterrupted run or a resumed one)."""
-        import ray
+        whenever it is generated (an uninterrupted run or a resumed one). A worker that dies
+        meanwhile is restarted and reseeded (:meth:`_wait_each`); a worker restarted later in the
+        batch is reseeded with the same seed by :meth:`_recover`.
 
-        ray.get([w.handle.reseed.remote(batch_seed(seed, batch_index, w.index)) for w in self.workers],
-                timeout=self.timeout_s)
+        Raises:
+            GeneratorDiedError: a worker died beyond its restarts.
+        """
+        self._seed = (seed, batch_index)
+        for w in self.workers:
+            engine_kill_point("reseed", batch_index, w.index, w.handle)
+
+        def start(w: _Worker):
+            return w.handle.reseed.remote(batch_seed(seed, batch_index, w.index))
+
+        self._wait_each([(w, start(w)) for w in self.workers], f"reseeding for batch {batch_index}",
+                        again=lambda w: None)   # _recover reseeds the restarted worker itself
+
+    def _wait_each(self, refs: list, what: str, again: Callable[[_Worker], Any] | None = None) -> list:
+        """The results of one engine call per worker (``refs``: ``[(worker, ObjectRef)]``), each waited
+        for within ``timeout_s``: the one path of every engine call besides the generate requests
+        (which :meth:`_collect` and :meth:`_check_timeouts` watch the same way). A worker that died
+        (``RayActorError``; ``ActorUnavailableError`` while Ray restarts it) or did not answer in
+        time (then it is killed, so Ray restarts it) is recovered (:meth:`_recover`: restarted,
+        given the current weights and the batch's seed), then asked again with ``again(w)`` (its
+        new ObjectRef; ``again`` None or returning None: not asked again, its result is None).
+
+        Returns:
+            The results in ``refs`` order.
+        Raises:
+            GeneratorDiedError: a worker died beyond its restarts, or did not come back.
+        """
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        out = []
+        for w, ref in refs:
+            while True:
+                try:
+                    out.append(ray.get(ref, timeout=self.timeout_s))
+                    break
+                except (RayActorError, GetTimeoutError) as e:
+                    err: BaseException = e
+                    if isinstance(e, GetTimeoutError):   # hung: kill it, Ray restarts it
+                        ray.kill(w.handle, no_restart=False)
+                        err = TimeoutError(f"{what}: no answer within async.timeout_s={self.timeout_s:.0f} s")
+                    self._recover(w, err, 0, during=what)
+                    ref = again(w) if again is not None else None
+                    if ref is None:
+                        out.append(None)
+                        break
+        return out
 
     def pending_calls(self) -> list[str]:
         """The generate requests in flight, one line each (for the hang watchdog; any thread)."""
         pending, n = self._pending
         now = time.perf_counter()
-        return [f"generator {w.index}: generate({len(ps)} prompts x {n} samples, batch {self.batch_index}, "
-                f"weight version {w.version}) for {now - t0:.0f} s" for w, ps, t0, _ in list(pending.values())]
+        return [f"generator {w.index}: generate({len(ps)} prompts of task "
+                f"{', '.join(sorted({getattr(x, 'prompt', x).task for x in ps}))} x {n} samples, batch "
+                f"{self.batch_index}, weight version {w.version}) for {now - t0:.0f} s"
+                for w, ps, t0, _ in list(pending.values())]
 
     def state_dict(self) -> dict:
         """What the prompt split depends on: the running mean completion length (JSON-plain)."""
@@ -252,15 +306,16 @@ class GeneratorPool:
             self._fill(free, pending, n, draw)
             if not pending:
                 if aborts:   # every abort has landed before the next batch's requests go out
-                    try:
-                        ray.get(aborts, timeout=self.timeout_s)
-                    except ray.exceptions.RayActorError:
-                        pass   # a worker that died meanwhile runs nothing to abort
+                    # (a worker that died meanwhile is restarted once: not again for its abort)
+                    self._wait_each([(w, r) for w, r, restarts in aborts if w.restarts == restarts],
+                                    "aborting the running requests (the batch is full)")
                 return
             if park is not None and aborts is None and full is not None and full():
                 # the batch is full: stop the running requests, park what they have
-                aborts = [w.handle.abort_generation.remote()
+                aborts = [(w, w.handle.abort_generation.remote(), w.restarts)
                           for w in {id(v[0]): v[0] for v in pending.values()}.values()]
+                for w, _, _ in aborts:
+                    engine_kill_point("abort", self.batch_index, w.index, w.handle)
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=0 if yielded_at is not None else 0.2)
             if not ready:
                 if yielded_at is None:
@@ -365,10 +420,12 @@ class GeneratorPool:
         import ray
         from ray.exceptions import RayActorError
 
+        sent_at = self._sent.pop(ref, w.restarts)
         try:
             groups = ray.get(ref)
         except RayActorError as e:
-            self._recover(w, e, len(prompts))
+            if sent_at == w.restarts:   # else: already restarted since (a push or an abort saw it die)
+                self._recover(w, e, len(prompts), during=f"generating batch {self.batch_index}")
             pending[self._submit(w, prompts, list(range(len(prompts))), n)] = (w, prompts, time.perf_counter(), w.version)
             return None
         first = _fresh_versions(prompts, groups)
@@ -376,7 +433,8 @@ class GeneratorPool:
             # Ray restarted the process between requests and ran this one on the fresh engine
             # (base weights): same treatment as a death in flight
             self._recover(w, RuntimeError(f"worker answered with weight version {min(first)}, expected "
-                                          f">= {v_sub} (restarted silently)"), len(prompts))
+                                          f">= {v_sub} (restarted silently)"), len(prompts),
+                          during=f"generating batch {self.batch_index}")
             pending[self._submit(w, prompts, list(range(len(prompts))), n)] = (w, prompts, time.perf_counter(), w.version)
             return None
         w.busy_s += time.perf_counter() - t_sub
@@ -391,9 +449,10 @@ class GeneratorPool:
         for ref, (w, prompts, t0, _) in list(pending.items()):
             if now - t0 > self.timeout_s:
                 del pending[ref]
+                self._sent.pop(ref, None)
                 ray.kill(w.handle, no_restart=False)
                 self._recover(w, TimeoutError(f"no answer within async.timeout_s={self.timeout_s:.0f} s"),
-                              len(prompts))
+                              len(prompts), during=f"generating batch {self.batch_index}")
                 pending[self._submit(w, prompts, list(range(len(prompts))), n)] = (w, prompts, time.perf_counter(), w.version)
 
     def _submit(self, w: _Worker, prompts: list, idx: list[int], n: int):
@@ -401,12 +460,16 @@ class GeneratorPool:
 
         items = [prompts[i] for i in idx]
         if any(isinstance(x, PartialGroup) for x in items):   # continue parked samples
-            return w.handle.generate.remote(
+            ref = w.handle.generate.remote(
                 [x.prompt if isinstance(x, PartialGroup) else x for x in items], n, self._temperature,
                 [list(x.completions) if isinstance(x, PartialGroup) else None for x in items])
-        if self._temperature is None:
-            return w.handle.generate.remote(items, n)
-        return w.handle.generate.remote(items, n, self._temperature)
+        elif self._temperature is None:
+            ref = w.handle.generate.remote(items, n)
+        else:
+            ref = w.handle.generate.remote(items, n, self._temperature)
+        self._sent[ref] = w.restarts
+        engine_kill_point("generate", self.batch_index, w.index, w.handle)
+        return ref
 
     def _record(self, w: _Worker, prompts: list[Prompt], groups: list[list[Completion]]) -> None:
         toks = [len(c.token_ids) for g in groups for c in g]
@@ -418,18 +481,19 @@ class GeneratorPool:
             self._seen_completions = total
 
     # ------------------------------------------------------------------------------ faults
-    def _recover(self, w: _Worker, err: BaseException, num_prompts: int) -> None:
-        """Wait for Ray to restart worker ``w``, give it the current weights; raise when it cannot
-        come back (then a collective transport is told the groups will not be re-formed, so a
-        publish waiting for that raises at once: ``BroadcastTransport.abandon``)."""
+    def _recover(self, w: _Worker, err: BaseException, num_prompts: int, during: str = "") -> None:
+        """Wait for Ray to restart worker ``w``, give it the current weights and the batch's seed;
+        raise when it cannot come back (then a collective transport is told the groups will not be
+        re-formed, so a publish waiting for that raises at once: ``BroadcastTransport.abandon``).
+        ``during``: what the pool was doing, for the restart's log line."""
         try:
-            self._recover_worker(w, err, num_prompts)
+            self._recover_worker(w, err, num_prompts, during or f"batch {self.batch_index}")
         except BaseException as e:
             if hasattr(self.transport, "abandon"):
                 self.transport.abandon(f"{type(e).__name__}: {str(e)[:500]}")
             raise
 
-    def _recover_worker(self, w: _Worker, err: BaseException, num_prompts: int) -> None:
+    def _recover_worker(self, w: _Worker, err: BaseException, num_prompts: int, during: str) -> None:
         import ray
         from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
@@ -444,6 +508,9 @@ class GeneratorPool:
         while True:
             try:
                 ray.get(w.handle.get_weight_version.remote(), timeout=max(1.0, deadline - time.monotonic()))
+                if self._seed is not None:   # a fresh engine: this batch's seed, as the others have
+                    ray.get(w.handle.reseed.remote(batch_seed(*self._seed, w.index)),
+                            timeout=max(1.0, deadline - time.monotonic()))
                 break
             except ActorDiedError as e:
                 raise GeneratorDiedError(f"generator worker {w.index} died and Ray will not restart it "
@@ -463,7 +530,7 @@ class GeneratorPool:
         elif self.current.payload is not None:
             self._push_workers([w], self.current)
         self._log(f"[megatron-rlhf] WARNING generator worker {w.index} died during batch {self.batch_index} "
-                  f"({type(err).__name__}); restarted by Ray (restart {w.restarts}/{self.cfg.max_restarts}) "
+                  f"({during}: {type(err).__name__}); restarted by Ray (restart {w.restarts}/{self.cfg.max_restarts}) "
                   f"in {time.perf_counter() - t0:.1f} s, weight version {w.version} loaded, "
                   f"{num_prompts} prompts re-queued")
 
@@ -492,26 +559,30 @@ class GeneratorPool:
         return self.transport.push(w.handle, weights)
 
     def _push_workers(self, targets: list[_Worker], weights: PublishedWeights) -> dict:
-        import ray
-        from ray.exceptions import RayActorError
-
         t0 = time.perf_counter()
         if getattr(self.transport, "collective", False):
             results = self._push_collective(targets, weights)
             # the broadcast transport may load a newer version (this one was superseded)
             weights = results[0].get("weights", weights) if results else weights
-            refs = {}
         else:
-            refs = {self._push_one(w, weights): w for w in targets}
-            results = []
-        for ref, w in refs.items():
+            def start(w: _Worker):
+                ref = self._push_one(w, weights)
+                engine_kill_point("push", self.batch_index, w.index, w.handle)
+                return ref
+
+            refs = [(w, start(w)) for w in targets]
+            previous, self.current = self.current, weights   # a worker restarted meanwhile gets these
             try:
-                results.append(ray.get(ref, timeout=self.timeout_s))
-                w.version = weights.version
-                self._midrequest_pushes += bool(results[-1].get("midrequest", False))
-            except RayActorError as e:  # died while loading: restart, which pushes current again
-                self.current = weights
-                self._recover(w, e, 0)
+                got = self._wait_each(refs, f"loading weight version {weights.version}")
+            except BaseException:
+                self.current = previous
+                raise
+            results = []
+            for w, r in zip(targets, got):
+                w.version = weights.version   # loaded here, or by _recover's push
+                if r is not None:
+                    results.append(r)
+                    self._midrequest_pushes += bool(r.get("midrequest", False))
         load_s = time.perf_counter() - t0
         self.current = weights
         nbytes = max([int(r.get("bytes", 0)) for r in results] + [weights.bytes])
@@ -583,7 +654,14 @@ class GeneratorPool:
         learner_lp = ray.get(weights.probe_ref, timeout=self.timeout_s) \
             if isinstance(weights.probe_ref, ray.ObjectRef) else weights.probe_ref
         targets = targets or self.workers
-        got = ray.get([w.handle.prompt_logprobs.remote([self.probe]) for w in targets], timeout=self.timeout_s)
+        for w in targets:
+            engine_kill_point("check", self.batch_index, w.index, w.handle)
+
+        def start(w: _Worker):
+            return w.handle.prompt_logprobs.remote([self.probe])
+
+        got = self._wait_each([(w, start(w)) for w in targets],   # a restarted worker holds self.current
+                              f"the weight-sync check of version {weights.version}", again=start)
         gaps = [compare_probe(lp[0], learner_lp, tol=self.cfg.check_weight_sync_tol, baseline=self.check_baseline,
                               max_mult_prob_error=self.max_mult_prob_error, worker=w.index,
                               version=weights.version) for w, lp in zip(targets, got)]

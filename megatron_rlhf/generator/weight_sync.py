@@ -372,20 +372,23 @@ class BroadcastTransport(WeightTransport):
         engine_tensor_parallel: vLLM TP ranks per engine (each joins every group).
         bucket_bytes: bytes per bucket / wire chunk.
         with_checksum: workers also return a SHA-256 of the bytes they received (tests, debugging).
-        learner_plan_bytes: the memory plan's bytes of one learner GPU (``tools/plan_memory.py``'s
-            learner total without the staging); the exporters decide from it, once, whether their
-            staging lives on the device (``megatron_rlhf.sync.staging.plan_staging``). None: host
-            staging on a GPU (the choice that cannot run it out of memory).
+        learner_plan_bytes: the memory plan's resident bytes of one learner GPU per pipeline stage,
+            ``{stage: bytes}`` (``megatron_rlhf.memory_plan.learner_plan_bytes``: what
+            ``tools/plan_memory.py`` counts without the staging); each stage's exporter decides from
+            its entry, once, at its first publish, whether its staging lives on the device
+            (``megatron_rlhf.sync.staging.plan_staging`` against its GPU's total memory). None, or
+            no entry for a stage: host staging on a GPU (the choice that cannot run it out of memory).
     """
 
     name = "broadcast"
     collective = True
 
     def __init__(self, engine_tensor_parallel: int = 1, bucket_bytes: int = 256 * 2**20,
-                 with_checksum: bool = False, learner_plan_bytes: float | None = None):
+                 with_checksum: bool = False, learner_plan_bytes: dict[int, float] | None = None):
         self.tp = int(engine_tensor_parallel)
         self.bucket_bytes = int(bucket_bytes)
-        self.learner_plan_bytes = learner_plan_bytes
+        self.learner_plan_bytes = (None if learner_plan_bytes is None
+                                   else {int(k): float(v) for k, v in learner_plan_bytes.items()})
         self.with_checksum = bool(with_checksum)
         import threading
 
@@ -734,7 +737,7 @@ def check_transport_layout(generator_cfg, learner_cfg, *, gpu_memory_gib: float 
 
 
 def make_transport(generator_cfg, run_dir: str | os.PathLike, timeout_s: float = 1800.0,
-                   learner_plan_bytes: float | None = None) -> WeightTransport:
+                   learner_plan_bytes: dict[int, float] | None = None) -> WeightTransport:
     """The transport ``generators.transport`` names (``filesystem`` writes under
     ``<run_dir>/weight_sync``; ``nccl`` is ``broadcast``; ``learner_plan_bytes``: see
     :class:`BroadcastTransport`)."""

@@ -183,7 +183,8 @@ class MegatronLearner:
         self.padded_vocab = padded_vocab_size(self.vocab_size, tp)
         self.model_spec = learner_model_spec(self.hf_config, learner_cfg, dtype=self.dtype,
                                              cuda=not self.platform.is_cpu,
-                                             te=self.platform.transformer_engine)
+                                             te=self.platform.transformer_engine,
+                                             wgrad_kernel=self.platform.fused_wgrad_kernel)
         self.sequence_parallel = self.model_spec.sequence_parallel
         self.tconfig = self.model_spec.config
         self.policy = self._build()
@@ -202,13 +203,13 @@ class MegatronLearner:
             iter(getattr(self.optimizer, "chained_optimizers", None) or []), None)
         inner = getattr(inner, "optimizer", inner)
         log.info("MegatronLearner rank %d/%d (tp %d, pp %d, dp %d) ready in %.1f s (%s, %d local params; "
-                 "spec %s, core attention %s; optimizer %s(%s))",
+                 "spec %s, core attention %s, gradient_accumulation_fusion %s; optimizer %s(%s))",
                  self.groups.rank, world_size, self.tp_rank, self.pp_rank, self.dp_rank,
                  time.perf_counter() - t0, self.hf_config.model_type,
                  sum(p.numel() for p in self.policy.parameters()),
                  "transformer_engine" if self.platform.transformer_engine else "local",
                  getattr(layer.self_attention.submodules.core_attention, "__name__", "?"),
-                 type(self.optimizer).__name__, type(inner).__name__ if inner is not None else "-")
+                 self.tconfig.gradient_accumulation_fusion, type(self.optimizer).__name__, type(inner).__name__ if inner is not None else "-")
 
     # ----------------------------------------------------------------------------- building
     def _check_divisible(self) -> None:
@@ -385,6 +386,31 @@ class MegatronLearner:
             for rows, v in part:
                 out[list(rows)] = v
         return out
+
+    def reference_logprobs(self, input_ids, loss_mask, temperature: float = 1.0) -> dict | None:
+        """The reference's token logprobs of completions, for the eval's KL on fresh samples
+        (``eval.kl_ref``, :mod:`megatron_rlhf.trainer.evaluate`): the forward-only reference pass
+        of :meth:`train_step`'s step 3, each row cut to its real length.
+
+        Args:
+            input_ids, loss_mask: ``[B, S]`` (right-padded; mask 1 on completion tokens).
+            temperature: as in :meth:`token_logprobs` (the eval's sampling temperature).
+        Returns:
+            on last-stage ranks ``{"logprobs": [B, S] float32 CPU (nats; 0 beyond each row's last
+            masked position), "reference_version": the weight version the reference equals}``;
+            None on other pipeline stages.
+        """
+        ids = torch.as_tensor(input_ids, dtype=torch.long)
+        mask = torch.as_tensor(loss_mask, dtype=torch.float32)
+        b, s = ids.shape
+        lengths = row_lengths(mask, s, b)
+        mbs = self._microbatches(ids, self._plans(lengths)[self.dp_rank], lengths, loss_mask=mask)
+        toks = self._forward_token_logprobs(self.reference, mbs, temperature=temperature)
+        if not self.groups.is_last_stage:
+            return None
+        out = self._full(mbs, toks, b, s)
+        out[torch.arange(s)[None, :] >= torch.tensor(lengths)[:, None]] = 0.0   # padding: packed or not
+        return {"logprobs": out, "reference_version": int(self.reference_version)}
 
     # ----------------------------------------------------------------------------- training
     def train_step(self, batch: LearnerBatch) -> dict[str, float]:

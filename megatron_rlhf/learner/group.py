@@ -181,6 +181,13 @@ class LearnerGroup:
         ids, mask = ray.put(input_ids), ray.put(loss_mask)
         return self._all("sequence_logprobs", ids, mask, which, temperature)[self._report]
 
+    def reference_logprobs(self, input_ids, loss_mask, temperature: float = 1.0):
+        """``{"logprobs": [B, S], "reference_version"}`` (see :meth:`MegatronLearner.reference_logprobs`)."""
+        import ray
+
+        ids, mask = ray.put(input_ids), ray.put(loss_mask)
+        return self._all("reference_logprobs", ids, mask, temperature)[self._report]
+
     def export_weights(self, bucket_bytes: int = 256 * 2**20) -> list[Any]:
         """HF-named buckets of the policy as a list of ``ray.ObjectRef`` (each of a
         ``dict[str, Tensor]`` of at most ``bucket_bytes``), in HF checkpoint order; accepted as is

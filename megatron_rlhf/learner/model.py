@@ -64,7 +64,8 @@ class LearnerModelSpec:
     sequence_parallel: bool
 
 
-def learner_model_spec(hf_config, learner_cfg, *, dtype, cuda: bool, te: bool) -> LearnerModelSpec:
+def learner_model_spec(hf_config, learner_cfg, *, dtype, cuda: bool, te: bool,
+                       wgrad_kernel: bool = False) -> LearnerModelSpec:
     """The exact ``TransformerConfig`` and layer spec of a learner, from the platform facts.
 
     The learner calls it with its platform's facts (``cuda = not platform.is_cpu``,
@@ -84,6 +85,9 @@ def learner_model_spec(hf_config, learner_cfg, *, dtype, cuda: bool, te: bool) -
         learner_cfg: ``LearnerConfig``.
         dtype: parameter dtype (``torch.dtype`` or its name).
         cuda, te: CUDA available; megatron's TE extension live (``te`` needs ``cuda``).
+        wgrad_kernel: APEX's ``fused_weight_gradient_mlp_cuda`` imports
+            (``platform.fused_wgrad_kernel``; with ``cuda`` and ``te`` it turns on
+            ``gradient_accumulation_fusion``: :func:`megatron_rlhf.platform.grad_accumulation_fusion`).
     Raises:
         ValueError: unsupported architecture, ``te`` without ``cuda``, refused recomputation.
     """
@@ -96,7 +100,7 @@ def learner_model_spec(hf_config, learner_cfg, *, dtype, cuda: bool, te: bool) -
     if pp > 1:
         fields.update(variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
     fields.update(recompute_fields(learner_cfg.recompute, learner_cfg.recompute_modules, te=te))
-    fields.update(transformer_fields(cuda=cuda, te=te))
+    fields.update(transformer_fields(cuda=cuda, te=te, wgrad_kernel=wgrad_kernel))
     config = transformer_config_from_hf(hf_config, dtype=dtype, tp=tp, pp=pp, **fields)
     return LearnerModelSpec(config=config, layer_spec=layer_spec(config, te=te), sequence_parallel=sp)
 

@@ -41,7 +41,7 @@ from typing import Iterable, Iterator
 import torch
 
 from megatron_rlhf.convert.hf_io import apply_umask_permissions, copy_non_weight_files
-from megatron_rlhf.convert.llama import ParamRule, align_names
+from megatron_rlhf.convert.rules import ParamRule, align_names
 from megatron_rlhf.convert.sharding import (HFCheckpointReader, fuse_hf, iter_rules, shard,
                                             split_to_hf, unshard)
 from megatron_rlhf.sync.wire import entry, pack_tensors, plan_layout

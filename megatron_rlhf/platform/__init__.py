@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from megatron_rlhf.platform.engine_args import engine_env, engine_fit, engine_kwargs
 
 __all__ = ["Platform", "get_platform", "engine_kwargs", "engine_env", "engine_fit",
-           "transformer_fields", "layer_spec", "recompute_fields", "CUDA_ONLY_FIELDS",
+           "transformer_fields", "layer_spec", "recompute_fields", "CUDA_ONLY_FIELDS", "grad_accumulation_fusion",
            "micro_batch_length_multiple", "bf16_peak_flops", "cpu_bf16_support"]
 
 
@@ -82,18 +82,44 @@ def bf16_peak_flops(device_name: str) -> float | None:
 
 #: ``TransformerConfig`` fields the GPU learner sets that need CUDA kernels to *run* (not to
 #: build): ``bias_activation_fusion`` (megatron's ``bias_swiglu_impl`` under ``torch.compile``,
-#: Triton) and ``apply_rope_fusion`` (TE's fused RoPE; only with TE). A CPU test of the GPU
-#: variant turns exactly these off.
-CUDA_ONLY_FIELDS = ("bias_activation_fusion", "apply_rope_fusion")
+#: Triton), ``apply_rope_fusion`` (TE's fused RoPE; only with TE) and
+#: ``gradient_accumulation_fusion`` (TE's and APEX's wgrad GEMMs into ``main_grad``; only with
+#: both, :func:`grad_accumulation_fusion`). A CPU test of the GPU variant turns exactly these off.
+CUDA_ONLY_FIELDS = ("bias_activation_fusion", "apply_rope_fusion", "gradient_accumulation_fusion")
 
 
-def transformer_fields(*, cuda: bool, te: bool) -> dict:
+def grad_accumulation_fusion(*, cuda: bool, te: bool, wgrad_kernel: bool) -> bool:
+    """Whether the learner sets ``TransformerConfig.gradient_accumulation_fusion`` (review 2, N8).
+
+    On, deliberately, when all of these hold: CUDA; Transformer Engine (its linear layers then
+    accumulate each weight gradient straight into the fp32 ``main_grad`` in the wgrad GEMM,
+    ``fuse_wgrad_accumulation``, instead of a bf16 ``.grad`` plus an add per layer, as Megatron-LM
+    trains); and APEX's ``fused_weight_gradient_mlp_cuda`` kernel (``wgrad_kernel``:
+    :func:`megatron_rlhf.platform.gpu.have_fused_wgrad_kernel`), because the flag is one field for
+    every linear layer and GPTModel's output layer stays a megatron ``ColumnParallelLinear``, whose
+    constructor refuses the flag without that kernel. The ``main_grad`` path it writes into is
+    always there for what trains: the policy and PPO's critic are wrapped in megatron DDP
+    (``learner/optim.py``, ``grad_reduce_in_fp32=True``: fp32 ``main_grad`` buffers); the frozen
+    reference runs forward only (TE touches ``main_grad`` only in backward). Off otherwise: on CPU
+    (no such kernels); on a GPU without TE (the fallback spec, kept exactly as CI rehearses it on
+    CPU: ``learner_model_spec(cuda=True, te=False)``); and with TE but without APEX
+    (``requirements/gpu.txt`` leaves APEX optional, so that is what ``tools/setup_gpu.sh``
+    installs): there the cost is one extra bf16 wgrad tensor and an add per linear layer and
+    micro-batch.
+    """
+    return bool(cuda and te and wgrad_kernel)
+
+
+def transformer_fields(*, cuda: bool, te: bool, wgrad_kernel: bool = False) -> dict:
     """The ``TransformerConfig`` fields that differ between platforms.
 
     CPU: ``use_cpu_initialization=True`` (megatron allocates weights on the host). CUDA:
-    weights allocated on the device, fused SwiGLU (``bias_activation_fusion``) and, with TE,
+    weights allocated on the device, fused SwiGLU (``bias_activation_fusion``), with TE,
     TE's fused RoPE (``apply_rope_fusion``; megatron-core 0.16 checks it against SwiGLU and
-    Llama-3.1 RoPE scaling in ``TransformerConfig.__post_init__``).
+    Llama-3.1 RoPE scaling in ``TransformerConfig.__post_init__``), and
+    ``gradient_accumulation_fusion`` as :func:`grad_accumulation_fusion` decides (``wgrad_kernel``:
+    APEX's ``fused_weight_gradient_mlp_cuda`` imports). ``masked_softmax_fusion`` and
+    ``bias_dropout_fusion`` stay off on both (``convert.mapping.transformer_config_from_hf`` says why).
 
     Raises:
         ValueError: ``te`` without ``cuda`` (Transformer Engine is CUDA-only).
@@ -110,6 +136,7 @@ def transformer_fields(*, cuda: bool, te: bool) -> dict:
     # stream-ordered (req.wait() makes the compute stream wait for NCCL's; the allocator records
     # the buffers on NCCL's stream), so the sync guards nothing here. PP=1 never reaches it.
     return {"use_cpu_initialization": False, "bias_activation_fusion": True, "apply_rope_fusion": te,
+            "gradient_accumulation_fusion": grad_accumulation_fusion(cuda=cuda, te=te, wgrad_kernel=wgrad_kernel),
             "batch_p2p_sync": False}
 
 
@@ -195,6 +222,17 @@ class Platform:
         from megatron_rlhf.platform import gpu
 
         return gpu.have_transformer_engine()
+
+    @property
+    def fused_wgrad_kernel(self) -> bool:
+        """Whether APEX's ``fused_weight_gradient_mlp_cuda`` kernel is usable: False on CPU; on GPU
+        :func:`megatron_rlhf.platform.gpu.have_fused_wgrad_kernel` (what
+        :func:`grad_accumulation_fusion` needs besides TE)."""
+        if self.is_cpu:
+            return False
+        from megatron_rlhf.platform import gpu
+
+        return gpu.have_fused_wgrad_kernel()
 
     def install(self, function_mode: bool = True) -> bool:
         """CPU: install the torch-level CUDA->CPU shims (``platform.cpu.install``; idempotent);

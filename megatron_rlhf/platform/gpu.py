@@ -14,7 +14,7 @@ import os
 
 import torch
 
-__all__ = ["te_layer_spec", "seed", "have_transformer_engine", "TransformerEngineMismatch",
+__all__ = ["te_layer_spec", "seed", "have_transformer_engine", "have_fused_wgrad_kernel", "TransformerEngineMismatch",
            "LEARNER_CUDA_ENV", "apply_learner_cuda_env"]
 
 log = logging.getLogger(__name__)
@@ -102,6 +102,20 @@ def have_transformer_engine() -> bool:
         f"transformer-engine[pytorch]{TE_RANGE}, built with --no-build-isolation; "
         "tools/setup_gpu.sh), or uninstall transformer-engine to train with the device-agnostic "
         "spec (SDPA attention, torch norms)")
+
+
+def have_fused_wgrad_kernel() -> bool:
+    """Whether APEX's ``fused_weight_gradient_mlp_cuda`` extension imports (built with
+    ``--cpp_ext --cuda_ext``; optional in ``requirements/gpu.txt``). megatron-core's own linear layers
+    need it for ``gradient_accumulation_fusion`` (GPTModel's output layer is a
+    ``tensor_parallel.ColumnParallelLinear`` even with the TE spec, and its constructor raises
+    without it); the same import megatron does (megatron-core 0.16.1 ``tensor_parallel/layers.py``,
+    ``_grad_accum_fusion_available``)."""
+    try:
+        import fused_weight_gradient_mlp_cuda  # noqa: F401
+    except Exception:   # ImportError, or OSError from a CUDA library it was built against
+        return False
+    return True
 
 
 def te_layer_spec(config):

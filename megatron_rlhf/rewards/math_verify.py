@@ -322,9 +322,14 @@ class MathVerifyReward:
 
     def _restart(self, inflight: dict, todo: list, tries: list, rewards: list, killed: bool = False) -> None:
         """Rebuild the pool; in-flight items go back to the queue (retried once, then scored 0 as
-        errors). ``killed``: we killed a stuck worker, so the others' items are not at fault."""
+        errors). ``killed``: we killed a stuck worker, so the others' items are not at fault. One
+        line on stderr says so (a recovery: ``recovery/reward_worker_restarts``)."""
         self.num_restarts += 1
         self._kill_pool()
+        print(f"[megatron-rlhf] WARNING math-verify: "
+              f"{'an item ran past timeout_s, its worker was killed' if killed else 'a worker process died'}; "
+              f"the worker pool is rebuilt (restart {self.num_restarts}) and {len(inflight)} items in flight "
+              "are scored again", file=sys.stderr, flush=True)
         for fut, (i, _) in list(inflight.items()):
             if killed or tries[i] < 2:
                 if killed:

@@ -5,9 +5,7 @@ Nothing complete is thrown away (issue 23):
 * **Surplus groups.** A request that was running when a batch's quotas filled finishes with
   trainable groups beyond the quota. They go to the next batch, per task, with their weight
   version (:class:`Carry.add_surplus`): there they count toward the task's quota first (oldest
-  first) and toward its staleness; a group is dropped only when it would reach the learner older
-  than ``async.max_staleness`` (counted as ``rollout/dropped_stale``). Per task, so the exact
-  per-batch task mix still holds.
+  first) and toward its staleness. Per task, so the exact per-batch task mix still holds.
 * **Parked partial requests** (``generators.partial_rollouts``). When the quotas are full the
   requests still running are aborted (vLLM ``abort_request``), and each prompt's K samples are
   parked as a :class:`PartialGroup`: finished samples as they are, unfinished ones
@@ -20,7 +18,24 @@ Nothing complete is thrown away (issue 23):
   rollout and AReaL's interruptible generation (``areal/core/workflow_executor.py``: on a weight
   update the running requests are interrupted and resubmitted with the tokens generated so far).
 
-Both are part of the checkpoint: :meth:`Carry.state_dict` encodes them in the on-disk batch
+Carried work has its own staleness bound, ``async.max_carry_staleness`` (default
+``max_staleness + 1``; :meth:`Carry.requeue_stale`). Under one-step async batch k is generated with
+version k-1 and trained at version k, so what it leaves over (version k-1) would be 2 versions old
+in batch k+1: one bound for fresh and carried work (as before issue 35) dropped all of it but
+batch 0's, and the parked long tail first. With the separate bound it trains in batch k+1 with the
+loss's importance correction: each token keeps the sampling logprob of the version that sampled
+it (a continued sample's prefix that of the old version, its rest that of the new), and the
+policy-gradient losses weight each token against it (``algorithm.is_correction``). What is older
+still (carried twice, or parked again) is not lost: its samples are discarded and its prompt goes
+back in front of the sampler (:attr:`Carry.requeued`, drawn again before new prompts:
+``rollout/requeued_stale``). slime's ``--partial-rollout`` continues aborted samples whatever their
+age and can mask their old prefix out of the loss (``--mask-offpolicy-in-partial-rollout``,
+``slime/rollout/sglang_rollout.py``); masking drops exactly the long-tail tokens partial rollouts
+exist to keep, and changes a pair's sequence logprob for Online DPO, so here the prefix trains,
+corrected, under a bound. verl's fully-async mode bounds the fraction of stale samples in a
+batch (``async_training.staleness_threshold``); here the bound is on age, as for fresh work.
+
+All three are part of the checkpoint: :meth:`Carry.state_dict` encodes them in the on-disk batch
 format (``rollout.batch_io.group_to_dict``), inside the producer state a checkpoint keeps, so a
 resumed run trains them as the uninterrupted one would.
 """
@@ -90,15 +105,19 @@ def continue_completion(prefix: Completion, rest: Completion) -> Completion:
 
 @dataclass
 class Carry:
-    """Surplus groups (per task, in arrival order) and parked partial groups between batches.
+    """Surplus groups (per task, in arrival order), parked partial groups and requeued prompts
+    between batches.
 
     Attributes:
         surplus: task -> trainable :class:`RolloutGroup` s beyond an earlier batch's quota.
         parked: :class:`PartialGroup` s to continue first in the next batch.
+        requeued: task -> prompts of carried work too stale to train (:meth:`requeue_stale`),
+            drawn again before the sampler's next prompts (:meth:`take_requeued`).
     """
 
     surplus: dict[str, list[RolloutGroup]] = field(default_factory=dict)
     parked: list[PartialGroup] = field(default_factory=list)
+    requeued: dict[str, list[Prompt]] = field(default_factory=dict)
 
     def add_surplus(self, group: RolloutGroup) -> None:
         self.surplus.setdefault(group.prompt.task, []).append(group)
@@ -110,25 +129,39 @@ class Carry:
         out, self.surplus[task] = mine[:max(0, limit)], mine[max(0, limit):]
         return out
 
-    def drop_stale(self, batch_index: int, bound: int) -> dict[str, int]:
-        """Drop what batch ``batch_index`` may not train: groups whose oldest token is more than
-        ``bound`` versions older than the learner's version when it trains the batch
-        (``batch_index``). Returns task -> groups dropped (surplus and parked)."""
+    def requeue_stale(self, batch_index: int, bound: int) -> dict[str, int]:
+        """Take out what batch ``batch_index`` may not train and requeue its prompts.
+
+        A surplus group or parked group is too stale when its oldest token is more than ``bound``
+        versions (``async.max_carry_staleness``) older than the learner's version when it trains
+        the batch (``batch_index``); its samples are discarded and its prompt appended to
+        :attr:`requeued` (in carry order: surplus oldest first, then parked).
+
+        Returns:
+            task -> groups requeued (surplus and parked).
+        """
         oldest = batch_index - bound
-        dropped: dict[str, int] = {}
+        out: dict[str, int] = {}
+
+        def requeue(prompt: Prompt) -> None:
+            self.requeued.setdefault(prompt.task, []).append(prompt)
+            out[prompt.task] = out.get(prompt.task, 0) + 1
+
         for task, gs in self.surplus.items():
-            keep = [g for g in gs if g.weight_version >= oldest]
-            if len(keep) < len(gs):
-                dropped[task] = dropped.get(task, 0) + len(gs) - len(keep)
-            self.surplus[task] = keep
-        keep_p = []
+            for g in sorted((g for g in gs if g.weight_version < oldest), key=lambda g: g.weight_version):
+                requeue(g.prompt)
+            self.surplus[task] = [g for g in gs if g.weight_version >= oldest]
         for p in self.parked:
-            if p.weight_version >= oldest:
-                keep_p.append(p)
-            else:
-                dropped[p.prompt.task] = dropped.get(p.prompt.task, 0) + 1
-        self.parked = keep_p
-        return dropped
+            if p.weight_version < oldest:
+                requeue(p.prompt)
+        self.parked = [p for p in self.parked if p.weight_version >= oldest]
+        return out
+
+    def take_requeued(self, task: str, limit: int) -> list[Prompt]:
+        """Up to ``limit`` requeued prompts of ``task``, first requeued first (removed)."""
+        mine = self.requeued.get(task, [])
+        out, self.requeued[task] = mine[:max(0, limit)], mine[max(0, limit):]
+        return out
 
     def take_parked(self) -> list[PartialGroup]:
         out, self.parked = self.parked, []
@@ -144,7 +177,8 @@ class Carry:
         from megatron_rlhf.rollout.batch_io import group_to_dict
 
         return {"surplus": {t: [group_to_dict(g) for g in gs] for t, gs in self.surplus.items() if gs},
-                "parked": [group_to_dict(p) for p in self.parked]}
+                "parked": [group_to_dict(p) for p in self.parked],
+                "requeued": {t: [group_to_dict(p) for p in ps] for t, ps in self.requeued.items() if ps}}
 
     @classmethod
     def from_state_dict(cls, state: dict | None) -> "Carry":
@@ -157,4 +191,5 @@ class Carry:
         parked = [PartialGroup(prompt=prompt_from_dict(p["prompt"]),
                                completions=tuple(completion_from_dict(c) for c in p["completions"]))
                   for p in state.get("parked", [])]
-        return cls(surplus=surplus, parked=parked)
+        requeued = {t: [prompt_from_dict(p) for p in ps] for t, ps in state.get("requeued", {}).items()}
+        return cls(surplus=surplus, parked=parked, requeued=requeued)

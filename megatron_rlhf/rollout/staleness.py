@@ -3,11 +3,14 @@
 staleness(sample) = learner weight version at train time - the OLDEST version that generated
 any of its tokens (``Completion.weight_version``, the version of its first token; with inflight
 updates a completion may continue under newer weights, recorded in ``weight_version_last``, and
-the batch's ``weight_version`` is the oldest over its completions). Online DPO has no importance
-correction, so a pair (or group) with a sample older than ``async.max_staleness`` is dropped and counted
-(Noukhovitch et al. 2024 bound the off-policyness instead of correcting it). Under the producer's
-handshake this never happens (batch k is generated with a version >= k - bound, and the learner
-trains it at version k); the check guards the invariant.
+the batch's ``weight_version`` is the oldest over its completions). A pair (or group) with a
+sample older than the bound is dropped and counted; the learner's bound is the larger of
+``async.max_staleness`` (fresh work: batch k is generated with a version >= k - bound, and the
+learner trains it at version k) and ``async.max_carry_staleness`` (work carried from an earlier
+batch, ``rollout.carry``, which the producer requeues beyond it), so under both this never happens
+and the check guards the invariants. Online DPO has no importance correction: it trains what the
+bounds let through uncorrected (Noukhovitch et al. 2024 bound the off-policyness instead of
+correcting it); the policy-gradient losses weight each token against its sampling logprob.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ def split_by_staleness(pairs, learner_version: int, max_staleness: int, unit: st
     Args:
         pairs: the batch's preference pairs or :class:`RolloutGroup` s.
         learner_version: the learner's weight version when it trains this batch (>= 0).
-        max_staleness: ``async.max_staleness`` (>= 0).
+        max_staleness: the bound (>= 0): ``async.max_staleness``, or the carry bound when larger.
         unit: ``algorithm.unit`` (which rollouts of a group are trained; see :func:`trained_rollouts`).
     Returns:
         ``(kept, metrics)``; metrics: ``staleness/max`` and ``staleness/mean`` over all trained

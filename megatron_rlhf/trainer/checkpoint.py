@@ -30,12 +30,13 @@ Layout of one checkpoint::
       MANIFEST.json       # written last: size and checksum of every other file (verify_manifest)
     reference_vK/         # the frozen reference, saved once per reference version K and shared:
                           # a step's learner/reference.json names the one it uses; rotation
-                          # deletes a reference_vK only when no kept checkpoint names it
+                          # deletes a reference_vK only when no kept checkpoint names it;
+                          # its own MANIFEST.json is written with the first checkpoint using it
 
 Verified before trusted (:meth:`CheckpointManager.resumable`): on start the newest checkpoint
 whose manifest verifies is used; a damaged newer one (a file missing, truncated, changed or not
-listed; an unreadable ``trainer_state.json``) is moved aside to ``step_N.damaged-<UTC time>`` (never
-deleted) and named. The manifest holds each file's size and SHA-256, the whole file up to
+listed; an unreadable ``trainer_state.json``; a damaged shared ``reference_vK`` it uses) is moved
+aside to ``step_N.damaged-<UTC time>`` (never deleted) and named, and so is a damaged reference. The manifest holds each file's size and SHA-256, the whole file up to
 ``FULL_HASH_MAX_BYTES`` (16 MiB: ``trainer_state.json``, ``learner_state*.pt``, dist_checkpointing's
 ``.metadata``/``common.pt``, batches), and for larger files (the model and optimizer shards) the
 SHA-256 of their first and last MiB. Why not a full hash: SHA-256 runs at about 0.5-1 GB/s per
@@ -61,12 +62,11 @@ import json
 import os
 import re
 import shutil
-import time
 from pathlib import Path
 from typing import Callable
 
 from megatron_rlhf.utils.faults import kill_point
-from megatron_rlhf.utils.atomic import fsync_dir, fsync_file, write_json, write_text
+from megatron_rlhf.utils.atomic import fsync_dir, fsync_file, move_aside, write_json, write_text
 
 __all__ = ["CheckpointManager", "CheckpointError", "PendingCheckpoint", "Resumable", "MANIFEST", "write_manifest",
            "verify_manifest", "FULL_HASH_MAX_BYTES"]
@@ -206,6 +206,9 @@ class CheckpointManager:
             kill_point("save", step)
             write_json(tmp / "trainer_state.json", pending.trainer_state, indent=1)
             write_text(tmp / "COMPLETE", f"step {step}\n")
+            for ref in _references(tmp):   # the shared reference, once (complete now: its writers are done)
+                if ref.is_dir() and not (ref / MANIFEST).is_file():
+                    write_manifest(ref, step)
             write_manifest(tmp, step)   # last: covers every file above
             if final.exists():  # a previous incomplete or superseded save of the same step
                 shutil.rmtree(final)
@@ -240,8 +243,7 @@ class CheckpointManager:
         (:mod:`megatron_rlhf.learner.checkpoint`)."""
         used = set()
         for _, ckpt in self.complete_checkpoints():
-            for marker in ckpt.glob("*/reference.json"):
-                used.add((marker.parent / json.loads(marker.read_text())["dir"]).resolve())
+            used.update(_references(ckpt))
         for ref in self.root.glob("reference_v*"):
             if ref.is_dir() and ref.resolve() not in used:
                 shutil.rmtree(ref, ignore_errors=True)
@@ -251,13 +253,15 @@ class CheckpointManager:
         """The newest checkpoint whose manifest verifies, and the damaged newer ones.
 
         Reads every checkpoint's ``trainer_state.json`` and verifies its manifest, newest first,
-        until one passes. Changes nothing on disk (:meth:`move_aside` does, once the run is
-        accepted).
+        until one passes; then the manifest of the shared ``reference_vK`` it names (written once,
+        with the first checkpoint that uses it; a reference written before references had one is
+        trusted). A damaged reference is listed itself, and every checkpoint using it is damaged
+        too. Changes nothing on disk (:meth:`move_aside` does, once the run is accepted).
 
         Returns:
             :class:`Resumable` (``path`` None when no checkpoint verifies).
         """
-        damaged = []
+        damaged, bad_refs = [], {}
         for _, path in reversed(self.complete_checkpoints()):
             try:
                 state = _read_state(path)
@@ -266,24 +270,30 @@ class CheckpointManager:
                 continue
             if not (path / MANIFEST).is_file():
                 return Resumable(path, state, damaged, verified=False)
-            problem = verify_manifest(path)
+            problem = verify_manifest(path) or self._reference_problem(path, bad_refs)
             if problem is None:
-                return Resumable(path, state, damaged, verified=True)
+                return Resumable(path, state, [*bad_refs.items(), *damaged], verified=True)
             damaged.append((path, problem))
-        return Resumable(None, None, damaged, verified=False)
+        return Resumable(None, None, [*bad_refs.items(), *damaged], verified=False)
+
+    @staticmethod
+    def _reference_problem(path: Path, bad_refs: dict) -> str | None:
+        """What is wrong with the shared reference(s) checkpoint ``path`` names (None: intact,
+        or written without a manifest); a damaged one is added to ``bad_refs`` (path -> reason)."""
+        for ref in _references(path):
+            if ref not in bad_refs and (ref / MANIFEST).is_file():
+                problem = verify_manifest(ref)
+                if problem is not None:
+                    bad_refs[ref] = problem
+            if ref in bad_refs:
+                return f"the shared reference {ref.name} it uses is damaged ({bad_refs[ref]})"
+        return None
 
     def move_aside(self, path: Path) -> Path:
-        """Rename a damaged checkpoint ``step_N`` to ``step_N.damaged-<UTC time>`` in the same folder
-        (never deleted; no longer a checkpoint for resume or rotation); returns the new path."""
-        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-        dest = path.with_name(f"{path.name}.damaged-{stamp}")
-        n = 1
-        while dest.exists():
-            n += 1
-            dest = path.with_name(f"{path.name}.damaged-{stamp}-{n}")
-        os.rename(path, dest)
-        fsync_dir(self.root)
-        return dest
+        """Rename a damaged checkpoint ``step_N`` (or shared ``reference_vK``) to
+        ``<name>.damaged-<UTC time>`` in the same folder (never deleted; no longer a checkpoint for
+        resume or rotation, :func:`~megatron_rlhf.utils.atomic.move_aside`); returns the new path."""
+        return move_aside(path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,6 +338,19 @@ def _read_state(path: Path) -> dict:
     if not isinstance(state, dict) or not isinstance(state.get("step"), int):
         raise ValueError(f"{f} holds no step number")
     return state
+
+
+def _references(folder: Path) -> list[Path]:
+    """The shared reference folders a checkpoint (or its temporary folder) names in its
+    ``*/reference.json`` (``megatron_rlhf.learner.checkpoint``), resolved; an unreadable marker
+    names none (the manifest reports it)."""
+    out = []
+    for marker in folder.glob("*/reference.json"):
+        try:
+            out.append((marker.parent / json.loads(marker.read_text())["dir"]).resolve())
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return out
 
 
 def _digest(path: Path, size: int) -> dict:

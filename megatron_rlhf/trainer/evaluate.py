@@ -20,6 +20,26 @@ What is scored, per task (``Evaluator.evaluate``; one weight version per eval):
   ``0``/``1``, one character per prompt: is its greedy completion correct; other tasks: the list of
   greedy rewards, 4 decimals) and ``eval/<task>/ids`` (each prompt's row number in its file), so two
   evals of the same prompts can be compared paired (McNemar);
+* with ``eval.kl_ref`` (default on) and ``eval.samples`` > 0, the KL of the evaluated policy to
+  the reference on fresh samples: every task's prompts get ``eval.samples`` sampled completions
+  (math: the mean@k ones; other tasks: sampled for this alone, not scored), all from the evaluated
+  weight version (checked), and the learner scores them with its reference (one forward-only pass,
+  ``MegatronLearner.reference_logprobs``, at the eval's sampling temperature). The policy side is
+  the generator's own sampling logprobs of those tokens: they are the evaluated version's (the
+  eval refuses completions of any other version), and the learner may already hold newer weights
+  (async), so it cannot recompute them. :func:`kl_ref_metrics` gives ``eval/<task>/kl_ref`` (mean
+  k3 per completion token, nats/token, with ``/se`` clustered by prompt), ``kl_ref_k1`` and
+  ``kl_ref_seq`` (k3 summed per completion, nats/completion, ``/se`` over prompts), plus
+  ``eval/reference_version`` and ``time/eval_kl_ref_s``. k3 (``exp(d) - d - 1``, ``d = log pi_ref -
+  log pi``) because it is unbiased for samples of pi and >= 0 on every token, so its mean is >= 0
+  and a small numerical gap between the generator's and the learner's kernels adds only
+  ``d^2 / 2`` (k1's mean moves by the gap itself and goes negative on a finite sample); k1 is kept
+  beside it. It is the KL of the distribution sampled (``softmax(logits / temperature)``): with
+  ``generators.top_p < 1`` that is the truncated one, and ``kl_ref`` is > 0 even before any update.
+  On the producer's thread the eval only submits the reference pass; the row waits for
+  it (:class:`EvalService`), so generation goes on meanwhile. Without samples or without a
+  reference (``tools/evaluate.py`` loads none) the row has no ``kl_ref`` and
+  ``eval/kl_ref_skipped`` says why;
 * when the prompts carry a cluster id (``Prompt.group``: the arithmetic rows' ``product``, the same
   for every wording and both orders of a x b): ``eval/<task>/groups`` (per prompt, eval order),
   ``eval/<task>/num_clusters`` and each value's ``.../se_cluster``, the cluster-robust standard
@@ -38,7 +58,9 @@ learner and its engines may already hold a newer version when the request arrive
 scores that version and records it: ``eval/weight_version`` is always the version scored.) ``tools/evaluate.py`` runs the same :class:`Evaluator` on a pool of a fresh
 vLLM engine of any HF folder.
 
-Sources: pass@k and the mean of k samples as in Chen et al. 2021 ("Evaluating Large Language
+Sources: KL estimators k1 and k3 of Schulman 2020 ("Approximating KL divergence"); KL to the
+reference on samples of the evaluated policy as the x-axis of Noukhovitch et al. 2024's
+reward-KL frontier (Fig. 3-4). pass@k and the mean of k samples as in Chen et al. 2021 ("Evaluating Large Language
 Models Trained on Code", sec. 2.1, k = 1 greedy); standard error of a mean over prompts as in
 Miller 2024 ("Adding Error Bars to Evals", eq. 1), clustered as in its clustered standard
 errors with the CR1 small-sample factor G / (G - 1) of Cameron and Miller 2015 ("A Practitioner's Guide to
@@ -58,7 +80,11 @@ from typing import Callable
 from megatron_rlhf.types import Prompt
 
 __all__ = ["mean_se", "cluster_se", "pass_at_k", "heldout_order", "split_eval_prompts", "Evaluator", "EvalService",
-           "PendingRows", "eval_due", "eval_keys_of", "eval_metrics", "format_eval_line"]
+           "PendingRows", "eval_due", "eval_keys_of", "eval_metrics", "format_eval_line", "kl_ref_metrics",
+           "KL_REF_SKIPPED"]
+
+KL_REF_SKIPPED = "eval/kl_ref_skipped"
+"""Row key (a string) saying why an eval with ``eval.kl_ref`` on has no ``eval/<task>/kl_ref``."""
 
 
 def mean_se(values: list[float]) -> tuple[float, float]:
@@ -245,6 +271,67 @@ def eval_metrics(task: str, kind: str, greedy_rewards: list[float], greedy_lens:
     return out
 
 
+def kl_ref_metrics(task: str, policy_logprobs: list, ref_logprobs: list, prompt_ids: list) -> dict:
+    """KL(policy || reference) of one task from its eval's sampled completions (module docstring).
+
+    Args:
+        task: task name.
+        policy_logprobs: ``[C][L_c]`` the sampling logprob of each token of completion c under the
+            evaluated policy (``Completion.logprobs``, nats, after temperature).
+        ref_logprobs: ``[C][L_c]`` the same tokens' logprobs under the reference, at the same
+            temperature. Tokens whose policy or reference logprob is not finite are left out.
+        prompt_ids: ``[C]`` the prompt each completion samples (its cluster).
+    Returns:
+        ``eval/<task>/kl_ref``: mean per-token k3 = ``exp(d) - d - 1``, ``d = ref - policy``, over
+        every kept token (nats/token; >= 0); ``kl_ref/se``: its standard error clustered by prompt
+        (:func:`cluster_se` of the per-token values: a ratio estimator's delta-method se);
+        ``kl_ref_k1``: the mean of ``policy - ref`` (unbiased, either sign); ``kl_ref_seq`` and
+        ``/se``: k3 summed over each completion, averaged per prompt, mean and se over prompts
+        (nats/completion); ``kl_ref_tokens``. Empty when no token is kept.
+    Raises:
+        ValueError: the three lists differ in length, or a completion's two logprob lists do.
+    Source: Schulman 2020, "Approximating KL divergence" (k1, k3), via
+    :func:`megatron_rlhf.losses._common.kl_estimate`.
+    """
+    import torch
+
+    from megatron_rlhf.losses._common import kl_estimate
+
+    if not len(policy_logprobs) == len(ref_logprobs) == len(prompt_ids):
+        raise ValueError(f"kl_ref_metrics({task!r}): {len(policy_logprobs)} policy, {len(ref_logprobs)} "
+                         f"reference and {len(prompt_ids)} prompt entries")
+    if any(len(a) != len(b) for a, b in zip(policy_logprobs, ref_logprobs)):
+        raise ValueError(f"kl_ref_metrics({task!r}): a completion has policy and reference logprobs "
+                         "of different lengths")
+    width = max((len(a) for a in policy_logprobs), default=0)
+    if width == 0:
+        return {}
+    pol = torch.zeros(len(policy_logprobs), width, dtype=torch.float64)
+    ref = torch.zeros_like(pol)
+    for i, (a, b) in enumerate(zip(policy_logprobs, ref_logprobs)):
+        pol[i, :len(a)] = torch.tensor(a, dtype=torch.float64)
+        ref[i, :len(b)] = torch.tensor(b, dtype=torch.float64)
+    lengths = torch.tensor([len(a) for a in policy_logprobs])
+    mask = ((torch.arange(width)[None, :] < lengths[:, None]) & torch.isfinite(pol)
+            & torch.isfinite(ref)).double()
+    pol, ref = torch.where(mask > 0, pol, 0.0), torch.where(mask > 0, ref, 0.0)
+    k3, k1 = kl_estimate(pol, ref, mask, "k3"), kl_estimate(pol, ref, mask, "k1")
+    on = mask > 0
+    if not bool(on.any()):
+        return {}
+    tok_k3 = k3[on].tolist()
+    tok_groups = [prompt_ids[i] for i in on.nonzero()[:, 0].tolist()]
+    per_seq = (k3 * mask).sum(-1).tolist()
+    by_prompt: dict = {}
+    for pid, v in zip(prompt_ids, per_seq):
+        by_prompt.setdefault(pid, []).append(v)
+    pre = f"eval/{task}/"
+    out = {pre + "kl_ref": sum(tok_k3) / len(tok_k3), pre + "kl_ref/se": cluster_se(tok_k3, tok_groups),
+           pre + "kl_ref_k1": float(k1[on].mean()), pre + "kl_ref_tokens": len(tok_k3)}
+    out[pre + "kl_ref_seq"], out[pre + "kl_ref_seq/se"] = mean_se([sum(v) / len(v) for v in by_prompt.values()])
+    return out
+
+
 def eval_keys_of(row: dict) -> list[str]:
     """The ``eval/...`` keys of a metrics row, in row order."""
     return [k for k in row if k.startswith("eval/")]
@@ -258,32 +345,57 @@ class Evaluator:
         eval_by_task: task name -> held-out prompts (:func:`split_eval_prompts`).
         kinds: task name -> ``TaskConfig.kind``.
         reward_fns: task name -> ``(prompts, completions) -> rewards`` (the trainer's scorers).
-        eval_cfg: ``EvalConfig`` (``samples``, ``temperature``, ``pass_at_k``).
+        eval_cfg: ``EvalConfig`` (``samples``, ``temperature``, ``pass_at_k``, ``kl_ref``).
         sample_temperature: ``generators.temperature`` (used when ``eval.temperature`` is null).
         log: console lines (None: silent): one as the eval starts, one every
             ``progress_every_s`` seconds while it generates, and its result
             (:func:`format_eval_line`).
+        reference: the learner's reference pass for ``eval.kl_ref``: ``reference(input_ids [B][S],
+            loss_mask [B][S], temperature)`` submits it and returns a function that waits for
+            ``{"logprobs": [B, S], "reference_version": int}`` (the trainer wraps
+            ``MegatronLearner.reference_logprobs``); None: no reference model here, no ``kl_ref``.
     """
 
     def __init__(self, pool, eval_by_task: dict[str, list[Prompt]], kinds: dict[str, str],
                  reward_fns: dict[str, Callable], eval_cfg, sample_temperature: float,
-                 log: Callable[[str], None] | None = None, progress_every_s: float = 30.0):
+                 log: Callable[[str], None] | None = None, progress_every_s: float = 30.0,
+                 reference: Callable | None = None):
         self.pool, self.eval_by_task, self.kinds, self.reward_fns = pool, eval_by_task, kinds, reward_fns
         self.samples = eval_cfg.samples
         self.pass_ks = list(getattr(eval_cfg, "pass_at_k", ()) or ())
         self.temperature = eval_cfg.temperature if eval_cfg.temperature is not None else sample_temperature
         self.log, self.progress_every_s = log, progress_every_s
+        self.reference = reference
+        self.kl_ref = bool(getattr(eval_cfg, "kl_ref", False))
+        self.kl_skipped = None   # why eval.kl_ref gives no value (None: it does, or it is off)
+        if self.kl_ref:
+            if self.samples == 0:
+                self.kl_skipped = ("eval.samples=0: no sampled completions to measure it on (eval.samples=1 "
+                                   "adds one per prompt)")
+            elif reference is None:
+                self.kl_skipped = ("no reference model loaded (the learner holds it; tools/evaluate.py "
+                                   "runs a generator alone)")
+        self._told = False
 
     def evaluate(self, step: int, weights=None) -> dict:
         """Push ``weights`` (a ``PublishedWeights``; None: what the pool holds) to every worker
-        that holds an older version, then score every task (module docstring).
+        that holds an older version, then score every task (module docstring); waits for the
+        reference pass of ``kl_ref`` (:meth:`start` and its finishing function in one call).
 
         Returns:
             the row fields: ``eval/step`` = ``step``, ``eval/weight_version``, ``eval/k``,
-            ``time/eval_s`` (push + generation + scoring seconds), ``eval/<task>/...``.
+            ``time/eval_s`` (push + generation + scoring seconds), ``eval/<task>/...``; with
+            ``kl_ref`` also ``eval/reference_version`` and ``time/eval_kl_ref_s`` (seconds from the
+            reference pass's submission to its result, overlapping other work).
         Raises:
             RuntimeError: a completion came from another weight version than the one evaluated.
         """
+        return self.start(step, weights)()
+
+    def start(self, step: int, weights=None) -> Callable[[], dict]:
+        """Generate and score (as :meth:`evaluate`) and submit the reference pass of ``kl_ref``;
+        returns the function that waits for that pass and gives :meth:`evaluate`'s fields (it
+        logs the result line). Generation-side errors raise here, the reference pass's in it."""
         t0 = time.perf_counter()
         if weights is not None and weights.version > min(self.pool.versions()):
             self.pool.push(weights, only_stale=True)
@@ -291,26 +403,37 @@ class Evaluator:
         tasks = [t for t, ps in self.eval_by_task.items() if ps]   # a task too small to hold any out: none
         prompts = [p for t in tasks for p in self.eval_by_task[t]]
         math_prompts = [p for p in prompts if self.kinds[p.task] == "math_verify"]
+        kl_on = self.kl_ref and self.kl_skipped is None
+        sample_prompts = (prompts if kl_on else math_prompts) if self.samples > 0 else []
         label = "eval before step 1" if step == 0 else f"eval after step {step}"
         stage = [f"greedy completions of {len(prompts)} prompts"]
         if self.log is not None:
+            what = "prompt (KL to the reference)" if kl_on else "math prompt"
             self.log(f"{label}: " + ", ".join(f"{t} {len(self.eval_by_task[t])}" for t in tasks)
-                     + " held-out prompts, greedy" + (f" + {self.samples} samples of each math prompt"
-                                                     if math_prompts and self.samples > 0 else "") + "...")
+                     + " held-out prompts, greedy" + (f" + {self.samples} samples of each {what}"
+                                                     if sample_prompts else "") + "...")
+            if self.kl_skipped is not None and not self._told:   # once per run
+                self.log(f"eval: no KL to the reference (eval.kl_ref): {self.kl_skipped}")
+                self._told = True
         with _Heartbeat(self.log, lambda: f"{label}: {stage[0]}... {time.perf_counter() - t0:.0f} s",
                         self.progress_every_s):
             greedy = self.pool.generate(prompts, 1, temperature=0.0)
-            stage[0] = f"{self.samples} sampled completions of {len(math_prompts)} math prompts"
-            sampled = (self.pool.generate(math_prompts, self.samples, temperature=self.temperature)
-                       if math_prompts and self.samples > 0 else [])
+            stage[0] = (f"{self.samples} sampled completions of {len(sample_prompts)} "
+                        + ("prompts" if kl_on else "math prompts"))
+            sampled = (self.pool.generate(sample_prompts, self.samples, temperature=self.temperature)
+                       if sample_prompts else [])
             seen = {v for g in (*greedy, *sampled) for c in g
                     for v in (c.weight_version, getattr(c, "weight_version_last", c.weight_version))}
             if seen - {version}:   # (no eval prompt at all: nothing generated, nothing to check)
                 raise RuntimeError(f"eval at step {step}: completions came from weight versions {sorted(seen)}, "
                                    f"expected only {version} (a weight push during the eval)")
+            t_ref = time.perf_counter()
+            wait_ref = self._submit_reference(sample_prompts, sampled) if kl_on and sampled else None
             stage[0] = "scoring"
+            by_prompt = {id(p): g for p, g in zip(sample_prompts, sampled)}
+            math_sampled = [by_prompt[id(p)] for p in math_prompts] if sampled else []
             greedy_r = self._score(prompts, [[g[0]] for g in greedy])
-            sampled_r = self._score(math_prompts, sampled) if sampled else []
+            sampled_r = self._score(math_prompts, math_sampled) if math_sampled else []
         by_math = {id(p): r for p, r in zip(math_prompts, sampled_r)}
         out: dict = {"eval/step": step, "eval/weight_version": version, "eval/k": self.samples}
         for t in tasks:
@@ -320,9 +443,46 @@ class Evaluator:
                                     [len(greedy[i][0].token_ids) for i in idx], samp, self.pass_ks,
                                     ids=[prompts[i].index for i in idx],
                                     groups=[getattr(prompts[i], "group", "") for i in idx]))
+        if self.kl_skipped is not None:
+            out[KL_REF_SKIPPED] = self.kl_skipped
         out["time/eval_s"] = time.perf_counter() - t0
-        if self.log is not None:
-            self.log(format_eval_line(label, out))
+
+        def finish() -> dict:
+            if wait_ref is not None:
+                out.update(self._kl_fields(sample_prompts, sampled, wait_ref()))
+                out["time/eval_kl_ref_s"] = time.perf_counter() - t_ref
+            if self.log is not None:
+                self.log(format_eval_line(label, out))
+            return out
+        return finish
+
+    def _submit_reference(self, prompts: list[Prompt], sampled: list[list]) -> Callable[[], dict]:
+        """Submit the reference pass over every sampled completion (prompt + completion tokens,
+        right-padded with 0, mask 1 on the completion) at the eval's temperature."""
+        rows = [(list(p.token_ids), list(c.token_ids)) for p, g in zip(prompts, sampled) for c in g]
+        width = max(len(a) + len(b) for a, b in rows)
+        ids = [a + b + [0] * (width - len(a) - len(b)) for a, b in rows]
+        mask = [[0] * len(a) + [1] * len(b) + [0] * (width - len(a) - len(b)) for a, b in rows]
+        return self.reference(ids, mask, self.temperature)
+
+    def _kl_fields(self, prompts: list[Prompt], sampled: list[list], got: dict) -> dict:
+        """``kl_ref_metrics`` of every task from the reference pass ``got`` (row order of
+        :meth:`_submit_reference`), plus ``eval/reference_version``."""
+        ref = got["logprobs"]
+        ref = ref.tolist() if hasattr(ref, "tolist") else ref
+        per_task: dict[str, tuple[list, list, list]] = {}
+        row = 0
+        for j, (p, g) in enumerate(zip(prompts, sampled)):
+            pol_l, ref_l, pid_l = per_task.setdefault(p.task, ([], [], []))
+            for c in g:
+                n, start = len(c.token_ids), len(p.token_ids)
+                pol_l.append([float(x) for x in c.logprobs])
+                ref_l.append([float(x) for x in ref[row][start:start + n]])
+                pid_l.append(j)
+                row += 1
+        out: dict = {"eval/reference_version": got.get("reference_version")}
+        for t, (pol_l, ref_l, pid_l) in per_task.items():
+            out.update(kl_ref_metrics(t, pol_l, ref_l, pid_l))
         return out
 
     def _score(self, prompts: list[Prompt], groups: list[list]) -> list[list[float]]:
@@ -353,9 +513,13 @@ def format_eval_line(label: str, fields: dict) -> str:
             txt = f"{t} pass@1 {round(p * n)}/{n} = {p:.3f} +- {fields[pre + 'pass@1/se']:.3f}"
             if pre + "mean@k" in fields:
                 txt += f", mean@{fields.get('eval/k')} {fields[pre + 'mean@k']:.3f}"
-            parts.append(txt)
         elif pre + "reward_mean" in fields:
-            parts.append(f"{t} reward {fields[pre + 'reward_mean']:.2f} +- {fields[pre + 'reward_mean/se']:.2f}")
+            txt = f"{t} reward {fields[pre + 'reward_mean']:.2f} +- {fields[pre + 'reward_mean/se']:.2f}"
+        else:
+            continue
+        if pre + "kl_ref" in fields:
+            txt += f", KL to the reference {fields[pre + 'kl_ref']:.2e} nats/token"
+        parts.append(txt)
     return f"{label}: " + "; ".join(parts) + f" ({fields.get('time/eval_s', 0.0):.0f} s)"
 
 
@@ -394,6 +558,10 @@ class EvalService:
     for generation; the rollout producer calls :meth:`serve_pending` at the top of every batch and
     right after its weight handshake, and :meth:`serve_until_closed` after its last batch, so
     an eval always finds the pool at a version <= the one requested and pushes exactly it.
+
+    An eval's generation and scoring run on the calling (producer) thread; its finishing part
+    (waiting for the learner's reference pass of ``eval.kl_ref``) on a thread of its own, which
+    resolves the request's future.
 
     Consumes: requests (loop). Waits for: nothing (``serve_pending``) or the next request
     (``serve_until_closed``). Unblocked by: :meth:`request`, :meth:`close`.
@@ -452,9 +620,22 @@ class EvalService:
         if not fut.set_running_or_notify_cancel():
             return
         try:
-            fut.set_result(self.evaluator.evaluate(step, weights))
+            finish = self.evaluator.start(step, weights)
         except BaseException as e:  # noqa: BLE001 - raised in the loop when it reads the result
             fut.set_exception(e)
+            return
+        # the reference pass of eval.kl_ref runs on the learner: the row waits for it, the
+        # producer does not (it goes on generating; a learner call queued behind a weight export
+        # that waits for the producer's push would otherwise never start)
+        threading.Thread(target=_resolve, args=(fut, finish), name=f"eval-{step}-finish", daemon=True).start()
+
+
+def _resolve(fut: Future, finish: Callable[[], dict]) -> None:
+    """``fut``'s result (or error) is ``finish()``'s (:meth:`Evaluator.start`)."""
+    try:
+        fut.set_result(finish())
+    except BaseException as e:  # noqa: BLE001 - raised in the loop when it reads the result
+        fut.set_exception(e)
 
 
 def eval_due(eval_cfg, num_steps: int, done: int, published: bool) -> bool:
@@ -536,7 +717,8 @@ class PendingRows:
             raise error
 
     def _result(self, fut: Future) -> dict | None:
-        """The eval's fields; None when it was cancelled or the producer ended without serving it.
+        """The eval's fields; None when it was cancelled or the producer ended without serving it
+        (an eval it served and whose reference pass is still running is waited for).
 
         Raises:
             the eval's own error; ``ProducerError``: generation failed while the eval waited;
@@ -550,7 +732,8 @@ class PendingRows:
                 return fut.result(timeout=1.0)
             except TimeoutError:
                 pass
-            if not self.thread.is_alive() and not fut.done():
+            # served (running: its finishing thread resolves it) or not served by a producer that ended
+            if not self.thread.is_alive() and not fut.done() and not fut.running():
                 try:
                     item = self.batches.get_nowait()
                 except queue.Empty:

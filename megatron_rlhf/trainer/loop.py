@@ -4,7 +4,8 @@
     generator thread (RolloutProducer): batch k waits for version >= k - bound, is generated,
         scored and paired, then queued (maxsize 1).
     learner loop (:func:`train`): take batch k; staleness of every sample = own version - its
-        version (groups older than async.max_staleness dropped and counted); train; version += 1;
+        version (fresh groups within async.max_staleness, carried ones within
+        async.max_carry_staleness; older ones dropped and counted); train; version += 1;
         every async.sync_interval batches publish the weights (exported on the learner through the
         weight transport; pushed to the M generator engines by the producer); checkpoint every
         checkpoint.interval steps; evaluate (trainer.evaluate) before step 1, every eval.interval
@@ -14,7 +15,10 @@
 
 With ``async.sync: true`` the bound is 0, so batch k waits for the weights of step k: generate,
 train, sync strictly in turn (the on-policy A/B baseline, staleness always 0). With bound 1 the
-first batch has staleness 0 and every later one exactly 1.
+first batch has staleness 0 and every later one exactly 1. With ``async.max_staleness: auto`` each
+row goes to :meth:`StalenessController.update` (``rollout.staleness_control``), which may move the
+bound by one for the batches generated next; each batch is checked against the bound it was
+generated under.
 
 What each side waits for: the learner loop waits for the queue (``time/learner_idle_s``) and is
 unblocked by the producer putting a batch; the producer waits for the weight version its next
@@ -36,7 +40,6 @@ from megatron_rlhf.trainer.run import Run
 from megatron_rlhf.trainer.run_lock import hold_run_folder
 from megatron_rlhf.trainer.setup import StoppedBeforeStart, resolve_model_dir
 from megatron_rlhf.utils.faults import kill_point
-from megatron_rlhf.rollout.staleness import split_by_staleness
 from megatron_rlhf.types import LearnerBatch
 
 __all__ = ["train", "resolve_model_dir", "RunResult", "LearnerDiedError"]
@@ -119,7 +122,8 @@ def _loop(run: Run, stop: "_StopFlag", quiet: bool) -> RunResult:
                **batch.stats,   # the rollouts' numbers win over a learner key of the same name
                "time/train_s": train_s, "time/learner_idle_s": learner_idle,
                **sync, "sync/GBps": batch.stats.get("sync/GBps", 0.0), **run.checkpoint_metrics(),
-               "time/step_s": time.perf_counter() - t_wait}
+               **run.recovery_metrics(), "time/step_s": time.perf_counter() - t_wait}
+        row.update(run.staleness.update(row))   # async/max_staleness; with auto, maybe moved
         rows.add(row, futures)
         kill_point("row", done)
         bar.update(row["time/step_s"], reward=f"{row['reward/mean']:.3f}", stale=stale["staleness/max"],
@@ -159,18 +163,24 @@ def _flush_and_save(run: Run, rows: PendingRows, done: int, version: int, batch,
 
 
 def _learner_batch(run: Run, batch, version: int, step: int):
-    """The :class:`LearnerBatch` of ``batch`` at learner ``version`` and its staleness metrics
-    (groups older than ``async.max_staleness`` are dropped and counted).
+    """The :class:`LearnerBatch` of ``batch`` at learner ``version`` and its staleness metrics:
+    groups older than both ``async.max_staleness`` and the carry bound
+    (``async.max_carry_staleness``) are dropped and counted; only carried ones
+    (``rollout/carried_trained`` + ``rollout/partial_trained``) may be older than the first.
 
     Raises:
-        RuntimeError: fewer groups than DP ranks survive the staleness bound (a broken handshake).
+        RuntimeError: fewer groups than DP ranks survive the bound, or more groups are older than
+            ``async.max_staleness`` than the batch carried (a broken handshake).
     """
     cfg, unit = run.cfg, run.cfg.algorithm.unit
-    groups, stale = split_by_staleness(batch.groups, version, cfg.async_.max_staleness, unit)
-    if len(groups) < cfg.learner.data_parallel:
+    groups, stale, fresh, carry = run.staleness.split(batch, version, unit)   # the batch's bounds (auto)
+    carried = batch.stats.get("rollout/carried_trained", 0) + batch.stats.get("rollout/partial_trained", 0)
+    older = sum(version - g.weight_version > fresh for g in groups)
+    if len(groups) < cfg.learner.data_parallel or older > carried:
         raise RuntimeError(f"step {step}: {len(batch.groups) - len(groups)} groups are older than "
-                           f"async.max_staleness={cfg.async_.max_staleness} ({stale}); the weight "
-                           "handshake is broken")
+                           f"async.max_carry_staleness={carry} and {older} (of {carried} "
+                           f"carried) older than async.max_staleness={fresh} ({stale}); the "
+                           "weight handshake is broken")
     return LearnerBatch.from_groups(groups, unit, run.pad_id), stale
 
 

@@ -5,7 +5,8 @@ Keys are namespaced and carry their units (``time/gen_s``, ``response/len_mean_t
 tools read them, so names are kept stable. Required keys of every row: ``step``,
 ``weight_version``, ``staleness/max``, ``reward/mean``, ``pairs/count``, ``pairs/skipped_prompts``,
 ``loss/total``, ``time/gen_s``, ``time/train_s``, ``time/sync_s``, ``time/learner_idle_s``,
-``time/generator_idle_s``, ``response/len_mean_tokens``.
+``time/generator_idle_s``, ``response/len_mean_tokens``, ``async/max_staleness`` (the staleness bound
+in force, fixed or chosen by ``async.max_staleness: auto``).
 
 Exactly one row per trained step, whatever crashed: a run that resumes from the checkpoint of
 step N keeps the rows of steps 1..N and moves every row above N (written after that checkpoint,
@@ -34,15 +35,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MetricsLogger", "StepProgress", "json_safe", "REQUIRED_KEYS", "adopt_rows", "summarize", "summarize_evals", "task_names",
-           "time_breakdown",
+__all__ = ["MetricsLogger", "StepProgress", "json_safe", "REQUIRED_KEYS", "adopt_rows", "read_rows", "summarize",
+           "summarize_evals", "task_names", "time_breakdown", "RECOVERY_KINDS", "recovery_totals",
            "wandb_run_id", "open_tensorboard", "TENSORBOARD_DIR"]
 
 TENSORBOARD_DIR = "tensorboard"
 """The TensorBoard folder inside the run folder (``tensorboard --logdir <run>/tensorboard``)."""
 
-EVAL_METRICS = ("pass@1", "mean@k", "reward_mean", "len_mean_tokens")
-"""Per-task eval values (``eval/<task>/<name>`` with ``.../se``; ``trainer.evaluate``), besides
+EVAL_METRICS = ("pass@1", "mean@k", "reward_mean", "len_mean_tokens", "kl_ref")
+"""Per-task eval values (``eval/<task>/<name>`` with ``.../se``; ``trainer.evaluate``; ``kl_ref``:
+KL to the reference on fresh samples, nats/token), besides
 ``pass@<k>_unbiased`` (``eval.pass_at_k``; :func:`is_eval_metric`)."""
 
 
@@ -52,10 +54,24 @@ def is_eval_metric(name: str) -> bool:
     return name in EVAL_METRICS or (name.startswith("pass@") and name.endswith("_unbiased")
                                     and name[5:-9].isdigit())
 
+RECOVERY_KINDS = ("reward_worker_restarts", "generator_restarts", "checkpoint_fallbacks", "damaged_files")
+"""The recoveries a run counts: ``recovery/<kind>`` in each row is how many happened since the
+previous row (the first row of a session also counts its start-up's: checkpoint fallbacks and
+damaged files moved aside, ``trainer.readback``); the summary's ``recoveries`` sums them over the
+run (:func:`recovery_totals`). Reward-worker restarts are math-verify pool rebuilds (a worker
+killed or stuck), generator restarts are engines restarted by Ray (``generator.pool``), a
+checkpoint fallback is a damaged checkpoint moved aside for an older one."""
+
+
+def recovery_totals(rows: list[dict]) -> dict[str, int]:
+    """``{kind: sum of recovery/<kind> over rows}`` for every kind of :data:`RECOVERY_KINDS`."""
+    return {k: int(sum(r.get(f"recovery/{k}") or 0 for r in rows)) for k in RECOVERY_KINDS}
+
+
 REQUIRED_KEYS = ("step", "weight_version", "staleness/max", "reward/mean", "pairs/count",
                  "pairs/skipped_prompts", "loss/total", "time/gen_s", "time/train_s", "time/sync_s",
                  "time/learner_idle_s", "time/generator_idle_s", "response/len_mean_tokens",
-                 "sync/learner_blocked_s", "sync/GBps", "time/checkpoint_s")
+                 "sync/learner_blocked_s", "sync/GBps", "time/checkpoint_s", "async/max_staleness")
 
 
 def json_safe(v: Any) -> Any:
@@ -86,6 +102,10 @@ class MetricsLogger:
     Attributes:
         rows: every row of the run so far (earlier sessions' kept rows first).
         aside: the file the discarded rows were moved to, or None.
+        unreadable: lines of ``metrics.jsonl`` that were no metrics row (damaged, or torn by a
+            crash), moved to ``aside``.
+        missing: steps ``1..resume_step`` of which ``metrics.jsonl`` held no row.
+        damaged_notes: one line per damaged file this logger found (the ``wandb_id``).
         adopted_wall_s: sum of ``time/step_s`` over the kept rows of earlier sessions.
         tensorboard_dir: ``<run>/tensorboard`` (``logging.tensorboard``), or None.
     Raises:
@@ -96,7 +116,10 @@ class MetricsLogger:
     def __init__(self, run_dir: str | os.PathLike, logging_cfg, config_dict: dict | None = None, *,
                  resume_step: int = 0):
         self.path = Path(run_dir) / "metrics.jsonl"
-        self.rows, self.aside = adopt_rows(self.path, resume_step)
+        self.rows, self.aside, self.unreadable = adopt_rows(self.path, resume_step)
+        have = {r["step"] for r in self.rows}
+        self.missing = [s for s in range(1, resume_step + 1) if s not in have]
+        self.damaged_notes: list[str] = []
         self.adopted_wall_s = sum(r.get("time/step_s") or 0.0 for r in self.rows)
         self._wandb = self._tb = self.tensorboard_dir = None
         if logging_cfg.tensorboard:
@@ -108,7 +131,13 @@ class MetricsLogger:
 
             self._wandb = wandb.init(project=logging_cfg.wandb_project, mode=logging_cfg.wandb_mode,
                                      dir=str(run_dir), name=Path(run_dir).name, config=config_dict,
-                                     id=wandb_run_id(run_dir), resume="allow")
+                                     id=wandb_run_id(run_dir, self.damaged_notes.append), resume="allow")
+
+    @property
+    def damaged_count(self) -> int:
+        """Damaged files this logger found (a recovery, ``recovery/damaged_files``): ``metrics.jsonl``
+        with unreadable lines or missing rows, and the ``wandb_id``."""
+        return int(bool(self.unreadable or self.missing)) + len(self.damaged_notes)
 
     def log(self, row: dict) -> dict:
         """Write one step's metrics (values made JSON-plain; NaN/inf become null). A
@@ -245,44 +274,87 @@ def _wait_past_event_files(log_dir: Path) -> None:
         time.sleep(0.05)
 
 
-def wandb_run_id(run_dir: str | os.PathLike) -> str:
+def wandb_run_id(run_dir: str | os.PathLike, note=None) -> str:
     """The wandb run id of this run folder, kept in ``<run>/wandb_id`` (made on first use), so a
     requeued or resumed run logs into the same wandb run (``wandb.init(id=..., resume="allow")``;
-    wandb docs, "Resume a run")."""
-    path = Path(run_dir) / "wandb_id"
-    if path.is_file() and path.read_text().strip():
-        return path.read_text().strip()
-    import uuid
+    wandb docs, "Resume a run"). A damaged file (not one id of letters, digits, ``-`` and ``_``)
+    is moved aside and a new id made (a new wandb run); ``note`` gets its one line."""
+    import re
 
-    from megatron_rlhf.utils.atomic import write_text
+    from megatron_rlhf.utils.atomic import move_aside, write_text
+
+    path = Path(run_dir) / "wandb_id"
+    if path.is_file():
+        try:
+            text = path.read_bytes().decode("utf-8").strip()
+        except (OSError, UnicodeDecodeError) as e:
+            text, why = "", f"{type(e).__name__}"
+        else:
+            why = "empty" if not text else "not a wandb run id"
+        if re.fullmatch(r"[A-Za-z0-9_-]{1,128}", text):
+            return text
+        dest = move_aside(path)
+        (note or (lambda m: None))(f"wandb_id is damaged ({why}): moved aside to {dest.name}; a new wandb "
+                                   "run id is made (the earlier wandb run is not continued)")
+    import uuid
 
     run_id = uuid.uuid4().hex[:16]
     write_text(path, run_id + "\n")
     return run_id
 
 
-def adopt_rows(path: Path, resume_step: int) -> tuple[list[dict], Path | None]:
+def _parse_row(line: str) -> dict | None:
+    """One line of ``metrics.jsonl`` as a row (a JSON object with an integer ``step``), else None."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(row, dict) or isinstance(row.get("step"), bool) or not isinstance(row.get("step"), int):
+        return None
+    return row
+
+
+def read_rows(path: Path) -> tuple[list[dict], int]:
+    """The rows of ``metrics.jsonl`` at ``path`` in file order, and how many non-empty lines were no
+    row (damaged or torn); ``([], 0)`` when there is no file. Reads only."""
+    try:
+        text = path.read_bytes().decode("utf-8", errors="surrogateescape")
+    except FileNotFoundError:
+        return [], 0
+    rows, bad = [], 0
+    for line in text.splitlines():
+        row = _parse_row(line)
+        if row is not None:
+            rows.append(row)
+        elif line.strip():
+            bad += 1
+    return rows, bad
+
+
+def adopt_rows(path: Path, resume_step: int) -> tuple[list[dict], Path | None, int]:
     """Keep the rows of steps ``1..resume_step`` of ``path`` (the last copy of each step, in step
-    order) and move every other line aside (module doc).
+    order) and move every other line aside (module doc): rows above ``resume_step``, duplicates,
+    and lines that are no row (a JSON object with an integer ``step``: damaged, or torn by a crash).
 
     Args:
         path: ``<run>/metrics.jsonl`` (may be missing).
         resume_step: the resumed checkpoint's step (0: keep nothing).
     Returns:
-        ``(kept rows, aside file or None when nothing was moved)``.
+        ``(kept rows, aside file or None when nothing was moved, unreadable lines moved)``.
     """
     if not path.is_file():
-        return [], None
+        return [], None, 0
     kept: dict[int, dict] = {}
     moved: list[str] = []
-    for line in path.read_text(encoding="utf-8", errors="surrogateescape").splitlines():
-        try:
-            row = json.loads(line)
-            step = int(row["step"])
-        except (ValueError, KeyError, TypeError):
+    unreadable = 0
+    for line in path.read_bytes().decode("utf-8", errors="surrogateescape").splitlines():
+        row = _parse_row(line)
+        if row is None:
             if line.strip():
                 moved.append(line)
+                unreadable += 1
             continue
+        step = row["step"]
         if 1 <= step <= resume_step:
             if step in kept:
                 moved.append(json.dumps(kept[step]))
@@ -291,7 +363,7 @@ def adopt_rows(path: Path, resume_step: int) -> tuple[list[dict], Path | None]:
             moved.append(line)
     rows = [kept[k] for k in sorted(kept)]
     if not moved:
-        return rows, None
+        return rows, None, 0
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     aside = path.with_name(f"metrics.crash-resumed_at_step_{resume_step}-{stamp}.jsonl")
     from megatron_rlhf.utils.atomic import write_bytes, write_text
@@ -299,7 +371,7 @@ def adopt_rows(path: Path, resume_step: int) -> tuple[list[dict], Path | None]:
     earlier = aside.read_bytes() if aside.is_file() else b""   # same second: one file, appended
     write_bytes(aside, earlier + "".join(m + "\n" for m in moved).encode("utf-8", "surrogateescape"))
     write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
-    return rows, aside
+    return rows, aside, unreadable
 
 
 def summarize(rows: list[dict], wall_s: float, edge: int = 3) -> dict:
@@ -334,12 +406,15 @@ def summarize(rows: list[dict], wall_s: float, edge: int = 3) -> dict:
         "reward_window_steps": min(edge, len(rows)),   # steps averaged in reward_first / reward_last
         "reward_first": mean("reward/mean", rows[:edge]),
         "reward_last": mean("reward/mean", rows[-edge:]),
-        "pairs_formed": sum(r["pairs/count"] for r in rows),
+        "pairs_formed": sum(r.get("pairs/count") or 0 for r in rows),
         "prompts_drawn": sum(r.get("prompts/drawn", 0) for r in rows),
-        "prompts_skipped": sum(r["pairs/skipped_prompts"] for r in rows),
+        "prompts_skipped": sum(r.get("pairs/skipped_prompts") or 0 for r in rows),
         "pairs_surplus": sum(r.get("pairs/surplus_dropped", 0) for r in rows),
         "surplus_carried": sum(r.get("rollout/surplus_carried", 0) for r in rows),
         "partial_resumed": sum(r.get("rollout/partial_resumed", 0) for r in rows),
+        "carried_trained": sum(r.get("rollout/carried_trained", 0) for r in rows),   # leftovers trained
+        "partial_trained": sum(r.get("rollout/partial_trained", 0) for r in rows),
+        "requeued_stale": sum(r.get("rollout/requeued_stale", 0) for r in rows),
         "gen_s_mean": mean("time/gen_s", rows),
         "train_s_mean": mean("time/train_s", rows),
         "sync_s_mean": mean("time/sync_s", rows),

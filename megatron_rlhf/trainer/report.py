@@ -10,7 +10,8 @@ from ``metrics.jsonl`` (the last row per step wins after a resume), ``summary.js
 * ``kl``: ``kl/ref_k1`` / ``kl/ref_k3`` to the reference;
 * ``lengths``: completion lengths (rollouts per task, greedy eval completions);
 * ``staleness``: histogram of the staleness of every trained sample (``staleness/hist_<d>``
-  summed over steps; ``over`` = beyond ``async.max_staleness``, dropped);
+  summed over steps; ``over`` = beyond the learner's bound, the larger of ``async.max_staleness``
+  and ``async.max_carry_staleness``, dropped);
 * ``time``: seconds per step on the learner side (train, sync export, idle, other) and on the
   generator side (generation, scoring, sync, eval, idle), stacked; and the learner's throughput
   per step (``perf/learner_tokens_per_s``; model TFLOP/s ``perf/learner_tflops`` and ``perf/mfu``,

@@ -21,7 +21,7 @@ from pathlib import Path
 from megatron_rlhf.config import Config
 from megatron_rlhf.trainer.checkpoint import CheckpointManager
 from megatron_rlhf.trainer.lifecycle import LearnerDiedError, RunResult, learner_guard
-from megatron_rlhf.trainer.metrics import json_safe, summarize, time_breakdown
+from megatron_rlhf.trainer.metrics import json_safe, recovery_totals, summarize, time_breakdown
 from megatron_rlhf.rollout.producer import ProducerError, RewardError
 from megatron_rlhf.utils.faults import kill_point
 from megatron_rlhf.trainer.watchdog import prune_empty_stack_files
@@ -44,6 +44,8 @@ class Run:
         batches: the producer's output queue (``maxsize=1``: Cleanba's bounded hand-over).
         learner: the learner actor (one rank) or ``LearnerGroup`` coordinator.
         channel: the published-weights channel the producer waits on.
+        staleness: the staleness bounds in force and their controller (``async.max_staleness:
+            auto``; ``rollout.staleness_control``); its state is part of every checkpoint.
         metrics: the ``metrics.jsonl`` logger.
         pad_id: the tokenizer's pad id (learner batches).
         too_long: prompts dropped for length at load time (a per-row metric).
@@ -53,6 +55,7 @@ class Run:
         self.cfg, self.say, self.run_dir = cfg, say, cfg.run_dir
         self.timeout = cfg.async_.timeout_s
         self.learner = self.transport = self.channel = self.producer = self.thread = None
+        self.staleness = None   # rollout.staleness_control.StalenessController (set up with the producer)
         self.pool = self.metrics = self.reward = self.placement = self.evals = None
         self.rm_actors: dict = {}
         self.generators: list = []
@@ -67,6 +70,8 @@ class Run:
         self._ckpt_in_flight = None   # checkpoint.PendingCheckpoint of an asynchronous save
         self._ckpt_blocked_s = self._ckpt_write_s = 0.0   # since the last row (checkpoint_metrics)
         self._ckpt_step = 0
+        self.checkpoint_fallbacks = self.damaged_moved = 0   # set by setup.prepare (trainer.readback)
+        self._recovered: dict[str, int] = {}   # recovery totals already reported in a row
 
     @contextlib.contextmanager
     def phase(self, name: str, what: str | None = None):
@@ -117,10 +122,13 @@ class Run:
     # ----- the verbs of the loop -------------------------------------------------------------------
     def call(self, ref, what: str):
         """``ray.get`` of a learner call within ``async.timeout_s``; a dead learner raises
-        :class:`LearnerDiedError` naming the last complete checkpoint (see :func:`_learner_call`)."""
+        :class:`LearnerDiedError` naming the last complete checkpoint (see :func:`_learner_call`);
+        a timeout names the call and the file with every process's stacks (:meth:`dump_stacks`)."""
         self._calls[what] = time.monotonic()
         try:
             return _learner_call(ref, what, self.timeout, self.ckpts)
+        except TimeoutError as e:
+            raise TimeoutError(f"{e}; {self.dump_stacks('learner timeout')}") from e
         finally:
             self._calls.pop(what, None)
 
@@ -195,8 +203,11 @@ class Run:
             return idle, (self.evals.request(eval_step) if eval_step is not None and self.evals else None)
         what = f"the weight publish of version {version}"
         t0 = time.perf_counter()
-        with learner_guard(what, self.ckpts):
-            weights = self.transport.publish(self.learner, version, self.timeout, self.probe)
+        try:
+            with learner_guard(what, self.ckpts):
+                weights = self.transport.publish(self.learner, version, self.timeout, self.probe)
+        except TimeoutError as e:   # the learner's export (or a broken group) did not end in time
+            raise TimeoutError(f"{what} (training): {e}; {self.dump_stacks('weight publish timeout')}") from e
         # the object-store transport only waits for the export's ref, which is ready (as an error)
         # when the learner died: a call queued behind the export confirms it, cheaply
         self.call(self.learner.get_weight_version.remote(), what)
@@ -231,6 +242,8 @@ class Run:
         state = {"step": step, "weight_version": version, "sampler_state": last.sampler_state,
                  "rng_state": last.rng_state, "producer_state": last.producer_state,
                  "pending_batches": [b.index for b in pending], "time": time.time()}
+        if self.staleness is not None:   # the bound in force (async.max_staleness: auto)
+            state["staleness_control"] = self.staleness.state_dict()
         if pending:   # where to generate from instead, when a resume regenerates them (setup.load_pending)
             state["before_pending"] = {"sampler_state": batch.sampler_state, "rng_state": batch.rng_state,
                                        "producer_state": batch.producer_state}
@@ -319,17 +332,82 @@ class Run:
         self._ckpt_blocked_s = self._ckpt_write_s = 0.0
         return out
 
+    def recovery_metrics(self) -> dict:
+        """The recovery keys of a metrics row: ``recovery/<kind>`` (``metrics.RECOVERY_KINDS``), how
+        many recoveries of each kind happened since the previous row (the session's first row also
+        counts its start-up's). Each was also logged in one line where it happened."""
+        now = self._recovery_totals()
+        out = {f"recovery/{k}": v - self._recovered.get(k, 0) for k, v in now.items()}
+        self._recovered = now
+        return out
+
+    def _recovery_totals(self) -> dict[str, int]:
+        """This session's recoveries so far, by kind (cumulative)."""
+        damaged = self.damaged_moved + (self.metrics.damaged_count if self.metrics is not None else 0)
+        return {"reward_worker_restarts": int(getattr(self.reward, "num_restarts", 0) or 0),
+                "generator_restarts": self.pool.restarts if self.pool is not None else 0,
+                "checkpoint_fallbacks": self.checkpoint_fallbacks, "damaged_files": damaged}
+
     def next_batch(self, stop) -> "object | None":
         """The batch the loop trains next: a pending one (resumed from a checkpoint, or taken for
-        one) first, else the producer's next; ``None`` once a stop is requested."""
-        return self.pending.popleft() if self.pending else _take(self.batches, self.timeout, stop)
+        one) first, else the producer's next; ``None`` once a stop is requested.
+
+        Raises:
+            TimeoutError: none within ``async.timeout_s``: names what the rollout producer waits
+                for (:meth:`describe_wait`) and the file with every process's stacks.
+        """
+        return self.pending.popleft() if self.pending else _take(self.batches, self.timeout, stop,
+                                                                  self.describe_wait)
+
+    def describe_wait(self) -> str:
+        """What the rollout producer is stuck on, in words, for a timeout's message: its phase
+        (``scoring``, ``generation``, ``training``: waiting for the learner's weights, ``weight
+        push``), the task and reward function being scored (and for how long) or the generator
+        requests in flight, then where the stacks of every process were written
+        (:meth:`dump_stacks`)."""
+        p = self.producer
+        now = time.monotonic()
+        if p is None:
+            what = "no rollout producer runs"
+        elif p.phase_kind == "scoring" and p.scoring:
+            what = "scoring: " + "; ".join(
+                f"the reward of task {t!r} ({name}) has not returned for {now - t0:.0f} s"
+                for t, (name, t0) in list(p.scoring.items())) + f" ({p.phase}); if it is only slow, raise " \
+                "async.timeout_s, else fix the reward function (it must return)"
+        elif p.phase_kind == "generation":
+            calls = self.pool.pending_calls() if self.pool is not None else []
+            what = (f"generation ({p.phase}): " + ("; ".join(calls) if calls else "no generate request in flight")
+                    + "; a generator that hangs is restarted after async.timeout_s")
+        elif p.phase_kind == "training":
+            what = f"training ({p.phase}): the learner has not published these weights"
+        else:
+            what = f"{p.phase_kind} ({p.phase})"
+        return f"the rollout producer is in {what}; {self.dump_stacks('no rollout batch')}"
+
+    def dump_stacks(self, why: str) -> str:
+        """Write the Python stacks of every Ray worker of the run and of the driver (all threads;
+        ``trainer.watchdog.dump_actor_stacks``) to ``<run>/logs/stacks-<why>-<UTC time>.txt`` and
+        return ``"stacks of every process: <file>"`` (or why they could not be written): called when
+        a wait runs out, so the stuck call is visible in the file."""
+        from megatron_rlhf.trainer.watchdog import dump_actor_stacks
+        from megatron_rlhf.utils.atomic import write_text
+
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        path = self.run_dir / "logs" / f"stacks-{why.replace(' ', '_')}-{stamp}.txt"
+        try:
+            text = dump_actor_stacks(self.stacks_dir or self.run_dir / "logs" / "stacks", wait_s=1.0, timeout_s=10.0)
+            write_text(path, f"# {why}: stacks of every process at {stamp}\n{text}\n")
+        except Exception as e:  # noqa: BLE001 - a diagnostic must not hide the timeout itself
+            return f"the stacks could not be written ({type(e).__name__}: {e})"
+        return f"stacks of every process: {path}"
 
     def take_for_checkpoint(self, stop) -> tuple:
         """The next batch for a checkpoint to keep (it stays first in :attr:`pending`): wait for it,
         or, once a stop is requested, only if it is already there (else the resumed run
         regenerates it, with newer weights)."""
         if not self.pending:
-            b = _take(self.batches, self.timeout, stop) if not stop.requested else _poll(self.batches)
+            b = _take(self.batches, self.timeout, stop, self.describe_wait) if not stop.requested \
+                else _poll(self.batches)
             if b is not None:
                 self.pending.append(b)
         return tuple(self.pending)
@@ -358,6 +436,9 @@ class Run:
                       report=str(run_dir / "report.html"),
                       tensorboard=str(self.metrics.tensorboard_dir) if self.metrics.tensorboard_dir else None)
         result["pending_regenerated"] = getattr(self, "pending_regenerated", 0)
+        # every session's rows, and what this session recovered after its last row
+        late = {k.removeprefix("recovery/"): v for k, v in self.recovery_metrics().items()}
+        result["recoveries"] = {k: v + late[k] for k, v in recovery_totals(self.metrics.rows).items()}
         # strict JSON (jq, JavaScript): a NaN (e.g. mfu_mean on CPU) is written as null
         write_json(run_dir / "summary.json", json_safe(result), indent=1, default=str, allow_nan=False)
         _report(run_dir, result)
@@ -427,11 +508,13 @@ def _learner_call(ref, what: str, timeout: float, ckpts: CheckpointManager):
                                "(raise async.timeout_s for a slow file system or a large model)") from e
 
 
-def _take(batches: queue.Queue, timeout: float, stop) -> object | None:
+def _take(batches: queue.Queue, timeout: float, stop, describe=None) -> object | None:
     """The next batch from the producer; None when a stop was requested.
 
+    Args:
+        describe: returns what the producer waits for (:meth:`Run.describe_wait`), for the message.
     Raises:
-        TimeoutError: none within ``async.timeout_s``.
+        TimeoutError: none within ``async.timeout_s`` (with ``describe()``'s words).
         ProducerError: the producer failed (its exception attached).
     """
     deadline = time.monotonic() + timeout
@@ -439,10 +522,11 @@ def _take(batches: queue.Queue, timeout: float, stop) -> object | None:
         if stop.requested:
             return None
         try:
-            item = batches.get(timeout=1.0)
+            item = batches.get(timeout=min(1.0, max(0.05, deadline - time.monotonic())))
         except queue.Empty:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"no rollout batch within async.timeout_s={timeout:.0f} s")
+                raise TimeoutError(f"no rollout batch within async.timeout_s={timeout:.0f} s"
+                                   + (f": {describe()}" if describe is not None else ""))
             continue
         return _checked(item)
 

@@ -20,8 +20,6 @@ import threading
 import time
 from pathlib import Path
 
-import yaml
-
 from megatron_rlhf.config import Config, ConfigError, config_diff, config_to_dict, save_config
 from megatron_rlhf.generator.pool import GeneratorPool
 from megatron_rlhf.generator.weight_sync import PublishedWeights, make_transport
@@ -30,7 +28,9 @@ from megatron_rlhf.trainer.lifecycle import RunResult, learner_guard
 from megatron_rlhf.trainer.metrics import MetricsLogger
 from megatron_rlhf.trainer.preflight import (check_device, check_layout_before_conversion, check_model_source,
                                              check_task_files, preflight)
+from megatron_rlhf.trainer.readback import completed_run, config_damage, move_damaged, steps_text
 from megatron_rlhf.rollout.producer import RolloutProducer, WeightChannel
+from megatron_rlhf.rollout.staleness_control import StalenessController
 from megatron_rlhf.trainer.watchdog import HangWatchdog, dump_actor_stacks
 from megatron_rlhf.utils.stop import StoppedBeforeStart  # noqa: F401 - re-exported (a BaseException)
 
@@ -115,14 +115,18 @@ def _prepare_checked(run) -> "RunResult | None":
     found = run.ckpts.resumable() if cfg.checkpoint.resume and run.restart_aside is None else None
     run.resume_from = (found.path, found.state) if found is not None else (None, None)
     run.damaged = found.damaged if found is not None else []
-    done_before = completed_run(cfg, run.resume_from, run_dir)
+    run.damaged_files = []   # trainer.readback: damaged files to move aside once the run is accepted
+    done_before = completed_run(cfg, run.resume_from, run_dir, say, run.damaged_files)
     if done_before is not None:
         say(f"run already complete at step {cfg.run.num_steps}: nothing to train (raise run.num_steps "
             "to continue it, or pick another run.name for a new run)")
+        config_damage(run_dir, run.damaged_files, "not rewritten: the run is complete and nothing was trained now")
+        run.damaged_moved += move_damaged(run.damaged_files, say)
         changes = config_changes(cfg, run_dir / "config.yaml")
         if changes:
             say(f"note: this config differs from the one the run used ({run_dir / 'config.yaml'}); "
                 f"it was not applied: {'; '.join(changes)}")
+        done_before["recoveries"]["damaged_files"] += run.damaged_moved   # a config.yaml moved aside now
         return done_before
     path, state = run.resume_from
     run.pending, run.pending_regenerated, run.resume_states = collections.deque(), 0, None
@@ -137,8 +141,11 @@ def _prepare_checked(run) -> "RunResult | None":
         run.reward_models = resolve_reward_models(cfg)
     for task, folder in run.reward_models.items():
         say(f"task {task}: reward model {folder}{rm_accuracy(folder)}")
+    if run.restart_aside is None:
+        config_damage(run_dir, run.damaged_files, "this run's resolved config is written in its place")
     _accept_folder(run)
     return None
+
 
 
 def used_run_folder(run_dir: Path) -> str:
@@ -174,11 +181,16 @@ def _accept_folder(run) -> None:
         say(f"run.restart=true: the earlier run of this folder was moved to {run.restart_aside}; starting fresh")
     for path, why in run.damaged:
         dest = run.ckpts.move_aside(path)
-        say(f"checkpoint {path.name} is damaged ({why}): moved aside to {dest}")
+        is_step = path.name.startswith("step_")
+        say(f"{'checkpoint' if is_step else 'the shared reference'} {path.name} is damaged ({why}): "
+            f"moved aside to {dest}")
+        run.checkpoint_fallbacks += is_step
+        run.damaged_moved += not is_step
     if run.damaged:
         path = run.resume_from[0]
         say(f"falling back to {path.name}" if path is not None else
             "no intact checkpoint is left: starting from step 0")
+    run.damaged_moved += move_damaged(run.damaged_files, say)
 
 
 def accept_resume(run) -> None:
@@ -291,7 +303,8 @@ def start(run, generators: list | None, stop=None) -> None:
     live = cfg.run.mode != "train_only"   # train_only replays saved batches: no vLLM engine
     run.learner, run.generators = build_actors(cfg, run.model_dir, run.shared_generators,
                                                   run.placement, live)
-    run.transport = make_transport(cfg.generators, run.run_dir, cfg.async_.timeout_s)
+    run.transport = make_transport(cfg.generators, run.run_dir, cfg.async_.timeout_s,
+                                   learner_plan_bytes=staging_plan_bytes(cfg, run.model_dir, run.say))
     run.probe = (probe_tokens(run.sampler, cfg.generators.max_model_len)
                   if cfg.generators.check_weight_sync else None)
     with learner_guard("start-up", run.ckpts):   # polls the stop flag; names what it waits for
@@ -319,6 +332,8 @@ def start(run, generators: list | None, stop=None) -> None:
     run.channel = WeightChannel(PublishedWeights(version=0))
     check_stop(run, stop)
     run.batches = queue.Queue(maxsize=1)
+    run.staleness = StalenessController(cfg.async_, active=cfg.run.mode == "train", log=run.say,
+                                        state=(run.resume_from[1] or {}).get("staleness_control"))
     if not live:
         from megatron_rlhf.trainer.replay import ReplayProducer, check_replay_dir
 
@@ -354,16 +369,19 @@ def start(run, generators: list | None, stop=None) -> None:
                 f"{got['sync/check_mean_abs_diff']:.2e} nats (max {got['sync/check_max_abs_diff']:.2e}); "
                 f"later pushes must stay within generators.check_weight_sync_tol="
                 f"{cfg.generators.check_weight_sync_tol:g} of it")
-    run.evals = eval_service(cfg, run.pool, run.eval_by_task, fns, log=run.say)
-    bound = cfg.run.num_steps if cfg.run.mode == "rollout_only" else cfg.async_.staleness_bound
+    run.evals = eval_service(cfg, run.pool, run.eval_by_task, fns, log=run.say,
+                             reference=eval_reference(run) if cfg.eval.kl_ref else None)
+    bound = cfg.run.num_steps if cfg.run.mode == "rollout_only" else run.staleness.bound
     run.producer = RolloutProducer(   # rollout_only: never waits for weights (no training)
         pool=run.pool, sampler=run.sampler, reward_fns=fns,
         pair_fn=select_pair, channel=run.channel, out_queue=run.batches, algorithm_cfg=cfg.algorithm,
         generator_cfg=cfg.generators, staleness_bound=bound,
+        carry_staleness_bound=None if cfg.run.mode == "rollout_only" else run.staleness.carry_bound(bound),
         first_batch=run.start_step + len(run.pending), num_batches=cfg.run.num_steps,
         min_version=run.version,
         rng_state=rng_state, producer_state=producer_state, seed=cfg.run.seed, timeout_s=timeout,
         evals=run.evals)
+    run.staleness.on_change = run.producer.set_bound   # async.max_staleness: auto
     run.thread = threading.Thread(target=run.producer.run, name="rollout-producer", daemon=True)
     open_metrics(run)
 
@@ -372,11 +390,19 @@ def open_metrics(run) -> None:
     """The metrics logger (rows above the resumed step moved aside, see ``MetricsLogger``) and
     the hang watchdog."""
     cfg = run.cfg
-    run.metrics = MetricsLogger(run.run_dir, cfg.logging, config_to_dict(cfg),
-                                 resume_step=run.start_step)
-    if run.metrics.aside is not None:
-        run.say(f"metrics rows after step {run.start_step} (training lost in a crash) moved to "
-                 f"{run.metrics.aside.name}")
+    run.metrics = m = MetricsLogger(run.run_dir, cfg.logging, config_to_dict(cfg), resume_step=run.start_step)
+    n = run.start_step
+    if m.unreadable or m.missing:   # one line: what is wrong, what was moved, what happens next
+        why = [f"{m.unreadable} line{' is' if m.unreadable == 1 else 's are'} no metrics row: garbage, or torn "
+               "by a crash"] if m.unreadable else []
+        why += [f"it holds no row of step{'s' if len(m.missing) > 1 else ''} {steps_text(m.missing)}"] if m.missing else []
+        moved = f"moved aside to {m.aside.name} with any row after step {n}; " if m.aside is not None else ""
+        cover = f"; its summary and report cover the {len(m.rows)} rows left and the new ones" if m.missing else ""
+        run.say(f"metrics.jsonl is damaged ({'; '.join(why)}): {moved}the run goes on from step {n + 1}{cover}")
+    elif m.aside is not None:
+        run.say(f"metrics rows after step {n} (training lost in a crash) moved to {m.aside.name}")
+    for note in m.damaged_notes:
+        run.say(note)
     run.watchdog = HangWatchdog(
         factor=cfg.async_.watchdog_factor, min_steps=cfg.async_.watchdog_min_steps,
         pending_calls=run.pending_calls, dump_stacks=lambda: dump_actor_stacks(run.stacks_dir),
@@ -384,6 +410,7 @@ def open_metrics(run) -> None:
 
 
 # ----- helpers ------------------------------------------------------------------------------------
+
 
 def resolve_model_dir(model_cfg) -> Path:
     """The HF folder of the base model.
@@ -595,6 +622,23 @@ def load_prompts(cfg: Config, model_dir: Path):
     return sampler, counts, pad_id, eval_by_task
 
 
+def staging_plan_bytes(cfg: Config, model_dir: Path, say=lambda *a: None) -> dict[int, float] | None:
+    """The memory plan's resident bytes of one learner GPU per pipeline stage
+    (:func:`megatron_rlhf.memory_plan.learner_plan_bytes` of this config and the model's
+    ``config.json``), which the broadcast exporters decide their staging from, once (device when
+    it fits, else pinned host; each exporter logs its decision). None for the other transports,
+    or, said in one line, when the model's shape cannot be planned (host staging then)."""
+    from megatron_rlhf import memory_plan
+
+    if cfg.generators.transport not in ("broadcast", "nccl"):
+        return None
+    try:
+        return memory_plan.learner_plan_bytes(cfg, memory_plan.load_shape(str(model_dir)))
+    except (ValueError, OSError) as e:   # a config.json the plan cannot read (not a Llama/Qwen2 shape)
+        say(f"weight-sync staging: no memory plan for {model_dir} ({e}); the exporters stage in pinned host memory")
+        return None
+
+
 def probe_tokens(sampler, max_model_len: int) -> list[int]:
     """The weight-sync probe: the first task's first prompt's tokens (fixed for the run), cut to
     the context."""
@@ -602,41 +646,49 @@ def probe_tokens(sampler, max_model_len: int) -> list[int]:
     return list(first.token_ids[: max_model_len - 1])
 
 
-def eval_service(cfg: Config, pool, eval_by_task: dict, reward_fns: dict, log=None):
+def eval_service(cfg: Config, pool, eval_by_task: dict, reward_fns: dict, log=None, reference=None):
     """The ``EvalService`` of the run's held-out prompts (None with ``eval.enabled: false``);
-    ``log``: where its progress lines go (None: nowhere)."""
+    ``log``: where its progress lines go (None: nowhere); ``reference``: :func:`eval_reference`
+    (``eval.kl_ref``; None: no reference pass)."""
     if not cfg.eval.enabled:
         return None
     from megatron_rlhf.trainer.evaluate import EvalService, Evaluator
 
     return EvalService(Evaluator(pool, eval_by_task, {t.name: t.kind for t in cfg.tasks}, reward_fns,
-                                 cfg.eval, cfg.generators.temperature, log=log))
+                                 cfg.eval, cfg.generators.temperature, log=log, reference=reference))
 
 
-def completed_run(cfg: Config, latest: tuple, run_dir: Path) -> RunResult | None:
-    """The saved summary when the run folder already holds a finished run of ``run.num_steps``
-    steps (``latest`` = ``(path, trainer state)`` of the verified final checkpoint, HF export if
-    asked for, summary), so a re-run is a cheap no-op."""
-    summary = run_dir / "summary.json"
-    if latest[0] is None or latest[1]["step"] < cfg.run.num_steps or not summary.is_file():
-        return None
-    if cfg.checkpoint.export_hf and not (run_dir / "hf_final" / "config.json").is_file():
-        return None
-    result = RunResult(json.loads(summary.read_text()))
-    result["already_complete"] = True
-    return result
+def eval_reference(run):
+    """The evaluator's reference pass (``eval.kl_ref``; ``trainer.evaluate.Evaluator``'s
+    ``reference``): ``submit(input_ids, loss_mask, temperature)`` queues
+    ``MegatronLearner.reference_logprobs`` on the run's learner and returns the function that waits
+    for it (``Run.call``: within ``async.timeout_s``; a dead learner raises ``LearnerDiedError``)."""
+    import itertools
+
+    count = itertools.count(1)
+
+    def submit(input_ids, loss_mask, temperature: float):
+        ref = run.learner.reference_logprobs.remote(input_ids, loss_mask, temperature)
+        what = f"the reference pass of eval {next(count)} (eval.kl_ref, {len(input_ids)} completions)"
+        return lambda: run.call(ref, what)
+    return submit
+
+
 
 
 def config_changes(cfg: Config, saved: Path) -> list[str]:
     """``["key: old -> new", ...]`` between the config saved at ``saved`` and ``cfg``; empty when
-    there is no saved config or it cannot be read (a note only)."""
-    if not saved.is_file():
+    there is no saved config or it cannot be read (a note only; a damaged one is moved aside by
+    :func:`prepare`)."""
+    from megatron_rlhf.trainer.readback import read_yaml_mapping
+
+    old, _ = read_yaml_mapping(saved)
+    if old is None:
         return []
     try:
-        old = yaml.safe_load(saved.read_text())
-    except (OSError, yaml.YAMLError):
+        return config_diff(old, config_to_dict(cfg))
+    except (AttributeError, TypeError, ValueError):   # parses, but is no config of ours
         return []
-    return config_diff(old, config_to_dict(cfg))
 
 
 def rm_accuracy(folder: Path) -> str:

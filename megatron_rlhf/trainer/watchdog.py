@@ -114,6 +114,8 @@ def dump_actor_stacks(folder: str | os.PathLike, wait_s: float = 2.0, timeout_s:
     host = socket.gethostname()
     _signal_local(folder, host)
     try:
+        if not ray.is_initialized():   # no cluster (a driver-side wait): the driver's stacks only
+            raise LookupError
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         remote = ray.remote(num_cpus=0)(_signal_local)
@@ -121,6 +123,8 @@ def dump_actor_stacks(folder: str | os.PathLike, wait_s: float = 2.0, timeout_s:
                 .remote(folder, n["NodeManagerHostname"])
                 for n in ray.nodes() if n["Alive"] and n["NodeManagerHostname"] != host]
         ray.get(refs, timeout=timeout_s)
+    except LookupError:
+        pass
     except Exception as e:  # noqa: BLE001 - a diagnostic must not stop the run
         print(f"[megatron-rlhf] watchdog: could not signal other nodes ({type(e).__name__}: {e})",
               file=sys.stderr, flush=True)

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import IO, Any, Iterator
 
 __all__ = ["AtomicWriteError", "write_error", "atomic_open", "write_bytes", "write_text", "write_json", "fsync_dir",
-           "fsync_file"]
+           "fsync_file", "move_aside"]
 
 
 class AtomicWriteError(OSError):
@@ -171,3 +171,27 @@ def write_json(path: str | os.PathLike, obj: Any, **dump_kw) -> Path:
         TypeError / ValueError: ``obj`` is not JSON-serialisable (nothing is written).
     """
     return write_text(path, json.dumps(obj, **dump_kw))
+
+
+def move_aside(path: str | os.PathLike) -> Path:
+    """Rename a damaged file or folder ``path`` to ``<name>.damaged-<UTC time>`` (``-2``, ``-3``, ...
+    when taken) in the same folder, never deleting it, and make the rename durable; returns the
+    new path (a checkpoint moved aside is no checkpoint for resume or rotation any more).
+
+    Raises:
+        AtomicWriteError: the rename failed (path and cause named).
+    """
+    import time
+
+    path = Path(path)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    dest, n = path.with_name(f"{path.name}.damaged-{stamp}"), 1
+    while dest.exists():
+        n += 1
+        dest = path.with_name(f"{path.name}.damaged-{stamp}-{n}")
+    try:
+        os.rename(path, dest)
+    except OSError as e:
+        raise AtomicWriteError(e.errno, f"cannot move {path} aside: {_describe(e)}", str(path)) from e
+    fsync_dir(path.parent)
+    return dest

@@ -1,5 +1,6 @@
 """Fault injection, a product hook that is off unless an environment variable names a point: ``kill
--9`` of the driver at a named point, and a slow checkpoint writer. The crash-and-resume tests set
+-9`` of the driver at a named point, the death of a generator engine in a named phase of the
+generator pool, and a slow checkpoint writer. The crash-and-resume tests set
 the variables (``tests/test_exact_resume.py``, ``tests/test_reliability_loop.py``); the product code
 calls the points, so what a test kills is the code a user runs.
 
@@ -13,6 +14,16 @@ reaches ``point`` for ``step`` (1-based learner step). Points, in the order a st
   ``COMPLETE`` marker is not);
 * ``async_save``: with ``checkpoint.async_save``, the learner has started writing the checkpoint of
   step ``step`` in the background (the loop would train on now; nothing of it is complete).
+
+``MRLHF_TEST_KILL_ENGINE_AT="<phase>:<batch>:<engine>"`` makes :func:`engine_kill_point` kill
+generator engine ``engine`` (its index in the pool) the first time the pool reaches ``phase`` in
+batch ``batch`` (0-based; the pool's ``batch_index``), with ``ray.kill(no_restart=False)``: the
+process dies as under ``kill -9`` and Ray restarts it (``generators.max_restarts``). Phases
+(:data:`ENGINE_POINTS`, ``generator.pool``): ``reseed`` (before the engines are reseeded between
+batches), ``generate`` (a request was just sent to it), ``push`` (a weight load was just started:
+publishing), ``check`` (before the weight-sync probe), ``abort`` (the batch is full and its
+running requests were just aborted). Each spec fires once per process, so the restarted engine
+is not killed again when the pool repeats the call.
 
 ``MRLHF_TEST_SLOW_WRITER_S=<seconds>`` makes every asynchronous checkpoint writer of the learner
 sleep that long in its forked process before it writes (:func:`slow_writer_s`), so that a test sees
@@ -28,10 +39,13 @@ from __future__ import annotations
 import os
 import signal
 
-__all__ = ["kill_point", "POINTS", "slow_writer_s", "actor_env"]
+__all__ = ["kill_point", "POINTS", "engine_kill_point", "ENGINE_POINTS", "slow_writer_s", "actor_env"]
 
 POINTS = ("generation", "row", "save", "async_save")
 ENV = "MRLHF_TEST_KILL_AT"
+ENGINE_POINTS = ("reseed", "generate", "push", "check", "abort")
+ENGINE_ENV = "MRLHF_TEST_KILL_ENGINE_AT"
+_engine_fired: set[str] = set()
 SLOW_WRITER_ENV = "MRLHF_TEST_SLOW_WRITER_S"
 
 
@@ -50,6 +64,28 @@ def kill_point(point: str, step: int) -> None:
     if name == point and int(at) == step:
         print(f"[megatron-rlhf] test fault: kill -9 at {point} of step {step}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def engine_kill_point(phase: str, batch: int, engine: int, handle) -> None:
+    """Kill generator engine ``handle`` (index ``engine``) if ``MRLHF_TEST_KILL_ENGINE_AT`` names
+    ``phase``, ``batch`` and ``engine`` and has not fired in this process yet (module doc).
+
+    Raises:
+        ValueError: the variable is malformed or names an unknown phase (a typo in a test).
+    """
+    spec = os.environ.get(ENGINE_ENV)
+    if not spec or spec in _engine_fired:
+        return
+    parts = spec.split(":")
+    if len(parts) != 3 or parts[0] not in ENGINE_POINTS or not all(p.isdigit() for p in parts[1:]):
+        raise ValueError(f"{ENGINE_ENV}={spec!r}: want '<phase>:<batch>:<engine>', phase one of {ENGINE_POINTS}")
+    if (parts[0], int(parts[1]), int(parts[2])) == (phase, batch, engine):
+        import ray
+
+        _engine_fired.add(spec)
+        print(f"[megatron-rlhf] test fault: generator engine {engine} killed at {phase} of batch {batch}",
+              flush=True)
+        ray.kill(handle, no_restart=False)
 
 
 def slow_writer_s() -> float:
