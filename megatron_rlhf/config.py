@@ -1099,10 +1099,16 @@ def _read_yaml(path: Path, seen: tuple = ()) -> dict:
     path = path.resolve()
     if path in seen:
         raise ConfigError(f"config 'defaults' cycle: {' -> '.join(map(str, seen + (path,)))}")
+    if path.is_dir():
+        raise ConfigError(f"config file {str(path)!r} is a directory: pass a YAML file (e.g. configs/cpu_demo.yaml)")
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist: pass an existing YAML file")
     try:
-        data = _yaml_load(path.read_text()) or {}
+        data = _yaml_load(path.read_text())
+        if data is None and not seen:   # an empty top-level file is a mistake, not "all defaults"
+            raise ConfigError(f"config file {str(path)!r} is empty: give at least one section (e.g. "
+                              "'defaults: cpu_demo.yaml' or a model: section)")
+        data = data or {}
     except _DuplicateKeyError as e:
         raise ConfigError(f"config file {str(path)!r} {e}") from None
     except yaml.YAMLError as e:

@@ -223,3 +223,18 @@ def test_a_misspelled_value_is_refused_with_the_closest_allowed_value():
     with pytest.raises(ConfigError, match=r"'tasks\[math\]\.reward' = 'math_verfy' is invalid: did you mean "
                                           r"'math_verify'\? 'math_verify', a plug-in"):
         load_config(REPO / "configs" / "cpu_demo.yaml", ["tasks.0.reward=math_verfy"])
+
+
+def test_an_empty_config_file_or_a_directory_is_refused_not_run_on_defaults(tmp_path):
+    from megatron_rlhf.config import ConfigError, load_config
+
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("# nothing but a comment\n")
+    with pytest.raises(ConfigError, match=r"empty\.yaml' is empty: give at least one section"):
+        load_config(empty, [])
+    with pytest.raises(ConfigError, match=r"is a directory: pass a YAML file"):
+        load_config(tmp_path, [])
+    child = tmp_path / "child.yaml"   # an empty parent is only an empty set of defaults
+    (tmp_path / "parent.yaml").write_text("")
+    child.write_text("defaults: parent.yaml\nrun:\n  name: x\n")
+    assert load_config(child, []).run.name == "x"

@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 # ------------------------------------------------------------------------- non-finite updates (failure 1)
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)   # its setup builds the module's Ray cluster and engine (525 s seen at load 6+)
 def test_nonfinite_updates_are_skipped_counted_and_stop_the_run_after_max_skipped_steps(
         generator, tiny_llama_dir, tmp_path):
     """Rewards of 1e300 pass validation (finite) but overflow the learner's float32 GRPO

@@ -68,17 +68,28 @@ def format_plan(p: dict, lay: LearnerLayout | None, gen: GeneratorLayout | None)
     return "\n".join(lines)
 
 
+def _positive(kind):
+    """An argparse type: ``kind`` (int or float) > 0, refused with the value named otherwise."""
+    def parse(text: str):
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="a recipe YAML: layout read from it (other layout flags ignored)")
     ap.add_argument("overrides", nargs="*", help="config overrides (with --config)")
     ap.add_argument("--model", default="llama3.1-8b", help=f"preset ({', '.join(PRESETS)}), config.json or HF folder")
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--pp", type=int, default=1)
-    ap.add_argument("--dp", type=int, default=1)
-    ap.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
-    ap.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (prompt + completion)")
+    ap.add_argument("--tp", type=_positive(int), default=1)
+    ap.add_argument("--pp", type=_positive(int), default=1)
+    ap.add_argument("--dp", type=_positive(int), default=1)
+    ap.add_argument("--micro-batch", type=_positive(int), default=1, help="sequences per micro-batch")
+    ap.add_argument("--seq-len", type=_positive(int), default=2048, help="tokens per sequence (prompt + completion)")
     ap.add_argument("--no-distributed-optimizer", action="store_true")
     ap.add_argument("--no-sequence-parallel", action="store_true")
     ap.add_argument("--recompute", choices=("none", "full", "selective"), default="none")
@@ -87,12 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-reference", action="store_true", help="reference model not on learner GPUs")
     ap.add_argument("--attention", choices=("fused", "unfused"), default="fused",
                     help="fused: TE or SDPA flash (no score matrix); unfused: megatron DotProductAttention")
-    ap.add_argument("--gen-tp", type=int, default=1)
+    ap.add_argument("--gen-tp", type=_positive(int), default=1)
     ap.add_argument("--gen-max-model-len", type=int, default=None, help="default: --seq-len")
     ap.add_argument("--gen-concurrent-seqs", type=int, default=256)
     ap.add_argument("--gen-max-batched-tokens", type=int, default=8192)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    ap.add_argument("--gpu-mem-gib", type=float, default=None, help="GPU memory (default 80, or the recipe's)")
+    ap.add_argument("--gpu-mem-gib", type=_positive(float), default=None, help="GPU memory (default 80, or the recipe's)")
     ap.add_argument("--overhead-gib", type=float, default=3.0)
     ap.add_argument("--bucket-mb", type=float, default=None,
                     help="generators.weight_sync_bucket_mb (default 256, or the recipe's)")
