@@ -1326,12 +1326,18 @@ def config_to_dict(cfg: Any) -> dict:
     return cfg
 
 
+SAVED_CONFIG_END = "# end of the resolved config (megatron-rlhf)"
+"""The last line :func:`save_config` writes: a saved config without it was cut short, even when
+what is left still parses (``trainer.readback.read_yaml_mapping``)."""
+
+
 def save_config(cfg: Config, path: str | os.PathLike) -> None:
-    """Write the resolved config as YAML (loadable again with :func:`load_config`), atomically.
+    """Write the resolved config as YAML (loadable again with :func:`load_config`), atomically,
+    ending with the line :data:`SAVED_CONFIG_END`.
 
     Raises:
         AtomicWriteError: names the path and the cause.
     """
     from megatron_rlhf.utils.atomic import write_text
 
-    write_text(path, yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    write_text(path, yaml.safe_dump(config_to_dict(cfg), sort_keys=False) + SAVED_CONFIG_END + "\n")

@@ -77,17 +77,25 @@ def read_json_object(path: Path, required: tuple[str, ...] = ()) -> tuple[dict |
 
 
 def read_yaml_mapping(path: Path) -> tuple[dict | None, str | None]:
-    """The YAML mapping in ``path`` (a saved ``config.yaml``), as :func:`read_json_object` returns."""
+    """The YAML mapping in ``path`` (a saved ``config.yaml``), as :func:`read_json_object` returns.
+
+    A saved config ends with the line ``config.SAVED_CONFIG_END``; one without it was cut short
+    (a truncated YAML file often still parses, with its last sections missing)."""
     import yaml
+
+    from megatron_rlhf.config import SAVED_CONFIG_END
 
     if not path.is_file():
         return None, None
     try:
-        obj = yaml.safe_load(path.read_bytes().decode("utf-8"))
+        text = path.read_bytes().decode("utf-8")
+        obj = yaml.safe_load(text)
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         return None, _problem(e)
     if not isinstance(obj, dict) or not obj:
         return None, ("it is empty" if obj is None else f"it holds a YAML {type(obj).__name__}, not a config")
+    if text.rstrip("\n").rsplit("\n", 1)[-1] != SAVED_CONFIG_END:
+        return None, f"it was cut short: its last line is not {SAVED_CONFIG_END!r}"
     return obj, None
 
 
