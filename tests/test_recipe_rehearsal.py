@@ -182,7 +182,7 @@ SMOKE_SCALE = [   # one 8-GPU node -> 2 cores: everything else as the recipe has
 def test_smoke_recipe_without_model_source_stops_naming_the_key():
     from megatron_rlhf.config import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match=r"model\.source.*existing local Hugging Face model folder"):
+    with pytest.raises(ConfigError, match=r"model\.source.*an existing folder: a local Hugging Face model"):
         load_config(REPO / SMOKE)
 
 

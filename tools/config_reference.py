@@ -153,15 +153,26 @@ def _key_patterns(call: ast.Call, key_arg: ast.expr, loops: dict[str, list[str]]
     return [re.sub(r"\[[^\]]*\]", "[]", k) for k in keys if "\0" not in re.sub(r"\[[^\]]*\]", "", k)]
 
 
-def _allowed_text(node: ast.expr) -> str:
-    """The 'allowed' argument as text; f-string fields become '…'."""
+def _allowed_text(node: ast.expr, module=None) -> str:
+    """The 'allowed' argument as text; an f-string field naming a constant of ``module`` becomes its
+    value, any other field '…'."""
     if isinstance(node, ast.Constant):
         return str(node.value)
     if isinstance(node, ast.JoinedStr):
-        return "".join(str(p.value) if isinstance(p, ast.Constant) else "…" for p in node.values)
+        return "".join(_field_text(p, module) for p in node.values)
     if isinstance(node, ast.BinOp):
-        return _allowed_text(node.left) + _allowed_text(node.right)
+        return _allowed_text(node.left, module) + _allowed_text(node.right, module)
     return ""
+
+
+def _field_text(part: ast.expr, module) -> str:
+    if isinstance(part, ast.Constant):
+        return str(part.value)
+    if isinstance(part, ast.FormattedValue) and isinstance(part.value, ast.Name) and part.format_spec is None:
+        value = getattr(module, part.value.id, None)
+        if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+            return str(value)
+    return "…"
 
 
 def refusals(modules) -> dict[str, list[str]]:
@@ -178,7 +189,7 @@ def refusals(modules) -> dict[str, list[str]]:
                 if text_i is None:  # _check_choice(key, value, choices, note="")
                     text = _choices_text(node, module)
                 else:
-                    text = _allowed_text(node.args[text_i]) if len(node.args) > text_i else ""
+                    text = _allowed_text(node.args[text_i], module) if len(node.args) > text_i else ""
                 for key in _key_patterns(node, node.args[key_i], loops):
                     if text and text not in found.setdefault(key, []):
                         found[key].append(text)
@@ -199,7 +210,7 @@ def _choices_text(call: ast.Call, module) -> str:
         values = getattr(module, node.id, None) if isinstance(node, ast.Name) else None
     if not values:
         return ""
-    note = _allowed_text(call.args[3]) if len(call.args) > 3 else ""
+    note = _allowed_text(call.args[3], module) if len(call.args) > 3 else ""
     return "one of " + ", ".join(f"`{v}`" for v in values) + note
 
 

@@ -576,6 +576,7 @@ class EvalService:
         """Queue an eval of ``weights`` (None: the pool's current weights) for row ``step``;
         the future's result is :meth:`Evaluator.evaluate`'s dict, or ``None`` when cancelled."""
         fut: Future = Future()
+        fut.eval_phase, fut.eval_step = EVAL_QUEUED, step   # what a timed-out wait names (PendingRows)
         self._q.put((step, weights, fut))
         return fut
 
@@ -619,15 +620,23 @@ class EvalService:
         step, weights, fut = item
         if not fut.set_running_or_notify_cancel():
             return
+        fut.eval_phase = EVAL_GENERATING
         try:
             finish = self.evaluator.start(step, weights)
         except BaseException as e:  # noqa: BLE001 - raised in the loop when it reads the result
             fut.set_exception(e)
             return
+        fut.eval_phase = EVAL_FINISHING
         # the reference pass of eval.kl_ref runs on the learner: the row waits for it, the
         # producer does not (it goes on generating; a learner call queued behind a weight export
         # that waits for the producer's push would otherwise never start)
         threading.Thread(target=_resolve, args=(fut, finish), name=f"eval-{step}-finish", daemon=True).start()
+
+
+EVAL_QUEUED = "queued: the rollout producer has not started it (it is generating a batch or waiting for weights)"
+EVAL_GENERATING = "generating and scoring its prompts on the rollout producer's thread"
+EVAL_FINISHING = "waiting for the learner's reference pass (eval.kl_ref) after its generation"
+"""An eval request's phase, as a timed-out wait for it names it (``Future.eval_phase``)."""
 
 
 def _resolve(fut: Future, finish: Callable[[], dict]) -> None:
@@ -668,11 +677,14 @@ class PendingRows:
         thread: the producer thread (an eval it can no longer serve resolves to no fields).
         batches: the producer's queue (its exception, if it failed, is raised).
         timeout: ``async.timeout_s``.
+        dump_stacks: ``why -> "stacks of every process: <file>"`` (``Run.dump_stacks``), called
+            when a wait for an eval runs out; None: no stacks.
     """
 
     def __init__(self, log: Callable[[dict], object], thread: threading.Thread, batches: queue.Queue,
-                 timeout: float):
+                 timeout: float, dump_stacks: Callable[[str], str] | None = None):
         self.log, self.thread, self.batches, self.timeout = log, thread, batches, timeout
+        self.dump_stacks = dump_stacks
         self._rows: list[tuple[dict, list]] = []
 
     def add(self, row: dict, futures: list) -> None:
@@ -722,7 +734,8 @@ class PendingRows:
 
         Raises:
             the eval's own error; ``ProducerError``: generation failed while the eval waited;
-            TimeoutError: nothing within ``async.timeout_s``.
+            TimeoutError: nothing within ``async.timeout_s``: names the row's step, the eval's phase
+            (:data:`EVAL_QUEUED` and the two after it) and the stacks file.
         """
         from megatron_rlhf.rollout.producer import ProducerError
 
@@ -742,5 +755,8 @@ class PendingRows:
                     raise ProducerError(f"generation failed: {type(item).__name__}: {item}") from item
                 return None
             if time.monotonic() > deadline:
-                raise TimeoutError(f"no eval result within async.timeout_s={self.timeout:.0f} s")
+                phase = getattr(fut, "eval_phase", "of unknown phase")
+                stacks = f"; {self.dump_stacks('eval timeout')}" if self.dump_stacks is not None else ""
+                raise TimeoutError(f"no eval result for the row of step {getattr(fut, 'eval_step', '?')} within "
+                                   f"async.timeout_s={self.timeout:.0f} s: the eval is {phase}{stacks}")
         return fut.result()

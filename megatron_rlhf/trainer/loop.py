@@ -92,7 +92,7 @@ def _loop(run: Run, stop: "_StopFlag", quiet: bool) -> RunResult:
     bar = StepProgress(n, run.start_step, enabled=not quiet and cfg.logging.progress)   # a line per step in a log
     done = saved = run.start_step
     version, last_batch, t_start = run.version, None, time.perf_counter()
-    rows = PendingRows(run.metrics.log, run.thread, run.batches, run.timeout)   # rows wait for their evals
+    rows = PendingRows(run.metrics.log, run.thread, run.batches, run.timeout, run.dump_stacks)   # rows wait for evals
     first_eval = run.evals.request(0) if run.evals is not None and run.start_step == 0 else None
     run.thread.start()
     while done < n and not stop.requested:
