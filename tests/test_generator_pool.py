@@ -259,8 +259,10 @@ def test_two_workers_share_a_step_get_every_push_and_train_parked_completions_as
     check_staleness(rows, [0, 1, 1, 1])
     for i in (0, 1):
         assert sum(r[f"generator/{i}/prompts"] for r in rows) > 0          # both workers generated
-        assert all(r[f"generator/{i}/tokens_per_s"] > 0 for r in rows if r[f"generator/{i}/prompts"])  # (a batch
-        # of carried groups alone generates nothing on a worker)
+        # a worker's rate is measured per batch; it is 0 in a batch where its request was aborted
+        # before its first token (worker 1's late start, on purpose) or it had none (carried groups)
+        assert any(r[f"generator/{i}/tokens_per_s"] > 0 for r in rows)
+        assert all(r[f"generator/{i}/tokens_per_s"] >= 0 for r in rows)
         assert [r[f"generator/{i}/weight_version"] for r in rows] == [0, 0, 1, 2]   # both advance
     assert all(sum(r[f"staleness/hist_{d}"] for d in range(3)) == 2 * r["pairs/count"] for r in rows)
     checked = [r["sync/check_max_abs_diff"] for r in rows if "sync/check_max_abs_diff" in r]

@@ -16,9 +16,18 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
+# Byte-compiled once here: uv installs no .pyc files, and where PYTHONDONTWRITEBYTECODE is set (as on
+# our CI machines) Python writes none either, so every process (each Ray worker, learner, engine,
+# train.py) compiled torch, megatron-core and vLLM from source again: 6 of a learner's 12 s start,
+# a tiny train.py run 97 s -> 34 s (docs/benchmarks.md#test-suite). Python reads .pyc files whatever
+# that variable says; a stale one (an edited source) is ignored and the source compiled as before.
+compile_repo() {
+  .venv/bin/python -m compileall -q -j 0 megatron_rlhf tools bench tests train.py >/dev/null 2>&1 || true
+}
 stamp=.venv/.mrlhf-requirements.sha256
-want=$(cat requirements/cpu.txt requirements/constraints-cpu.txt requirements/cpu-nodeps.txt pyproject.toml | sha256sum | cut -d' ' -f1)
+want=$(cat requirements/cpu.txt requirements/constraints-cpu.txt requirements/cpu-nodeps.txt pyproject.toml tools/setup_cpu.sh | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  compile_repo
   exit 0
 fi
 echo "[setup] installing the CPU stack into .venv (about half a minute with uv on a fresh machine, 2 min with pip)" >&2
@@ -50,5 +59,10 @@ else
   [ "${MRLHF_INSTALLER:-uv}" = uv ] && echo "[setup] uv failed or is unavailable: installing with pip" >&2
   install_with_pip
 fi
+echo "[setup] byte-compiling the environment (about 30 s on 2 cores)" >&2
+site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+# a few packages ship templates that are not Python (compileall reports them): not an error
+.venv/bin/python -m compileall -q -j 0 "$site" >/dev/null 2>&1 || true
+compile_repo
 echo "$want" > "$stamp"
 echo "[setup] done" >&2
