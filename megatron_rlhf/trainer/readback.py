@@ -12,8 +12,9 @@ counted (``recovery/damaged_files``, ``recovery/checkpoint_fallbacks``; ``traine
 * ``summary.json`` of a finished run (printed again by a re-run): re-derived from
   ``metrics.jsonl`` and written again (:func:`rederive_summary`); when the rows cannot give it, the
   run resumes from its last checkpoint, trains nothing and writes it;
-* ``config.yaml`` (compared with this config): a resumed run writes its own config in its place;
-  a finished run is left without one (nothing was trained);
+* ``config.yaml`` (compared with this config; it ends with ``config.SAVED_CONFIG_END``, so one cut
+  short that still parses is damaged): a resumed run writes its own config in its place; a
+  finished run is left without one (nothing was trained);
 * ``metrics.jsonl`` (the rows up to the resumed step are kept): unreadable lines are moved aside
   with the rows beyond the checkpoint (``trainer.metrics.adopt_rows``); rows it lacks are named;
 * ``checkpoints/step_N/`` (trainer state, ``COMPLETE``, the learner's files, untrained batches):
