@@ -1094,6 +1094,10 @@ def _yaml_load(text: str) -> Any:
     return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
 
 
+_REPO_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+"""The checkout's ``configs/`` folder (the recipes an empty config's message points to)."""
+
+
 def _read_yaml(path: Path, seen: tuple = ()) -> dict:
     path = path.resolve()
     if path in seen:
@@ -1101,12 +1105,15 @@ def _read_yaml(path: Path, seen: tuple = ()) -> dict:
     if path.is_dir():
         raise ConfigError(f"config file {str(path)!r} is a directory: pass a YAML file (e.g. configs/cpu_demo.yaml)")
     if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist: pass an existing YAML file")
+        named = (f" (named by 'defaults:' in {str(seen[-1])!r}; a relative path is read from that file's "
+                 "folder)") if seen else ""
+        raise ConfigError(f"config file {str(path)!r} does not exist{named}: pass an existing YAML file")
     try:
         data = _yaml_load(path.read_text())
         if data is None and not seen:   # an empty top-level file is a mistake, not "all defaults"
             raise ConfigError(f"config file {str(path)!r} is empty: give at least one section (e.g. "
-                              "'defaults: cpu_demo.yaml' or a model: section)")
+                              f"'defaults: {_REPO_CONFIGS / 'cpu_demo.yaml'}' (a relative path is read from "
+                              "the file's own folder) or a model: section)")
         data = data or {}
     except _DuplicateKeyError as e:
         raise ConfigError(f"config file {str(path)!r} {e}") from None
@@ -1164,6 +1171,17 @@ def _apply_override(tree: dict, item: str) -> None:
         node[last] = value
 
 
+def _sections_with(name: str) -> list[str]:
+    """``["checkpoint.resume"]``: the top-level sections of :class:`Config` that have a key ``name``."""
+    hints = typing.get_type_hints(Config)
+    out = []
+    for f in dataclasses.fields(Config):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp) and name in {_YAML_NAMES.get(x.name, x.name) for x in dataclasses.fields(tp)}:
+            out.append(f"{_YAML_NAMES.get(f.name, f.name)}.{name}")
+    return out
+
+
 def _build(cls: type, data: Any, key: str) -> Any:
     """Build dataclass ``cls`` from a mapping, checking keys and types; errors name ``key``."""
     if data is None:
@@ -1179,6 +1197,9 @@ def _build(cls: type, data: Any, key: str) -> Any:
             names = [_YAML_NAMES.get(n, n) for n in fields]
             close = _closest(str(raw_name), names)
             hint = f"did you mean '{key}.{close}'? ".replace("'.", "'") if close else ""
+            elsewhere = [] if close else [k for k in _sections_with(str(raw_name)) if k != f"{key}.{raw_name}"]
+            if elsewhere:   # e.g. run.resume: the key lives in another section (checkpoint.resume)
+                hint = f"did you mean {' or '.join(repr(k) for k in elsewhere)}? "
             raise ConfigError(f"unknown config key '{key}.{raw_name}' ({hint}allowed: {', '.join(names)})"
                               .replace("'.", "'"))
         kwargs[name] = _coerce(hints[name], value, f"{key}.{raw_name}".lstrip("."))

@@ -111,6 +111,12 @@ def test_time_breakdown_and_its_summary_line_by_hand():
         "time (s): total 690 = set-up (model 60, reward model 90, start 50) + steps 400 (overlapped inside: "
         "first eval 100, generation 105, training 67, sync 3) + final eval 80, hf export 5, other 5"]
     assert train._time_lines({}) == []
+    # a session resumed from step 2 (a fresh-user finding: its line summed every session's rows and
+    # showed the first session's eval before step 1 inside this session's 50 s of steps)
+    t = time_breakdown(rows, {"start": 30.0}, loop_s=50.0, total_s=200.0, since_step=2)
+    assert t == {"time/start_s": 30.0, "time/eval_last_s": 80.0, "time/eval_total_s": 80.0,
+                 "time/gen_total_s": 35.0, "time/train_total_s": 22.0, "time/sync_total_s": 0.0,
+                 "time/loop_s": 50.0, "time/other_s": 40.0, "time/total_s": 200.0}, t
 
 
 def test_ray_workers_get_the_checkout_the_driver_imported_first_on_pythonpath():

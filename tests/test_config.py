@@ -104,6 +104,21 @@ def test_missing_file_and_bad_yaml_are_refused_in_one_line_with_the_line_and_col
         load_config(None, ["async.max_staleness=true"])
 
 
+def test_a_key_of_another_section_and_a_missing_defaults_file_are_named_with_the_fix(tmp_path):
+    """Fresh-user findings: ``run.resume=false`` (the key is ``checkpoint.resume``) and following
+    the empty-config hint's ``defaults: cpu_demo.yaml`` in another folder."""
+    with pytest.raises(ConfigError, match=r"unknown config key 'run.resume' \(did you mean 'checkpoint.resume'\?"):
+        load_config(None, ["run.resume=false"])
+    (tmp_path / "empty.yaml").write_text("")
+    with pytest.raises(ConfigError) as e:
+        load_config(tmp_path / "empty.yaml")
+    hint = str(e.value).split("'defaults: ", 1)[1].split("'", 1)[0]
+    assert Path(hint).is_file() and Path(hint).name == "cpu_demo.yaml", e.value
+    (tmp_path / "d.yaml").write_text("defaults: cpu_demo.yaml\n")
+    with pytest.raises(ConfigError, match=r"does not exist \(named by 'defaults:' in .*d\.yaml'; a relative path"):
+        load_config(tmp_path / "d.yaml")
+
+
 def test_defaults_cycle_detected(tmp_path):
     (tmp_path / "a.yaml").write_text("defaults: b.yaml\n")
     (tmp_path / "b.yaml").write_text("defaults: a.yaml\n")

@@ -34,10 +34,8 @@ NUM_STEPS = 4
 # each entry: a kill -9 of the driver, then a re-run; one line per point (megatron_rlhf.utils.faults)
 KILLS = ["row:3",          # after step 3's metrics row, before its checkpoint (a fresh run: the
                            # re-run resumes with batch 3 generated but untrained)
+         "save:3",         # mid-save of checkpoint 3 (learner files written, no COMPLETE marker)
          "async_save:3"]   # the learner is writing checkpoint 3 in the background (async_save)
-# (a kill mid-save of a synchronous checkpoint, "save:3", is the unit tests'
-# test_crash_during_save_keeps_previous_checkpoint and test_incomplete_folder_is_ignored: a folder
-# without its COMPLETE marker is never resumed from; one train.py run less here)
 ASYNC = "checkpoint.async_save=true"
 # what must be equal, step by step: staleness, prompts, rewards, loss (and what they follow from)
 FIELDS = ["weight_version", "staleness/max", "staleness/mean", "generator/weight_version", "prompts/drawn",

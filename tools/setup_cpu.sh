@@ -30,7 +30,7 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   compile_repo
   exit 0
 fi
-echo "[setup] installing the CPU stack into .venv (about half a minute with uv on a fresh machine, 2 min with pip)" >&2
+echo "[setup] installing the CPU stack into .venv (under a minute with uv on a fresh machine, 2 min with pip; then 30 s to byte-compile)" >&2
 
 install_with_uv() {
   .venv/bin/python -m pip install -q uv || return 1

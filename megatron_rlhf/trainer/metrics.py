@@ -485,7 +485,8 @@ def summarize_evals(rows: list[dict]) -> dict:
     return out
 
 
-def time_breakdown(rows: list[dict], phases: dict[str, float], *, loop_s: float, total_s: float) -> dict:
+def time_breakdown(rows: list[dict], phases: dict[str, float], *, loop_s: float, total_s: float,
+                   since_step: int = 0) -> dict:
     """Where the run's time went, in seconds (the summary's ``time`` table; ``train.py`` prints it).
 
     Args:
@@ -495,21 +496,28 @@ def time_breakdown(rows: list[dict], phases: dict[str, float], *, loop_s: float,
             learner, generators, reward models, first weights), ``export`` (``hf_final``).
         loop_s: wall seconds of this session's step loop.
         total_s: wall seconds from opening the run to its summary.
+        since_step: the step this session resumed from (0: a fresh run); only the rows after it
+            count, so a resumed session's figures are its own.
     Returns:
         ``time/<phase>_s`` for each phase; ``time/loop_s``; inside the loop (overlapped, so they add
         up to more than ``loop_s``): ``time/eval_first_s`` (the first eval's seconds, before step
         1 on a fresh run) and the sums over rows of ``time/gen_s``, ``time/train_s``,
-        ``time/sync_s`` as ``time/gen_total_s``, ``time/train_total_s``, ``time/sync_total_s``;
+        ``time/sync_s`` as ``time/gen_total_s``, ``time/train_total_s``, ``time/sync_total_s`` (this
+        session's rows);
         after the loop: ``time/eval_last_s`` (the final eval, when the run has two or more; the
         loop ends when the last step is trained, its eval runs after); ``time/eval_total_s``;
         ``time/other_s`` = total minus the phases, the loop and the final eval (data, the last
         checkpoint, summary); ``time/total_s``.
     """
     out = {f"time/{k}_s": float(v) for k, v in phases.items()}
-    evals = [r.get("time/eval_s") or 0.0 for r in eval_records(rows)]
+    rows = [r for r in rows if r.get("step", 0) > since_step]
+    records = eval_records(rows)
+    evals = [r.get("time/eval_s") or 0.0 for r in records]
     if evals:
-        out["time/eval_first_s"] = evals[0]
-        if len(evals) > 1:
+        before = records[0].get("eval/step") == 0   # the eval before step 1 (a fresh run's)
+        if before:
+            out["time/eval_first_s"] = evals[0]
+        if len(evals) > int(before):
             out["time/eval_last_s"] = evals[-1]
         out["time/eval_total_s"] = sum(evals)
     for key in ("gen", "train", "sync"):

@@ -429,7 +429,7 @@ class Run:
                 _export_final(self, run_dir, self.model_dir)
         result = RunResult(summarize(self.metrics.rows, wall_s + self.metrics.adopted_wall_s))
         result["time"] = time_breakdown(self.metrics.rows, self.phase_s, loop_s=wall_s,
-                                        total_s=time.perf_counter() - self.t_open)
+                                        total_s=time.perf_counter() - self.t_open, since_step=self.start_step)
         result.update(run_dir=str(run_dir), stopped_early=stopped_early, resumed_from_step=self.start_step,
                       data=self.data_counts, prompts_too_long=self.too_long,
                       generator_restarts=self.pool.restarts if self.pool else 0,
