@@ -148,8 +148,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(format_plan(result, lay, gen))
     if not result["fits"]:
-        print("WARNING: the estimate exceeds the GPU memory: raise TP/PP/DP, turn on the distributed "
-              "optimizer or recompute, or lower micro-batch / max_num_seqs", file=sys.stderr)
+        over = [k for k in ("learner", "generator") if k in result and not result[k]["fits"]]
+        fixes = {"learner": "the learner: raise TP/PP/DP, turn on the distributed optimizer or recompute, "
+                            "or lower the micro-batch",
+                 "generator": "the generator: raise its TP (--gen-tp), lower its concurrent sequences "
+                              "(--gen-concurrent-seqs, generators.max_num_seqs) or its context (--gen-max-model-len)"}
+        print(f"WARNING: the estimate exceeds the GPU memory for {'; and for '.join(fixes[k] for k in over)}",
+              file=sys.stderr)
         return 2
     return 0
 
