@@ -85,9 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", help="a recipe YAML: layout read from it (other layout flags ignored)")
     ap.add_argument("overrides", nargs="*", help="config overrides (with --config)")
     ap.add_argument("--model", default="llama3.1-8b", help=f"preset ({', '.join(PRESETS)}), config.json or HF folder")
-    ap.add_argument("--tp", type=_positive(int), default=1)
-    ap.add_argument("--pp", type=_positive(int), default=1)
-    ap.add_argument("--dp", type=_positive(int), default=1)
+    ap.add_argument("--tp", type=_positive(int), default=1, help="learner tensor parallel (learner.tensor_parallel)")
+    ap.add_argument("--pp", type=_positive(int), default=1, help="learner pipeline parallel (learner.pipeline_parallel)")
+    ap.add_argument("--dp", type=_positive(int), default=1,
+                    help="learner data parallel (learner.data_parallel): shards the distributed optimizer")
     ap.add_argument("--micro-batch", type=_positive(int), default=1, help="sequences per micro-batch")
     ap.add_argument("--seq-len", type=_positive(int), default=2048, help="tokens per sequence (prompt + completion)")
     ap.add_argument("--no-distributed-optimizer", action="store_true")
@@ -98,13 +99,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-reference", action="store_true", help="reference model not on learner GPUs")
     ap.add_argument("--attention", choices=("fused", "unfused"), default="fused",
                     help="fused: TE or SDPA flash (no score matrix); unfused: megatron DotProductAttention")
-    ap.add_argument("--gen-tp", type=_positive(int), default=1)
+    ap.add_argument("--gen-tp", type=_positive(int), default=1, help="generator tensor parallel (generators.tensor_parallel)")
     ap.add_argument("--gen-max-model-len", type=int, default=None, help="default: --seq-len")
-    ap.add_argument("--gen-concurrent-seqs", type=int, default=256)
-    ap.add_argument("--gen-max-batched-tokens", type=int, default=8192)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--gen-concurrent-seqs", type=int, default=256,
+                    help="sequences the engine runs at once (generators.max_num_seqs): its KV cache")
+    ap.add_argument("--gen-max-batched-tokens", type=int, default=8192,
+                    help="tokens per engine step (vLLM max_num_batched_tokens): its activations")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                    help="share of a generator GPU vLLM may take (generators.gpu_memory_utilization)")
     ap.add_argument("--gpu-mem-gib", type=_positive(float), default=None, help="GPU memory (default 80, or the recipe's)")
-    ap.add_argument("--overhead-gib", type=float, default=3.0)
+    ap.add_argument("--overhead-gib", type=float, default=3.0,
+                    help="per GPU, learner and generator: CUDA context, NCCL buffers, allocator fragmentation")
     ap.add_argument("--bucket-mb", type=float, default=None,
                     help="generators.weight_sync_bucket_mb (default 256, or the recipe's)")
     ap.add_argument("--only", choices=("learner", "generator"), help="estimate one GPU kind only")
