@@ -433,16 +433,16 @@ def learner_layout_from_config(cfg) -> LearnerLayout:
                          recompute_modules=tuple(ln.recompute_modules))
 
 
-def layouts_from_config(cfg) -> tuple[ModelShape, LearnerLayout, GeneratorLayout, float]:
+def layouts_from_config(cfg, shape: ModelShape | None = None) -> tuple[ModelShape, LearnerLayout, GeneratorLayout, float]:
     """Shape and layouts from a loaded :class:`megatron_rlhf.config.Config` (a cluster recipe);
     the bucket size for :func:`plan` is ``cfg.generators.weight_sync_bucket_mb``.
 
-    Reads model.source (HF folder), the learner layout (:func:`learner_layout_from_config`);
-    generators.{tensor_parallel, max_model_len, max_num_seqs, max_num_batched_tokens,
-    gpu_memory_utilization}; placement.gpu_memory_gib.
+    Reads model.source (HF folder; ``shape`` given: not read), the learner layout
+    (:func:`learner_layout_from_config`); generators.{tensor_parallel, max_model_len, max_num_seqs,
+    max_num_batched_tokens, gpu_memory_utilization}; placement.gpu_memory_gib.
     """
     gn = cfg.generators
-    shape = load_shape(cfg.model.source)
+    shape = load_shape(cfg.model.source) if shape is None else shape
     lay = learner_layout_from_config(cfg)
     kw = engine_args.engine_kwargs(gn, model=cfg.model.source, dtype=cfg.model.dtype, seed=cfg.run.seed,
                                    device="cuda")   # what each GPU engine gets

@@ -215,3 +215,17 @@ def _layouts(cfg):
                              max_batched_tokens=gn.max_num_batched_tokens,
                              gpu_memory_utilization=gn.gpu_memory_utilization)
     return lay, gen, cfg.placement.gpu_memory_gib
+
+
+@pytest.mark.timeout(60)
+def test_a_recipe_is_planned_without_its_weights_when_the_shape_is_given(capsys):
+    """A fresh-user finding: ``--config <GPU recipe>`` needs ``model.source`` (a cluster path) on
+    the host; ``--model <preset>`` gives the shape instead, and without it the refusal says so."""
+    from dataclasses import asdict
+
+    recipe = str(REPO / "configs" / "online-dpo-llama3.1-8b-2n8g.yaml")
+    assert pm.main(["--config", recipe]) == 1
+    assert "to plan without the weights here, give the shape: --model" in capsys.readouterr().err
+    assert pm.main(["--config", recipe, "--model", "llama3.1-8b", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["shape"] == asdict(pm.PRESETS["llama3.1-8b"]) and got["learner"]["fits"] and got["generator"]["fits"]

@@ -84,7 +84,9 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="a recipe YAML: layout read from it (other layout flags ignored)")
     ap.add_argument("overrides", nargs="*", help="config overrides (with --config)")
-    ap.add_argument("--model", default="llama3.1-8b", help=f"preset ({', '.join(PRESETS)}), config.json or HF folder")
+    ap.add_argument("--model", default=None,
+                    help=f"preset ({', '.join(PRESETS)}), config.json or HF folder (default llama3.1-8b); with "
+                         "--config: the shape instead of model.source, so a recipe is planned without its weights")
     ap.add_argument("--tp", type=_positive(int), default=1, help="learner tensor parallel (learner.tensor_parallel)")
     ap.add_argument("--pp", type=_positive(int), default=1, help="learner pipeline parallel (learner.pipeline_parallel)")
     ap.add_argument("--dp", type=_positive(int), default=1,
@@ -119,13 +121,23 @@ def main(argv: list[str] | None = None) -> int:
         if args.config:
             from megatron_rlhf.config import load_config
 
-            cfg = load_config(args.config, args.overrides)
-            shape, lay, gen, mem = layouts_from_config(cfg)
+            from megatron_rlhf.config import ConfigError
+
+            try:
+                cfg = load_config(args.config, args.overrides)
+            except ConfigError as e:   # a recipe's model.source is a folder on the cluster, not here
+                if "'model.source'" not in str(e):
+                    raise
+                if args.model is None:
+                    raise ConfigError(f"{e}; to plan without the weights here, give the shape: --model "
+                                      f"<{'|'.join(PRESETS)}|config.json>") from None
+                cfg = load_config(args.config, [*args.overrides, "model.source=smollm2"])   # its shape: --model
+            shape, lay, gen, mem = layouts_from_config(cfg, load_shape(args.model) if args.model else None)
             bucket_mb = cfg.generators.weight_sync_bucket_mb
         else:
             if args.overrides:
                 ap.error("overrides need --config")
-            shape = load_shape(args.model)
+            shape = load_shape(args.model or "llama3.1-8b")
             lay = LearnerLayout(tp=args.tp, pp=args.pp, dp=args.dp, micro_batch=args.micro_batch,
                                 seq_len=args.seq_len, distributed_optimizer=not args.no_distributed_optimizer,
                                 sequence_parallel=not args.no_sequence_parallel, recompute=args.recompute,
