@@ -586,7 +586,9 @@ def test_a_receiver_killed_mid_broadcast_fails_the_push_naming_it_then_the_pool_
         transport = BroadcastTransport(1, 4096)   # ~400 chunks: the sender is mid-stream for a while
         transport.setup(learner, handles, timeout)
         w = transport.publish(learner, 1, timeout, probe)
-        busy = handles[1].generate.remote([Prompt(index=0, task="t", token_ids=(5, 6, 7))] * 8, 4)
+        # 512 sequences of 16 tokens: engine 1 is still generating when it is killed 2 s in (with 32
+        # it had finished before the kill on an idle machine, and the request did not fail)
+        busy = handles[1].generate.remote([Prompt(index=0, task="t", token_ids=(5, 6, 7))] * 128, 4)
         t0 = time.monotonic()
         result: dict = {}
 
