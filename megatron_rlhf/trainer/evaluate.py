@@ -80,7 +80,7 @@ from typing import Callable
 from megatron_rlhf.types import Prompt
 
 __all__ = ["mean_se", "cluster_se", "pass_at_k", "heldout_order", "split_eval_prompts", "Evaluator", "EvalService",
-           "PendingRows", "eval_due", "eval_keys_of", "eval_metrics", "format_eval_line", "kl_ref_metrics",
+           "EvalFuture", "PendingRows", "eval_due", "eval_keys_of", "eval_metrics", "format_eval_line", "kl_ref_metrics",
            "KL_REF_SKIPPED"]
 
 KL_REF_SKIPPED = "eval/kl_ref_skipped"
@@ -575,8 +575,7 @@ class EvalService:
     def request(self, step: int, weights=None) -> Future:
         """Queue an eval of ``weights`` (None: the pool's current weights) for row ``step``;
         the future's result is :meth:`Evaluator.evaluate`'s dict, or ``None`` when cancelled."""
-        fut: Future = Future()
-        fut.eval_phase, fut.eval_step = EVAL_QUEUED, step   # what a timed-out wait names (PendingRows)
+        fut = EvalFuture(step)
         self._q.put((step, weights, fut))
         return fut
 
@@ -620,13 +619,13 @@ class EvalService:
         step, weights, fut = item
         if not fut.set_running_or_notify_cancel():
             return
-        fut.eval_phase = EVAL_GENERATING
+        fut.phase = EVAL_GENERATING
         try:
             finish = self.evaluator.start(step, weights)
         except BaseException as e:  # noqa: BLE001 - raised in the loop when it reads the result
             fut.set_exception(e)
             return
-        fut.eval_phase = EVAL_FINISHING
+        fut.phase = EVAL_FINISHING
         # the reference pass of eval.kl_ref runs on the learner: the row waits for it, the
         # producer does not (it goes on generating; a learner call queued behind a weight export
         # that waits for the producer's push would otherwise never start)
@@ -636,7 +635,16 @@ class EvalService:
 EVAL_QUEUED = "queued: the rollout producer has not started it (it is generating a batch or waiting for weights)"
 EVAL_GENERATING = "generating and scoring its prompts on the rollout producer's thread"
 EVAL_FINISHING = "waiting for the learner's reference pass (eval.kl_ref) after its generation"
-"""An eval request's phase, as a timed-out wait for it names it (``Future.eval_phase``)."""
+"""An eval request's phase, as a timed-out wait for it names it (:class:`EvalFuture`)."""
+
+
+class EvalFuture(Future):
+    """The future of one eval request: its row's ``step`` and its ``phase`` (:data:`EVAL_QUEUED`,
+    then set by :meth:`EvalService._serve`), which a timed-out wait names (:class:`PendingRows`)."""
+
+    def __init__(self, step: int):
+        super().__init__()
+        self.step, self.phase = step, EVAL_QUEUED
 
 
 def _resolve(fut: Future, finish: Callable[[], dict]) -> None:
@@ -755,8 +763,8 @@ class PendingRows:
                     raise ProducerError(f"generation failed: {type(item).__name__}: {item}") from item
                 return None
             if time.monotonic() > deadline:
-                phase = getattr(fut, "eval_phase", "of unknown phase")
+                what = f" for the row of step {fut.step}" if isinstance(fut, EvalFuture) else ""
+                phase = f": the eval is {fut.phase}" if isinstance(fut, EvalFuture) else ""
                 stacks = f"; {self.dump_stacks('eval timeout')}" if self.dump_stacks is not None else ""
-                raise TimeoutError(f"no eval result for the row of step {getattr(fut, 'eval_step', '?')} within "
-                                   f"async.timeout_s={self.timeout:.0f} s: the eval is {phase}{stacks}")
+                raise TimeoutError(f"no eval result{what} within async.timeout_s={self.timeout:.0f} s{phase}{stacks}")
         return fut.result()
