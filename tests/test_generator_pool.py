@@ -467,7 +467,10 @@ class _StandInEngine:
         return {"bytes": 8, "seconds": self.delay_s, "tensors": 1}
 
     def prompt_logprobs(self, token_ids):
-        return [[0.0] + [-1.0] * (len(token_ids[0]) - 1)]
+        import time
+
+        time.sleep(self.delay_s)   # as long as the others: ray.kill is asynchronous, and a probe
+        return [[0.0] + [-1.0] * (len(token_ids[0]) - 1)]   # answered first would hide the kill
 
     def abort_generation(self):
         return 0
