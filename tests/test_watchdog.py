@@ -3,6 +3,7 @@ the pending remote calls and the Python stack of every Ray worker and the driver
 
 from __future__ import annotations
 
+import socket
 import time
 
 import pytest
@@ -75,7 +76,7 @@ def test_stack_dump_shows_where_a_busy_ray_actor_is(tmp_path):
     folder = tmp_path / "stacks"
     ray.init(address="local", num_cpus=1, include_dashboard=False, logging_level="WARNING", runtime_env={
         "env_vars": {**process_env(), STACKS_ENV: str(folder)},
-        "worker_process_setup_hook": "megatron_rlhf.trainer.watchdog.register_stack_dump"})
+        "worker_process_setup_hook": "megatron_rlhf.utils.stacks.register_stack_dump"})
     try:
         @ray.remote(num_cpus=0)
         class Sleeper:
@@ -110,3 +111,27 @@ def test_prune_removes_only_empty_stack_files_and_the_folder_once_empty(tmp_path
     (folder / "host-2.txt").write_text("")
     assert prune_empty_stack_files(folder) == 1 and not folder.exists()
     assert prune_empty_stack_files(None) == 0 and prune_empty_stack_files(tmp_path / "missing") == 0
+
+
+@pytest.mark.timeout(180)
+def test_stack_dump_reaches_the_math_verify_pool_workers(tmp_path):
+    """The driver's math-verify pool workers are not Ray workers: their initializer registers the
+    same dump, so the watchdog's text has a section per pool worker, with its stack (idle in the
+    pool's worker loop), labelled as such; after the pool is gone its PIDs are not signalled."""
+    from megatron_rlhf.rewards import MathVerifyReward
+    from megatron_rlhf.trainer.watchdog import _signal_local, dump_actor_stacks
+
+    folder = tmp_path / "stacks"
+    reward = MathVerifyReward(num_workers=1, stacks_dir=folder)
+    try:
+        assert reward(["The answer is 4.", "5"], ["4", "4"]) == [1.0, 0.0]
+        pids = [p.pid for p in reward._pool._processes.values()]
+        text = dump_actor_stacks(folder, wait_s=2)
+        for pid in pids:
+            section = text.split(f"--- math-verify worker {socket.gethostname()}-{pid} ---", 1)
+            assert len(section) == 2, text[-3000:]
+            assert "concurrent/futures/process.py" in section[1].split("\n--- ", 1)[0], text[-3000:]
+        assert "--- driver" in text
+    finally:
+        reward.close()
+    assert _signal_local(str(folder), socket.gethostname()) == []

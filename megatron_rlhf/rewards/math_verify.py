@@ -143,12 +143,15 @@ def _ready(hold_s: float) -> int:
     return os.getpid()
 
 
-def _worker_init() -> None:
+def _worker_init(stacks_dir: str | None = None) -> None:
     import logging
 
     from megatron_rlhf.runtime import ignore_stop_signals
+    from megatron_rlhf.utils.stacks import register_stack_dump
 
     ignore_stop_signals()   # a signal to the driver's process group: the driver stops the pool itself
+    if stacks_dir:   # the hang watchdog's stack dump reaches this worker too (trainer.watchdog)
+        register_stack_dump(stacks_dir)
 
     logging.getLogger("math_verify").setLevel(logging.CRITICAL)
     import math_verify  # noqa: F401  (pay the sympy import once per worker, not per item)
@@ -167,6 +170,8 @@ class MathVerifyReward:
         timeout_s: per-item time bound in seconds (> 0).
         grace_s: extra seconds the caller waits before declaring a worker stuck and killing it.
         startup_timeout_s: how long a (re)started pool may take until all workers are ready.
+        stacks_dir: where each worker registers its stack dump for the hang watchdog
+            (``utils.stacks.register_stack_dump``; the run's ``logs/stacks-*/``); None: no dump.
 
     Attributes:
         num_scored: items scored so far; num_timeouts: items that hit ``timeout_s`` (scored 0);
@@ -180,7 +185,7 @@ class MathVerifyReward:
     """Rewards are 0/1: pairs are one correct vs one incorrect (``rollout.pairs.select_pair``)."""
 
     def __init__(self, num_workers: int = 1, timeout_s: float = 10.0, grace_s: float = 5.0,
-                 startup_timeout_s: float = 300.0):
+                 startup_timeout_s: float = 300.0, stacks_dir: str | os.PathLike | None = None):
         if num_workers < 1:
             raise ValueError(f"MathVerifyReward(num_workers={num_workers}): must be >= 1")
         if timeout_s <= 0:
@@ -189,6 +194,7 @@ class MathVerifyReward:
         self.timeout_s = float(timeout_s)
         self.grace_s = float(grace_s)
         self.startup_timeout_s = float(startup_timeout_s)
+        self.stacks_dir = str(stacks_dir) if stacks_dir else None
         self.num_scored = self.num_timeouts = self.num_errors = self.num_restarts = 0
         self._pool: cf.ProcessPoolExecutor | None = None
 
@@ -292,7 +298,7 @@ class MathVerifyReward:
         if self._pool is None:
             pool = cf.ProcessPoolExecutor(max_workers=self.num_workers,
                                           mp_context=mp.get_context("spawn"),
-                                          initializer=_worker_init)
+                                          initializer=_worker_init, initargs=(self.stacks_dir,))
             # each ready-task holds its worker briefly, so every submit spawns a new worker
             futs = [pool.submit(_ready, 0.2) for _ in range(self.num_workers)]
             try:

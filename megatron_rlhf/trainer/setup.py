@@ -288,9 +288,10 @@ def start(run, generators: list | None, stop=None) -> None:
     cfg, timeout = run.cfg, run.timeout
     run.start_step = (run.resume_from[1] or {}).get("step", 0)
     check_stop(run, stop)
-    if any(t.kind == "math_verify" for t in cfg.tasks):
-        run.reward = MathVerifyReward(num_workers=default_num_workers(cfg.rewards.math_verify_workers))
     run.stacks_dir = run.run_dir / "logs" / f"stacks-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    if any(t.kind == "math_verify" for t in cfg.tasks):
+        run.reward = MathVerifyReward(num_workers=default_num_workers(cfg.rewards.math_verify_workers),
+                                      stacks_dir=run.stacks_dir)
     run.ray_head = init_ray(cfg, run.run_dir, run.stacks_dir,
                               extra_cpus=len(set(run.reward_models.values())))
     if stop is not None and hasattr(stop, "reinstall"):
@@ -476,11 +477,11 @@ def init_ray(cfg: Config, run_dir: Path, stacks_dir: Path, extra_cpus: int = 0):
 
     if ray.is_initialized():
         return None
-    from megatron_rlhf.trainer.watchdog import STACKS_ENV
+    from megatron_rlhf.utils.stacks import STACKS_ENV
 
     env = {**process_env(), STACKS_ENV: str(stacks_dir), "PYTHONPATH": worker_pythonpath()}
     kw = dict(log_to_driver=True, logging_level="WARNING", runtime_env={
-        "env_vars": env, "worker_process_setup_hook": "megatron_rlhf.trainer.watchdog.register_stack_dump"})
+        "env_vars": env, "worker_process_setup_hook": "megatron_rlhf.utils.stacks.register_stack_dump"})
     address = os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, **kw)

@@ -8,10 +8,11 @@ current step has run longer than ``async.watchdog_factor`` times the median of t
 
 * which remote calls are pending (the learner call the loop waits on, each generator request in
   flight, what the rollout producer is doing), from :meth:`Run.pending_calls`;
-* the Python stack of every thread of every Ray worker process of the run and of the driver
-  (:func:`dump_actor_stacks`: ``faulthandler`` registered on SIGUSR2 in each worker by the Ray
-  ``worker_process_setup_hook`` :func:`register_stack_dump`, which writes to
-  ``<run>/logs/stacks/<host>-<pid>.txt``);
+* the Python stack of every thread of every Ray worker process of the run, of the driver's
+  math-verify pool workers and of the driver (:func:`dump_actor_stacks`: ``faulthandler``
+  registered on SIGUSR2 in each process, by the Ray ``worker_process_setup_hook`` or the pool's
+  initializer, :func:`~megatron_rlhf.utils.stacks.register_stack_dump`, which writes to
+  ``<run>/logs/stacks-*/<host>-<pid>.txt``);
 
 and then lets the run go on waiting until ``async.timeout_s``.
 
@@ -24,7 +25,6 @@ from __future__ import annotations
 import faulthandler
 import io
 import os
-import signal
 import socket
 import statistics
 import sys
@@ -33,24 +33,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from megatron_rlhf.utils.stacks import STACK_SIGNAL, STACKS_ENV, register_stack_dump
+
 __all__ = ["HangWatchdog", "register_stack_dump", "dump_actor_stacks", "prune_empty_stack_files", "STACKS_ENV",
            "STACK_SIGNAL"]
 
-STACKS_ENV = "MRLHF_STACKS_DIR"
-STACK_SIGNAL = signal.SIGUSR2
-_stack_file = None   # kept open for faulthandler (it writes to the file descriptor)
-
-
-def register_stack_dump() -> None:
-    """Ray ``worker_process_setup_hook``: in this worker, ``faulthandler`` dumps every thread's
-    stack to ``$MRLHF_STACKS_DIR/<host>-<pid>.txt`` on SIGUSR2 (no-op when the variable is unset)."""
-    global _stack_file
-    folder = os.environ.get(STACKS_ENV)
-    if not folder:
-        return
-    Path(folder).mkdir(parents=True, exist_ok=True)
-    _stack_file = open(Path(folder) / f"{socket.gethostname()}-{os.getpid()}.txt", "a")
-    faulthandler.register(STACK_SIGNAL, file=_stack_file, all_threads=True, chain=False)
 
 
 def prune_empty_stack_files(folder) -> int:
@@ -74,23 +61,32 @@ def prune_empty_stack_files(folder) -> int:
     return removed
 
 
-def _is_ray_worker(pid: int) -> bool:
-    """Whether ``pid`` is (still) a Ray worker (its title starts with ``ray::``), so a recycled
-    PID of another program is never signalled. True where ``/proc`` is missing."""
+def _process_title(pid: int) -> str | None:
+    """What ``pid`` is, when it is a process of this run: ``"Ray worker"`` (its title starts with
+    ``ray::``) or ``"math-verify worker"`` (a ``multiprocessing`` child of this process); ``None``
+    otherwise, so a recycled PID of another program is never signalled. ``"process"`` where
+    ``/proc`` is missing."""
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::")
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        if cmdline.startswith(b"ray::"):
+            return "Ray worker"
+        ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        if ppid == os.getpid() and b"multiprocessing" in cmdline:
+            return "math-verify worker"
+        return None
     except FileNotFoundError:
-        return not Path("/proc/self").exists()
-    except OSError:
-        return False
+        return None if Path("/proc/self").exists() else "process"
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _signal_local(folder: str, host: str) -> list[int]:
-    """SIGUSR2 to every live Ray worker of ``host`` listed in ``folder``; returns their PIDs."""
+    """SIGUSR2 to every live process of the run on ``host`` listed in ``folder`` (Ray workers,
+    and the math-verify pool workers when this is the driver); returns their PIDs."""
     sent = []
     for f in Path(folder).glob(f"{host}-*.txt"):
         pid = int(f.stem.rsplit("-", 1)[1])
-        if not _is_ray_worker(pid):
+        if _process_title(pid) is None:
             continue
         try:
             os.kill(pid, STACK_SIGNAL)
@@ -101,9 +97,10 @@ def _signal_local(folder: str, host: str) -> list[int]:
 
 
 def dump_actor_stacks(folder: str | os.PathLike, wait_s: float = 2.0, timeout_s: float = 30.0) -> str:
-    """Every Ray worker's stacks (all threads), plus the driver's, as one text.
+    """Every Ray worker's stacks (all threads), the driver's math-verify pool workers' and the
+    driver's, as one text.
 
-    Workers of this host are signalled directly; on every other node of the cluster a one-CPU-free
+    Processes of this host are signalled directly; on every other node of the cluster a one-CPU-free
     Ray task pinned to that node signals its workers. Each worker's new output is read back from
     its file in ``folder`` after ``wait_s`` seconds.
     """
@@ -135,7 +132,10 @@ def dump_actor_stacks(folder: str | os.PathLike, wait_s: float = 2.0, timeout_s:
             fh.seek(sizes.get(f, 0))
             new = fh.read().decode(errors="replace").strip()
         if new:
-            parts.append(f"--- Ray worker {f.stem} ---\n{new}")
+            title = "Ray worker"
+            if f.stem.startswith(f"{host}-"):
+                title = _process_title(int(f.stem.rsplit("-", 1)[1])) or "process (exited)"
+            parts.append(f"--- {title} {f.stem} ---\n{new}")
     buf = io.StringIO()
     try:
         faulthandler.dump_traceback(file=buf, all_threads=True)
