@@ -28,6 +28,7 @@ import dataclasses
 import gzip
 import json
 import os
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -162,7 +163,7 @@ def load_batch(path: str | os.PathLike, *, with_algorithm: bool = False):
         with gzip.open(path, "rt", encoding="utf-8") as f:
             doc = json.load(f)
         batch = batch_from_dict(doc)
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, EOFError, zlib.error, ValueError, KeyError, TypeError) as e:   # EOFError: a cut file
         raise ValueError(f"{path}: not a readable rollout batch ({type(e).__name__}: {e})") from e
     return (batch, doc.get("algorithm")) if with_algorithm else batch
 

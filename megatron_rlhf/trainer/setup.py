@@ -137,6 +137,9 @@ def _prepare_checked(run) -> "RunResult | None":
         pending, run.resume_states, run.pending_regenerated = load_pending(path, state, cfg.algorithm, say)
         run.pending.extend(pending)
         check_sampler_position(run, path, run.resume_states or state)
+    run.replay_folder = None
+    if cfg.run.mode == "train_only":   # the saved batches, each checked against this config
+        run.replay_folder = checked_replay_folder(cfg, (state or {}).get("step", 0), run.model_dir)
     with run.phase("reward_model"):   # trains the demo reward model on first use (it says so)
         run.reward_models = resolve_reward_models(cfg)
     for task, folder in run.reward_models.items():
@@ -146,6 +149,29 @@ def _prepare_checked(run) -> "RunResult | None":
     _accept_folder(run)
     return None
 
+
+
+def checked_replay_folder(cfg: Config, start_step: int, model_dir: Path) -> Path:
+    """``run.replay``'s folder, its batches ``start_step .. run.num_steps-1`` checked against this
+    config (:func:`~megatron_rlhf.trainer.replay.check_replay_dir`: readable, the algorithm tag,
+    ``algorithm.prompts_per_step``, token ids within ``model_dir``'s ``config.json`` vocab_size).
+
+    Raises:
+        ConfigError: a check failed (names ``run.replay``, the file and the fix).
+    """
+    from megatron_rlhf.rollout.batch_io import algorithm_tag
+    from megatron_rlhf.trainer.replay import check_replay_dir
+
+    try:
+        vocab = json.loads((Path(model_dir) / "config.json").read_text()).get("vocab_size")
+    except (OSError, ValueError):
+        vocab = None
+    try:
+        return check_replay_dir(cfg.run.replay, start_step, cfg.run.num_steps, algorithm=algorithm_tag(cfg.algorithm),
+                                prompts_per_step=cfg.algorithm.prompts_per_step,
+                                vocab_size=vocab if isinstance(vocab, int) else None)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
 
 
 def used_run_folder(run_dir: Path) -> str:
@@ -336,12 +362,9 @@ def start(run, generators: list | None, stop=None) -> None:
     run.staleness = StalenessController(cfg.async_, active=cfg.run.mode == "train", log=run.say,
                                         state=(run.resume_from[1] or {}).get("staleness_control"))
     if not live:
-        from megatron_rlhf.trainer.replay import ReplayProducer, check_replay_dir
+        from megatron_rlhf.trainer.replay import ReplayProducer
 
-        try:
-            folder = check_replay_dir(cfg.run.replay, run.start_step, cfg.run.num_steps)
-        except ValueError as e:
-            raise ConfigError(str(e)) from e
+        folder = run.replay_folder   # checked in prepare(), before any actor started
         run.say(f"train_only: replaying the saved batches of {folder} (no generator, no eval)")
         run.producer = ReplayProducer(folder, run.batches, run.start_step + len(run.pending),
                                        cfg.run.num_steps)
