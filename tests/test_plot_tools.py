@@ -249,3 +249,33 @@ def test_seeds_repro_eval_curve_kl_ref_frontier_and_wall_plots(tmp_path):
     assert "| A_sync_s0 | 0 | sync |" in text and text.split("| A_sync_s0 |")[1].split("\n")[0].endswith("| – |")
     for png in ("frontier.png", "gain_vs_wall.png", "gain_vs_N.png"):
         assert (tmp_path / png).stat().st_size > 5000, png
+
+
+def test_staleness_arms_reads_a_run_folder_into_its_table_with_hand_computed_numbers(tmp_path):
+    """bench/staleness_arms.py: step and idle means skip step 1, the bound's path collapses
+    repeats, generated per trained token = sum generated / sum pairs x (chosen + rejected length),
+    the gain's se is the two evals' in quadrature; an unfinished folder exits 2."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import staleness_arms
+
+    rows = [{"step": s, "loss/total": 0.7, "async/max_staleness": b, "async/max_staleness_reason": f"r{s}",
+             "time/step_s": t, "time/learner_idle_s": t / 10, "time/generator_idle_s": 1.0,
+             "staleness/mean": st, "rollout/generated_tokens": 1000, "train/num_pairs": 4,
+             "response/chosen_len_mean_tokens": 30.0, "response/rejected_len_mean_tokens": 20.0,
+             "rollout/carried_trained": 1, "rollout/requeued_stale": s - 1, "staleness/dropped_pairs": 0}
+            for s, b, t, st in ((1, 1, 100.0, 0.0), (2, 2, 20.0, 1.0), (3, 2, 30.0, 1.5), (4, 1, 40.0, 2.0))]
+    _write(tmp_path / "arm", rows)
+    summary = {"wall_s": 300.0, "eval": {"math": {"pass@1": {"first": 0.5, "first_se": 0.03, "last": 0.7, "last_se": 0.04}},
+                                         "chat": {"reward_mean": {"first": 0.3, "first_se": 0.1, "last": 0.2, "last_se": 0.1}}}}
+    (tmp_path / "arm" / "summary.json").write_text(json.dumps(summary))
+    r = staleness_arms.arm_row(tmp_path / "arm")
+    assert r["bound"] == "1 -> 2 -> 1" and r["reason"] == "r4"
+    assert r["step_s"] == pytest.approx(30.0) and r["learner_idle_s"] == pytest.approx(3.0)
+    assert r["staleness"] == pytest.approx(1.125)
+    assert r["gen_per_trained"] == pytest.approx(4000 / (4 * 4 * 50))   # 5.0
+    assert (r["carried"], r["requeued"]) == (4, 6)
+    assert r["math"][4] == pytest.approx(0.2) and r["math"][5] == pytest.approx(0.05)   # se: hypot(0.03, 0.04)
+    text = staleness_arms.table([r])
+    assert "| arm | 1 -> 2 -> 1 | 30.0 | 3.0 | 1.0 | 1.12 | 5.00 | 4 | 6 | 0 |" in text and "+0.200 ± 0.050 (4.0)" in text
+    (tmp_path / "unfinished").mkdir()
+    assert staleness_arms.main([str(tmp_path / "unfinished")]) == 2
