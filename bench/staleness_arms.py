@@ -32,14 +32,18 @@ import statistics
 import sys
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from demo_seeds import _ev  # noqa: E402  (the demo's eval summary, read as demo_seeds reads it)
+
+from megatron_rlhf.trainer.report import load_rows  # noqa: E402
+
 
 def _rows(run_dir: Path) -> list[dict]:
-    rows = []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        if "step" in r and "loss/total" in r:   # training rows (eval records carry eval/* only)
-            rows.append(r)
-    return rows
+    """The training rows (one per step, the last copy of a resumed step), eval-only records left out."""
+    return [r for r in load_rows(run_dir) if "loss/total" in r]
 
 
 def _mean(rows: list[dict], key: str) -> float:
@@ -67,8 +71,7 @@ def arm_row(run_dir: Path) -> dict:
                                                     + (r.get("response/rejected_len_mean_tokens") or 0))
                   for r in rows)
     generated = sum(r.get("rollout/generated_tokens") or 0 for r in rows)
-    ev = summary.get("eval", {})
-    math_ev, chat_ev = ev.get("math", {}).get("pass@1"), ev.get("chat", {}).get("reward_mean")
+    math_ev, chat_ev = _ev(summary, "math", "pass@1"), _ev(summary, "chat", "reward_mean")
     row = {
         "run": run_dir.name, "steps": len(rows),
         "bound": _collapsed([r.get("async/max_staleness") for r in rows]),
@@ -84,10 +87,10 @@ def arm_row(run_dir: Path) -> dict:
         "wall_s": summary.get("wall_s", float("nan")),
     }
     if math_ev:
-        b, bse, a, ase = math_ev["first"], math_ev["first_se"], math_ev["last"], math_ev["last_se"]
+        b, bse, a, ase = math_ev
         row["math"] = (b, bse, a, ase, a - b, math.hypot(bse, ase))
     if chat_ev:
-        row["chat"] = (chat_ev["first"], chat_ev["first_se"], chat_ev["last"], chat_ev["last_se"])
+        row["chat"] = chat_ev
     return row
 
 
