@@ -94,6 +94,15 @@ def arm_row(run_dir: Path) -> dict:
     return row
 
 
+def eval_cells(r: dict) -> tuple[str, str]:
+    """The math cells (``before -> after | gain ± se (z)``) and the chat cell of one run's row."""
+    m, c = r.get("math"), r.get("chat")
+    mtxt = (f"{m[0]:.3f} ± {m[1]:.3f} -> {m[2]:.3f} ± {m[3]:.3f} | {m[4]:+.3f} ± {m[5]:.3f} ({m[4] / m[5]:.1f})"
+            if m else "n/a | n/a")
+    ctxt = f"{c[0]:.2f} ± {c[1]:.2f} -> {c[2]:.2f} ± {c[3]:.2f}" if c else "n/a"
+    return mtxt, ctxt
+
+
 def table(rows: list[dict]) -> str:
     """Markdown table, one line per run."""
     out = ["| run | bound (steps in order) | step s (mean, steps 2..) | learner idle s | generator idle s | "
@@ -101,27 +110,33 @@ def table(rows: list[dict]) -> str:
            "math pass@1 before -> after | gain ± se (z) | chat RM before -> after | wall s |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        m, c = r.get("math"), r.get("chat")
-        mtxt = (f"{m[0]:.3f} ± {m[1]:.3f} -> {m[2]:.3f} ± {m[3]:.3f} | {m[4]:+.3f} ± {m[5]:.3f} ({m[4] / m[5]:.1f})"
-                if m else "n/a | n/a")
-        ctxt = f"{c[0]:.2f} ± {c[1]:.2f} -> {c[2]:.2f} ± {c[3]:.2f}" if c else "n/a"
+        mtxt, ctxt = eval_cells(r)
         out.append(f"| {r['run']} | {r['bound']} | {r['step_s']:.1f} | {r['learner_idle_s']:.1f} | "
                    f"{r['generator_idle_s']:.1f} | {r['staleness']:.2f} | {r['gen_per_trained']:.2f} | {r['carried']} | "
                    f"{r['requeued']} | {r['dropped']} | {mtxt} | {ctxt} | {r['wall_s']:.0f} |")
     return "\n".join(out)
 
 
+def read_runs(runs: list[Path], row_fn) -> list[dict] | None:
+    """``row_fn(folder)`` of every run folder, or None after naming (on stderr) the first one that
+    is not a finished run (``row_fn`` raised ``FileNotFoundError``)."""
+    rows = []
+    for d in runs:
+        try:
+            rows.append(row_fn(d))
+        except FileNotFoundError as e:
+            print(f"{d}: not a finished run folder ({e})", file=sys.stderr)
+            return None
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", type=Path, help="finished run folders")
     args = ap.parse_args(argv)
-    rows = []
-    for d in args.runs:
-        try:
-            rows.append(arm_row(d))
-        except FileNotFoundError as e:
-            print(f"{d}: not a finished run folder ({e})", file=sys.stderr)
-            return 2
+    rows = read_runs(args.runs, arm_row)
+    if rows is None:
+        return 2
     print(table(rows))
     for r in rows:
         print(f"{r['run']}: last bound reason: {r['reason']}")

@@ -185,8 +185,9 @@ class RewardModelSpec:
 
     reward_model: str
     """``smollm2-demo`` (SmolLM2-135M-Instruct cut to 2 layers + a linear head, trained on
-    the repo's ``data/preferences`` on first use and cached under ``<model.cache_dir>/reward_models``)
-    or the path of a reward-model folder (HF sequence classification with ``num_labels: 1``, or one
+    the repo's ``data/preferences`` on first use and cached under ``<model.cache_dir>/reward_models``;
+    ``smollm2-demo-proxy`` / ``smollm2-demo-gold``: on its two prompt-disjoint halves, the demo's
+    training and evaluation models, ``rewards.train.DEMO_REWARD_MODELS``) or the path of a reward-model folder (HF sequence classification with ``num_labels: 1``, or one
     written by ``tools/train_reward_model.py``)."""
     batch_size: int = 8
     """Sequences per reward-model forward pass."""
@@ -223,16 +224,32 @@ class TaskConfig:
     ``eval.num_prompts`` prompts first in sha256 order of their text, at most
     ``eval.holdout_frac`` of the task) is taken out of training. Either way training never draws a
     prompt whose text is an eval prompt's."""
+    eval_reward: RewardModelSpec | None = None
+    """A reward model that scores this task's held-out completions at every eval and is never
+    trained against (``{reward_model: PATH_OR_NAME}``, e.g. the demo's ``smollm2-demo-gold``,
+    trained on prompts the task's own reward model never saw): ``eval/<task>/gold_reward_mean``,
+    and ``eval/<task>/win_rate``, the share of held-out prompts whose greedy reply it scores above
+    the starting policy's reply (ties count half), beside ``proxy_win_rate`` judged by the training
+    reward model. Reward-model tasks only (Noukhovitch et al. 2024 train on a proxy reward model and
+    evaluate with a gold one). Unset: no gold score, ``proxy_win_rate`` only."""
 
     def __post_init__(self):
         key = f"tasks[{self.name}].reward"
         if isinstance(self.reward, dict):  # built in Python rather than loaded from YAML
             self.reward = _build(RewardModelSpec, self.reward, key)
+        if isinstance(self.eval_reward, dict):
+            self.eval_reward = _build(RewardModelSpec, self.eval_reward, f"tasks[{self.name}].eval_reward")
         if not isinstance(self.reward, RewardModelSpec):
             _check(isinstance(self.reward, str) and (self.reward == "math_verify" or _is_dotted_fn(self.reward)),
                    key, self.reward, _did_you_mean(self.reward, ["math_verify"])
                    + "'math_verify', a plug-in 'package.module:function', or a mapping {reward_model: PATH_OR_NAME}")
         _check(self.weight > 0, f"tasks[{self.name}].weight", self.weight, "a number > 0")
+        if self.eval_reward is not None:
+            _check(isinstance(self.eval_reward, RewardModelSpec), f"tasks[{self.name}].eval_reward",
+                   self.eval_reward, "a mapping {reward_model: PATH_OR_NAME} (or leave it unset)")
+            _check(self.kind == "reward_model", f"tasks[{self.name}].eval_reward", self.eval_reward.reward_model,
+                   f"unset: only a task scored by a reward model takes an evaluation reward model "
+                   f"(this task's reward is {self.reward!r})")
         if self.instruction is None:
             self.instruction = "" if self.kind == "reward_model" else MATH_INSTRUCTION
 
@@ -1043,7 +1060,8 @@ class Config:
         check_layout(self.placement, learner_world_size=lp.tensor_parallel * lp.pipeline_parallel * lp.data_parallel,
                      learner_tensor_parallel=lp.tensor_parallel, num_engines=self.generators.num_workers,
                      engine_tensor_parallel=self.generators.tensor_parallel,
-                     reward_models=len({t.reward.reward_model for t in self.tasks if t.kind == "reward_model"}))
+                     reward_models=len({spec.reward_model for t in self.tasks if t.kind == "reward_model"
+                                        for spec in (t.reward, t.eval_reward) if spec is not None}))
 
     @property
     def run_dir(self) -> Path:
@@ -1215,6 +1233,8 @@ def _build(cls: type, data: Any, key: str) -> Any:
     except ConfigError as e:
         if cls is DataConfig and key:   # its checks say 'tasks[].data.*': name data or eval_data
             raise ConfigError(str(e).replace("'tasks[].data.", f"'{key}.")) from None
+        if cls is RewardModelSpec and key:   # 'tasks[].reward.*': name reward or eval_reward
+            raise ConfigError(str(e).replace("'tasks[].reward.", f"'{key}.")) from None
         raise
     except TypeError as e:
         raise ConfigError(f"config section '{key or '<root>'}': {e}") from e

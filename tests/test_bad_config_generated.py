@@ -43,6 +43,7 @@ FREE_STRINGS = {
     "tasks.0.eval_data.prompt_field", "tasks.0.eval_data.answer_field",
     "tasks.0.instruction",      # free text appended to prompts
     "tasks.0.reward.reward_model",   # a folder or a demo name: rewards.resolve_reward_model
+    "tasks.0.eval_reward.reward_model",   # the same
     "logging.wandb_project",    # a free label
     "placement.partition", "placement.account", "placement.network_interface",   # the cluster's names
 }
@@ -67,7 +68,9 @@ ZERO_OK = {
 }
 # Leaves whose overrides need a section set first (it is null or a string by default).
 PREFIX = {"tasks.0.eval_data.": ["tasks.0.eval_data.path=data/math_word_problems/mawps.jsonl"],
-          "tasks.0.reward.": ["tasks.0.reward.reward_model=smollm2-demo"]}
+          "tasks.0.reward.": ["tasks.0.reward.reward_model=smollm2-demo"],
+          "tasks.0.eval_reward.": ["tasks.0.reward.reward_model=smollm2-demo",   # a reward-model task only
+                                   "tasks.0.eval_reward.reward_model=smollm2-demo-gold"]}
 
 
 def _leaves(cls, prefix: str = ""):

@@ -19,7 +19,7 @@ import pytest
 
 from megatron_rlhf.config import EvalConfig, TaskConfig, load_config
 from megatron_rlhf.trainer.evaluate import (EvalService, Evaluator, cluster_se, eval_metrics, heldout_order,
-                                            mean_se, split_eval_prompts)
+                                            mean_se, split_eval_prompts, win_rate_metrics)
 from megatron_rlhf.types import Completion, Prompt
 
 REPO = Path(__file__).resolve().parents[1]
@@ -126,13 +126,20 @@ def test_real_data_eval_and_training_prompts_disjoint(tiny_llama_dir):
 def test_demo_eval_sets_are_the_held_out_arithmetic_file_and_mt_bench(tiny_llama_dir):
     """configs/cpu_demo.yaml: math eval = the 128 rows of 32 products training never sees in either
     order (each row's cluster id is its unordered product); chat
-    eval = 32 MT-Bench questions (another source than the HH training prompts)."""
+    eval = the 80 MT-Bench questions (another source than the HH training prompts), judged by an
+    evaluation reward model trained on other preference pairs than the training one."""
+    from megatron_rlhf.rewards.train import DEMO_REWARD_MODELS
     from megatron_rlhf.trainer.setup import load_prompts as _load_prompts
 
     cfg = load_config(REPO / "configs" / "cpu_demo.yaml", [f"model.source={tiny_llama_dir}"])
     sampler, counts, _, held = _load_prompts(cfg, tiny_llama_dir)
     assert counts["math"]["eval_source"] == counts["chat"]["eval_source"] == "eval_data"
-    assert len(held["math"]) == 128 and len(held["chat"]) == 32
+    # SmolLM2's tokenizer keeps all 80 within the prompt budget; the tiny test tokenizer, with
+    # longer token strings, drops the 12 longest
+    assert len(held["math"]) == 128 and len(held["chat"]) == 68
+    chat = cfg.tasks[1]
+    proxy, gold = (DEMO_REWARD_MODELS[spec.reward_model].train_kwargs for spec in (chat.reward, chat.eval_reward))
+    assert {proxy["half"], gold["half"]} == {"a", "b"}
     assert counts["math"]["train_removed"] == 0 and len(sampler.prompts("math")) == 196
     assert {p.answer for p in held["math"]} and all(p.answer == "" for p in held["chat"])
     # no held-out product is trained on in either order: "6 x 8" held out means 8 x 6 is too
@@ -608,3 +615,60 @@ def test_pass_at_k_needs_enough_samples_and_is_off_by_default():
     for bad in (dict(samples=4, pass_at_k=[8]), dict(samples=4, pass_at_k=[0]), dict(samples=4, pass_at_k=[2, 2])):
         with pytest.raises(ConfigError, match="eval.pass_at_k"):
             EvalConfig(**bad)
+
+
+@pytest.mark.timeout(30)
+def test_win_rate_against_the_baseline_by_hand():
+    # prompt 1 wins (0.5 > 0.4), 2 ties (0.2 == 0.2), 3 loses (0.3 < 0.6), 4 has no baseline: left out.
+    # outcomes 1, 0.5, 0: mean 0.5, sample variance (0.25 + 0 + 0.25) / 2 = 0.25, se = 0.5 / sqrt(3)
+    out = win_rate_metrics("chat", "win_rate", [1, 2, 3, 4], [0.5, 0.2, 0.3, 0.9], {1: 0.4, 2: 0.2, 3: 0.6})
+    assert out == {"eval/chat/win_rate_prompts": 3, "eval/chat/win_rate": pytest.approx(0.5),
+                   "eval/chat/win_rate/se": pytest.approx(0.5 / math.sqrt(3))}
+    assert win_rate_metrics("chat", "win_rate", [7], [1.0], {1: 0.0}) == {}
+    with pytest.raises(ValueError, match="2 prompt ids for 1 scores"):
+        win_rate_metrics("chat", "win_rate", [1, 2], [0.0], {})
+
+
+class VersionedChatPool(FakePool):
+    """Greedy chat replies say which weight version wrote them (``v0``, ``v5``)."""
+
+    def generate(self, prompts, n, refresh=None, temperature=None):
+        return [[Completion(token_ids=(1, 2), logprobs=(0.0, 0.0), finish_reason="stop",
+                            text=f"v{self.version}", weight_version=self.version) for _ in range(n)]
+                for _ in prompts]
+
+
+def test_gold_judge_and_win_rates_against_the_starting_policy_survive_a_resume():
+    """The training reward model (proxy) prefers every trained reply; the gold judge prefers the
+    trained reply of prompts 0 and 1, the starting one of prompt 2, and ties on prompt 3: proxy win
+    rate 1.0, gold win rate (1 + 1 + 0 + 0.5) / 4 = 0.625: over-optimisation of the proxy, in
+    numbers. A second evaluator given the first eval's row (a resumed run) gives the same."""
+    from megatron_rlhf.generator.weight_sync import PublishedWeights
+
+    held = {"chat": [Prompt(index=i, task="chat", token_ids=(1,), text=f"c{i}") for i in range(4)]}
+    kinds = {"chat": "reward_model"}
+    proxy = {"chat": lambda ps, texts: [0.0 if t == "v0" else 1.0 for t in texts]}
+    gold_delta = {0: 0.25, 1: 0.5, 2: -0.5, 3: 0.0}
+    gold = {"chat": lambda ps, texts: [p.index + (0.0 if t == "v0" else gold_delta[p.index]) for p, t in zip(ps, texts)]}
+
+    def evaluator():
+        return Evaluator(VersionedChatPool(), held, kinds, proxy, EvalConfig(samples=0), 1.0, gold_fns=gold)
+
+    ev = evaluator()
+    first = ev.evaluate(0)
+    assert first["eval/chat/gold_outcomes"] == [0.0, 1.0, 2.0, 3.0]
+    assert first["eval/chat/gold_reward_mean"] == pytest.approx(1.5)
+    assert first["eval/chat/win_rate"] == first["eval/chat/proxy_win_rate"] == 0.5   # the same replies
+    later = ev.evaluate(5, PublishedWeights(version=5, payload="w5"))
+    assert later["eval/chat/proxy_win_rate"] == 1.0 and later["eval/chat/proxy_win_rate/se"] == 0
+    assert later["eval/chat/win_rate"] == pytest.approx(0.625)
+    assert later["eval/chat/win_rate/se"] == pytest.approx(mean_se([1, 1, 0, 0.5])[1])
+    assert later["eval/chat/gold_reward_mean"] == pytest.approx(1.5 + 0.25 / 4)
+    resumed = evaluator()
+    assert not resumed.set_base([{"step": 3, "eval/step": 2}])   # no eval before step 1 among the rows
+    assert "eval/chat/win_rate" not in resumed.evaluate(5, PublishedWeights(version=5, payload="w5"))
+    assert resumed.set_base([{"step": 1, **first}])
+    again = resumed.evaluate(5, PublishedWeights(version=5, payload="w5"))
+    assert {k: again[k] for k in later if "win_rate" in k} == {k: later[k] for k in later if "win_rate" in k}
+    with pytest.raises(ValueError, match="not reward-model tasks"):
+        Evaluator(VersionedChatPool(), held, {"chat": "math_verify"}, proxy, EvalConfig(), 1.0, gold_fns=gold)

@@ -112,6 +112,7 @@ def test_math_and_chat_mix_with_a_reward_model_actor(generator, tiny_llama_dir, 
     from megatron_rlhf.trainer.loop import train
 
     rm_dir = make_tiny_reward_model(tmp_path / "rm")
+    gold_dir = make_tiny_reward_model(tmp_path / "rm_gold", seed=1)   # another judge: eval only
     recipe = tmp_path / "mix.yaml"
     recipe.write_text(yaml.safe_dump({
         "defaults": str(REPO / "configs" / "ci_tiny.yaml"),
@@ -120,6 +121,7 @@ def test_math_and_chat_mix_with_a_reward_model_actor(generator, tiny_llama_dir, 
              "data": {"path": "data/math_word_problems/mawps.jsonl", "prompt_field": "input",
                       "answer_field": "target", "filter": {"type": ["singleop", "addsub"]}}},
             {"name": "chat", "weight": 0.25, "reward": {"reward_model": str(rm_dir)},
+             "eval_reward": {"reward_model": str(gold_dir)},
              "data": {"path": "data/chat/hh_helpful_dove/test.jsonl"}}],
         "algorithm": {"prompts_per_step": 4},
     }))
@@ -136,6 +138,18 @@ def test_math_and_chat_mix_with_a_reward_model_actor(generator, tiny_llama_dir, 
     state = json.loads((Path(res["run_dir"]) / "checkpoints" / "step_2" / "trainer_state.json").read_text())
     assert set(state["sampler_state"]["tasks"]) == {"math", "chat"}
     assert set(state["producer_state"]["normalizer"]["moments"]) == {"math", "chat"}
+    # the evaluation reward model scores the held-out chat replies beside the training one; win
+    # rates against the starting policy's replies are 0.5 at the eval before step 1 (the same replies)
+    first, last = rows[0], rows[-1]
+    assert first["eval/step"] == 0 and last["eval/step"] == 3
+    n = first["eval/chat/num_prompts"]
+    assert n > 0 and len(first["eval/chat/gold_outcomes"]) == n
+    assert first["eval/chat/gold_outcomes"] != first["eval/chat/outcomes"]     # two different judges
+    assert first["eval/chat/win_rate"] == first["eval/chat/proxy_win_rate"] == 0.5
+    assert first["eval/chat/win_rate_prompts"] == n and first["eval/chat/win_rate/se"] == 0
+    for key in ("win_rate", "proxy_win_rate"):
+        assert 0 <= last[f"eval/chat/{key}"] <= 1 and last[f"eval/chat/{key}_prompts"] == n
+    assert math.isfinite(last["eval/chat/gold_reward_mean"]) and "eval/math/win_rate" not in last
 
 
 @pytest.mark.timeout(600)

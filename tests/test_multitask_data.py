@@ -47,6 +47,8 @@ def test_instruction_defaults_to_math_for_verified_tasks_and_none_for_reward_mod
     ("tasks.0.reward=[math_verify]", r"'tasks\[0\]\.reward'.*must be a string or a mapping"),
     ("tasks.0.reward=smollm2-demo", r"tasks\[math\]\.reward.*\{reward_model: PATH_OR_NAME\}"),
     ("tasks.0.reward={reward_model: x, batch_size: 0}", r"reward\.batch_size"),
+    ("tasks.0.eval_reward={reward_model: x}", r"tasks\[math\]\.eval_reward.*only a task scored by a reward model"),
+    ("tasks.1.eval_reward=x", r"'tasks\[1\]\.eval_reward' must be a mapping"),
 ])
 def test_bad_reward_forms_raise_config_error_naming_the_key_and_the_accepted_forms(override, match):
     with pytest.raises(ConfigError, match=match):

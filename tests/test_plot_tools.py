@@ -279,3 +279,45 @@ def test_staleness_arms_reads_a_run_folder_into_its_table_with_hand_computed_num
     assert "| arm | 1 -> 2 -> 1 | 30.0 | 3.0 | 1.0 | 1.12 | 5.00 | 4 | 6 | 0 |" in text and "+0.200 ± 0.050 (4.0)" in text
     (tmp_path / "unfinished").mkdir()
     assert staleness_arms.main([str(tmp_path / "unfinished")]) == 2
+
+
+def test_dtype_arms_reads_speed_mismatch_gain_and_the_share_of_weights_moved_by_hand(tmp_path):
+    """bench/dtype_arms.py: means over steps 2.. for time, over every step for throughput and
+    mismatch, the largest mismatch, and the share of exported weights that differ from the base
+    rounded to the export's dtype (a change below bf16's spacing does not count)."""
+    import torch
+    from safetensors.torch import save_file
+
+    sys.path.insert(0, str(REPO / "bench"))
+    import dtype_arms
+
+    rows = [{"step": s, "loss/total": 0.7, "time/step_s": t, "time/train_s": t / 2, "time/gen_s": t / 4,
+             "throughput/gen_tokens_per_s": g, "logprobs/vllm_gap_abs_mean": gap,
+             "logprobs/token_mult_prob_error": m}
+            for s, t, g, gap, m in ((1, 90.0, 100.0, 0.01, 1.01), (2, 20.0, 200.0, 0.03, 1.03), (3, 30.0, 300.0, 0.02, 1.02))]
+    run = tmp_path / "bf16"
+    _write(run, rows)
+    (run / "config.yaml").write_text("model:\n  dtype: bfloat16\n")
+    (run / "summary.json").write_text(json.dumps({"wall_s": 200.0, "eval": {"math": {"pass@1": {
+        "first": 0.5, "first_se": 0.03, "last": 0.6, "last_se": 0.04}}}}))
+    base = tmp_path / "base"
+    base.mkdir()
+    w = torch.tensor([1.0, 1.0, 2.0, 4.0])
+    save_file({"w": w, "only_base": torch.zeros(3)}, str(base / "model.safetensors"))
+    (run / "hf_final").mkdir()
+    # 1.0 + 1e-4 rounds back to 1.0 in bf16 (spacing 2^-7 at 1): unchanged; 2.0 -> 2.5 moved
+    final = torch.tensor([1.0 + 1e-4, 1.0, 2.5, 4.0]).to(torch.bfloat16)
+    save_file({"w": final}, str(run / "hf_final" / "model.safetensors"))
+    r = dtype_arms.dtype_row(run, base)
+    assert r["dtype"] == "bfloat16" and r["changed"] == pytest.approx(0.25)
+    assert (r["step_s"], r["train_s"], r["gen_s"]) == pytest.approx((25.0, 12.5, 6.25))
+    assert r["gen_tokens_per_s"] == pytest.approx(200.0)
+    assert (r["gap_mean"], r["gap_max"]) == pytest.approx((0.02, 0.03))
+    assert (r["mult_mean"], r["mult_max"]) == pytest.approx((1.02, 1.03))
+    fp32 = dict(r, run="fp32", dtype="float32", step_s=50.0, train_s=25.0, gen_tokens_per_s=100.0)
+    text = dtype_arms.table([fp32, r])
+    assert "| bf16 | bfloat16 | 25.0 | 12.5 | 6.2 | 200 | 0.0200, 0.0300 | 1.020, 1.030 |" in text
+    assert "+0.100 ± 0.050 (2.0)" in text and "| 25.0% | 200 |" in text
+    assert "bf16 / fp32: step time 0.50x, training 0.50x, generation throughput 2.00x" in text
+    (tmp_path / "unfinished").mkdir()
+    assert dtype_arms.main([str(tmp_path / "unfinished")]) == 2

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rlhf.data.preferences import (detect_preference_format, find_preference_files, load_preference_files,
+from megatron_rlhf.data.preferences import (detect_preference_format, half_by_group, find_preference_files, load_preference_files,
                                             load_preferences, parse_hh_dialogue, split_by_group)
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "preferences"
@@ -91,6 +91,29 @@ def test_split_by_group_is_seeded_and_never_shares_a_prompt(tmp_path):
     tr2, ev2 = split_by_group(ex, 30, seed=3)
     assert [e.index for e in ev] == [e.index for e in ev2]
     assert [e.index for e in split_by_group(ex, 30, seed=4)[1]] != [e.index for e in ev]
+
+
+@pytest.mark.timeout(60)
+def test_the_proxy_and_gold_halves_of_the_demo_pairs_share_no_prompt_and_split_each_source():
+    """The demo's proxy (half a) and evaluation (half b) reward models train on halves of the same
+    training side that share no prompt group, cover it, and hold about half of each source."""
+    from megatron_rlhf.rewards.train import DEFAULT_DATA, DEFAULTS, DEMO_REWARD_MODELS
+
+    ex, _ = load_preference_files([DEFAULT_DATA])
+    train, ev = split_by_group(ex, DEFAULTS["eval_pairs"], seed=0)
+    a, b = half_by_group(train, "a", 0), half_by_group(train, "b", 0)
+    ga, gb = {e.group for e in a}, {e.group for e in b}
+    assert not ga & gb and not (ga | gb) & {e.group for e in ev}
+    assert sorted(e.index for e in a + b) == sorted(e.index for e in train)
+    for src in ("hh_rlhf", "dove"):
+        na, nb = (sum(e.source == src for e in h) for h in (a, b))
+        assert abs(na - nb) <= 0.15 * (na + nb), (src, na, nb)
+    assert [e.index for e in half_by_group(train, "a", 0)] == [e.index for e in a]   # seeded
+    with pytest.raises(ValueError, match="expected 'a' or 'b'"):
+        half_by_group(train, "c", 0)
+    proxy, gold = (DEMO_REWARD_MODELS[n].train_kwargs for n in ("smollm2-demo-proxy", "smollm2-demo-gold"))
+    assert (proxy["half"], gold["half"]) == ("a", "b") and proxy["seed"] == gold["seed"] == 0
+    assert proxy["eval_pairs"] == gold["eval_pairs"]   # one held-out set measures both
 
 
 @pytest.mark.timeout(120)

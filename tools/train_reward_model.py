@@ -46,6 +46,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-length-feature", action="store_true", help="no log(1 + reply tokens)")
     ap.add_argument("--no-length-x-prompt", action="store_true",
                     help="no log(1 + reply tokens) x mean input embedding of the prompt")
+    ap.add_argument("--half", default="", choices=["", "a", "b"],
+                    help="train on one of two halves of the training pairs that share no prompt (a proxy "
+                         "reward model on a, an evaluation one on b); default all")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cache-dir", default="~/.cache/megatron_rlhf", help="base model + feature cache")
     ap.add_argument("--feature-cache-dir", default=None,
@@ -61,7 +64,7 @@ def main(argv=None) -> int:
             poolings=tuple(x.strip() for x in a.pooling.split(",") if x.strip()),
             reply_embedding_mean=not a.no_reply_embedding, length_feature=not a.no_length_feature,
             length_x_prompt_embedding=not a.no_length_x_prompt, sources=tuple(x.strip() for x in a.sources.split(",") if x.strip()),
-            seed=a.seed, cache_dir=a.cache_dir, feature_cache_dir=a.feature_cache_dir, batch_size=a.batch_size,
+            half=a.half, seed=a.seed, cache_dir=a.cache_dir, feature_cache_dir=a.feature_cache_dir, batch_size=a.batch_size,
             threads=a.threads)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

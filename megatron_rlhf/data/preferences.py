@@ -27,7 +27,7 @@ from pathlib import Path
 
 from megatron_rlhf.data.jsonrecords import read_json_records
 
-__all__ = ["PreferenceExample", "PREFERENCE_FORMATS", "detect_preference_format", "load_preferences",
+__all__ = ["HALVES", "half_by_group", "PreferenceExample", "PREFERENCE_FORMATS", "detect_preference_format", "load_preferences",
            "find_preference_files", "load_preference_files", "split_by_group", "parse_hh_dialogue"]
 
 Message = dict  # {"role": "user" | "assistant" | "system", "content": str}
@@ -261,3 +261,33 @@ def split_by_group(examples: list[PreferenceExample], num_eval: int, seed: int
     for k in keys:
         (ev if len(ev) < num_eval else train).extend(groups[k])
     return train, ev
+
+
+HALVES = ("a", "b")
+"""Names of the two disjoint halves of a training side (:func:`half_by_group`)."""
+
+
+def half_by_group(examples: list[PreferenceExample], half: str, seed: int) -> list[PreferenceExample]:
+    """One of two halves of ``examples`` that share no prompt group, for a proxy/gold pair of
+    reward models (train one on half ``a``, the other on half ``b``).
+
+    Groups are sorted by name, shuffled with ``random.Random(seed + 1)`` (another order than
+    :func:`split_by_group`'s) and dealt alternately: the 1st, 3rd, ... go to ``a``, the 2nd, 4th, ... to
+    ``b``; so the halves hold the same number of groups (``a`` one more when odd) and about the same
+    number of pairs, each source split at random. Examples keep their order.
+
+    Args:
+        examples: the training side (:func:`split_by_group`'s first result).
+        half: ``"a"`` or ``"b"``.
+        seed: the split seed (the same as the train/eval split's).
+    Returns:
+        The examples of that half.
+    Raises:
+        ValueError: ``half`` is not ``"a"`` or ``"b"``.
+    """
+    if half not in HALVES:
+        raise ValueError(f"half={half!r}: expected 'a' or 'b' (two disjoint halves of the training pairs)")
+    keys = sorted({ex.group for ex in examples})
+    random.Random(seed + 1).shuffle(keys)
+    keep = set(keys[HALVES.index(half)::2])
+    return [ex for ex in examples if ex.group in keep]

@@ -83,6 +83,10 @@ _RM_MARKERS = (REPORT, "reward_head.json")
 
 
 # ----------------------------------------------------------------------------- demo models by name
+GOLD_LAYERS = 12
+"""Trunk depth of the demo's evaluation ("gold") reward model, ``smollm2-demo-gold``."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class DemoRewardModel:
     """A reward model known by name, trained on first use and cached.
@@ -106,6 +110,16 @@ DEMO_REWARD_MODELS: dict[str, DemoRewardModel] = {
         name="smollm2-demo", folder="smollm2-L2-T64-mit", train_kwargs=dict(base="smollm2", seed=0, **DEFAULTS),
         description="SmolLM2-135M-Instruct cut to 2 layers, 64 tokens, linear head on every pair of "
                     "the repo's data/preferences (MIT) but 500 held out"),
+    "smollm2-demo-proxy": DemoRewardModel(
+        name="smollm2-demo-proxy", folder="smollm2-L2-T64-mit-half-a",
+        train_kwargs=dict(base="smollm2", seed=0, **{**DEFAULTS, "half": "a"}),
+        description="as smollm2-demo, on half a of its training pairs (the demo trains against it)"),
+    "smollm2-demo-gold": DemoRewardModel(
+        name="smollm2-demo-gold", folder=f"smollm2-L{GOLD_LAYERS}-T64-mit-half-b",
+        train_kwargs=dict(base="smollm2", seed=0, **{**DEFAULTS, "layers": GOLD_LAYERS,
+                                                       "feature_layers": (GOLD_LAYERS,), "half": "b"}),
+        description=f"SmolLM2-135M-Instruct cut to {GOLD_LAYERS} layers, on half b of the training pairs, "
+                    "which share no prompt with half a (the demo evaluates with it, never trains against it)"),
 }
 """Demo reward models by name (``tasks[].reward: {reward_model: smollm2-demo}``)."""
 
@@ -194,13 +208,16 @@ def train_reward_model(*, out: str, base: str = "smollm2", data: list[str] | Non
                        reply_embedding_mean: bool = DEFAULTS["reply_embedding_mean"],
                        length_feature: bool = DEFAULTS["length_feature"],
                        length_x_prompt_embedding: bool = DEFAULTS["length_x_prompt_embedding"],
-                       sources: tuple[str, ...] = (),
+                       sources: tuple[str, ...] = (), half: str = "",
                        seed: int = 0, cache_dir: str = "~/.cache/megatron_rlhf",
                        feature_cache_dir: str | None = None, batch_size: int = 16, threads: int = 0,
                        wd_grid: tuple[float, ...] = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0)) -> dict:
     """Train, evaluate and save a reward model (see the module docstring). Returns the report dict.
 
-    ``train_pairs=0`` uses every pair not held out; ``feature_layers=None`` means the trunk's last layer
+    ``train_pairs=0`` uses every pair not held out; ``half="a"`` or ``"b"`` trains on one of two
+    halves of those that share no prompt (``megatron_rlhf.data.preferences.half_by_group``; the
+    held-out pairs are the same for both halves, so a proxy and a gold model trained on the two
+    halves are measured on one set); ``feature_layers=None`` means the trunk's last layer
     only, ``()`` no transformer layer (embedding and length features only). ``out`` is written
     atomically: into a temporary sibling folder, renamed into place once ``rm_report.json`` is
     written (an existing reward-model folder there is replaced; a crash leaves ``out`` as it was).
@@ -218,6 +235,9 @@ def train_reward_model(*, out: str, base: str = "smollm2", data: list[str] | Non
     t0, c0 = time.time(), time.process_time()
     out_dir = Path(os.path.expanduser(str(out))).resolve()
     _check_out(out_dir)
+    if half not in ("", "a", "b"):
+        raise ValueError(f"--half {half!r}: expected a or b (one of two prompt-disjoint halves of the "
+                         "training pairs), or none for all of them")
     if not (train_pairs == 0 or train_pairs >= 8) or eval_pairs < 1 or max_len < 8 or layers < 0:
         raise ValueError(f"--train-pairs {train_pairs}, --eval-pairs {eval_pairs}, --max-len {max_len}, "
                          f"--layers {layers}: need 0 (all) or >= 8, >= 1, >= 8, >= 0")
@@ -247,7 +267,8 @@ def train_reward_model(*, out: str, base: str = "smollm2", data: list[str] | Non
     from megatron_rlhf.data.preferences import find_preference_files
 
     files = [f.resolve() for d in data for f in find_preference_files(d)]
-    train, ev, counts, truncated = build_pairs(tok, data, train_pairs, eval_pairs, max_len, seed, tuple(sources))
+    train, ev, counts, truncated = build_pairs(tok, data, train_pairs, eval_pairs, max_len, seed, tuple(sources),
+                                               half=half)
     key = cache_key(base_dir, n_layers, max_len, files, spec)
     fdir = Path(os.path.expanduser(feature_cache_dir or os.path.join(cache_dir, "rm_features")))
     cache_file = fdir / key / "features.safetensors"
@@ -308,7 +329,8 @@ def train_reward_model(*, out: str, base: str = "smollm2", data: list[str] | Non
             "weight_decay": wd, "cv_accuracy": {str(k): v for k, v in cv.items()},
             "length_weight_std_units": float(w[-1]) if spec.length_feature else None,
             "base": str(base_dir), "layers": n_layers, "features": spec.to_dict(), "feature_dim": int(w.numel()),
-            "max_len": max_len, "seed": seed, "sources": list(sources) or "all",
+            "max_len": max_len, "seed": seed, "sources": list(sources) or "all", "half": half or "all",
+            "train_groups_sha256": _groups_digest(train),
             "sequences_truncated": truncated, "data": data, "data_counts": counts,
             "feature_cache": str(cache_file), "features_computed": computed,
             "reload_check_max_abs_diff": check["reward"], "reload_check_feature_max_abs_diff": check["feature"],
@@ -326,8 +348,14 @@ def train_reward_model(*, out: str, base: str = "smollm2", data: list[str] | Non
 
 
 # ----------------------------------------------------------------------------- data
+def _groups_digest(pairs: list[dict]) -> str:
+    """sha256 of the sorted prompt groups of ``pairs``: two reports whose training sides share no
+    prompt have disjoint group sets (``rm_report.json`` records the digest; the test compares sets)."""
+    return hashlib.sha256("\x1f".join(sorted({p["group"] for p in pairs})).encode()).hexdigest()
+
+
 def build_pairs(tokenizer, data: list[str], num_train: int, num_eval: int, max_len: int, seed: int,
-                sources: tuple[str, ...] = ()):
+                sources: tuple[str, ...] = (), *, half: str = ""):
     """Load preference files, split by prompt group, and encode (chosen, rejected) token ids.
 
     Args:
@@ -338,6 +366,8 @@ def build_pairs(tokenizer, data: list[str], num_train: int, num_eval: int, max_l
         max_len: sequences are cut from the left to this many tokens.
         seed: split seed.
         sources: keep only these formats (``hh_rlhf``/``dove``/``alpaca_eval``); empty = all.
+        half: ``"a"``/``"b"``: keep that half of the training side
+            (:func:`~megatron_rlhf.data.preferences.half_by_group`, before ``num_train``); ``""``: all.
     Returns:
         ``(train, eval, counts, truncated)``: lists of dicts ``{uid, source, group, prompt, chosen,
         rejected, chosen_ids, rejected_ids, chosen_reply, rejected_reply, longer_chosen}`` (whole
@@ -346,7 +376,8 @@ def build_pairs(tokenizer, data: list[str], num_train: int, num_eval: int, max_l
     Raises:
         ValueError: not enough pairs for ``num_train + num_eval``, or an unknown source.
     """
-    from megatron_rlhf.data.preferences import PREFERENCE_FORMATS, load_preference_files, split_by_group
+    from megatron_rlhf.data.preferences import (PREFERENCE_FORMATS, half_by_group, load_preference_files,
+                                                split_by_group)
     from megatron_rlhf.rewards.reward_model import encode_reward_parts
 
     bad = [s for s in sources if s not in PREFERENCE_FORMATS]
@@ -359,6 +390,8 @@ def build_pairs(tokenizer, data: list[str], num_train: int, num_eval: int, max_l
         raise ValueError(f"--train-pairs {num_train} + --eval-pairs {num_eval} exceed the {len(examples)} "
                          f"usable pairs in {data} (sources {list(sources) or 'all'})")
     train_ex, eval_ex = split_by_group(examples, num_eval, seed)
+    if half:
+        train_ex = half_by_group(train_ex, half, seed)
     train_ex = train_ex[:num_train] if num_train else train_ex
     digests: dict[str, str] = {}
     truncated = 0

@@ -40,6 +40,15 @@ What is scored, per task (``Evaluator.evaluate``; one weight version per eval):
   it (:class:`EvalService`), so generation goes on meanwhile. Without samples or without a
   reference (``tools/evaluate.py`` loads none) the row has no ``kl_ref`` and
   ``eval/kl_ref_skipped`` says why;
+* reward-model tasks, judged against the starting policy: ``eval/<task>/proxy_win_rate`` = share
+  of prompts whose greedy reply the task's own (training) reward model scores above the reply of
+  the policy at the eval before step 1 (:func:`win_rate_metrics`; ties count half; 0.5 at that
+  first eval by construction); with ``tasks[].eval_reward`` (a reward model training never
+  optimised against, the "gold" one) also ``eval/<task>/gold_reward_mean``, ``.../gold_outcomes``
+  and ``eval/<task>/win_rate``, the same share judged by it. The starting replies' scores are the
+  first eval's per-prompt outcomes (kept in its row, so a resumed run reads them back:
+  :meth:`Evaluator.set_base`); scores compare at the 4 decimals the rows store. A proxy win rate
+  that climbs while the gold one does not is over-optimisation of the proxy (Gao et al. 2023);
 * when the prompts carry a cluster id (``Prompt.group``: the arithmetic rows' ``product``, the same
   for every wording and both orders of a x b): ``eval/<task>/groups`` (per prompt, eval order),
   ``eval/<task>/num_clusters`` and each value's ``.../se_cluster``, the cluster-robust standard
@@ -58,7 +67,9 @@ learner and its engines may already hold a newer version when the request arrive
 scores that version and records it: ``eval/weight_version`` is always the version scored.) ``tools/evaluate.py`` runs the same :class:`Evaluator` on a pool of a fresh
 vLLM engine of any HF folder.
 
-Sources: KL estimators k1 and k3 of Schulman 2020 ("Approximating KL divergence"); KL to the
+Sources: a proxy reward model for training and a gold one for evaluation, with win rates against a
+fixed baseline's replies, as in Noukhovitch et al. 2024 (sec. 3, "gold" reward model) after Gao et al.
+2023 ("Scaling Laws for Reward Model Overoptimization"); KL estimators k1 and k3 of Schulman 2020 ("Approximating KL divergence"); KL to the
 reference on samples of the evaluated policy as the x-axis of Noukhovitch et al. 2024's
 reward-KL frontier (Fig. 3-4). pass@k and the mean of k samples as in Chen et al. 2021 ("Evaluating Large Language
 Models Trained on Code", sec. 2.1, k = 1 greedy); standard error of a mean over prompts as in
@@ -80,7 +91,7 @@ from typing import Callable
 from megatron_rlhf.types import Prompt
 
 __all__ = ["mean_se", "cluster_se", "pass_at_k", "heldout_order", "split_eval_prompts", "Evaluator", "EvalService",
-           "EvalFuture", "PendingRows", "eval_due", "eval_keys_of", "eval_metrics", "format_eval_line", "kl_ref_metrics",
+           "EvalFuture", "PendingRows", "eval_due", "eval_keys_of", "eval_metrics", "format_eval_line", "kl_ref_metrics", "win_rate_metrics",
            "KL_REF_SKIPPED"]
 
 KL_REF_SKIPPED = "eval/kl_ref_skipped"
@@ -332,6 +343,39 @@ def kl_ref_metrics(task: str, policy_logprobs: list, ref_logprobs: list, prompt_
     return out
 
 
+def win_rate_metrics(task: str, name: str, ids: list[int], scores: list[float], base: dict[int, float]) -> dict:
+    """The share of prompts whose reply scores above the baseline reply to the same prompt.
+
+    Per prompt the outcome is 1 (``score > base``), 0.5 (equal) or 0; the mean over the prompts
+    that have a baseline score, with its standard error over prompts (:func:`mean_se`). Scores are
+    compared as given (the evaluator rounds both sides to the 4 decimals the rows store, so a
+    resumed run compares as the first session would).
+
+    Args:
+        task: task name.
+        name: the key, e.g. ``win_rate`` (gold judge) or ``proxy_win_rate`` (training reward model).
+        ids: ``[P]`` each prompt's id (``Prompt.index``).
+        scores: ``[P]`` the judge's score of each prompt's reply now.
+        base: prompt id -> the same judge's score of the baseline's reply.
+    Returns:
+        ``eval/<task>/<name>``, ``.../se`` and ``eval/<task>/<name>_prompts`` (prompts compared);
+        empty when no prompt has a baseline score.
+    Raises:
+        ValueError: ``ids`` and ``scores`` differ in length.
+    Source: win rate against a fixed baseline's replies as Noukhovitch et al. 2024 report it (there
+    judged by a gold model against reference summaries; here against the starting policy).
+    """
+    if len(ids) != len(scores):
+        raise ValueError(f"win_rate_metrics({task!r}): {len(ids)} prompt ids for {len(scores)} scores")
+    outcomes = [1.0 if s > base[i] else 0.5 if s == base[i] else 0.0 for i, s in zip(ids, scores) if i in base]
+    if not outcomes:
+        return {}
+    pre = f"eval/{task}/{name}"
+    out = {pre + "_prompts": len(outcomes)}
+    out[pre], out[pre + "/se"] = mean_se(outcomes)
+    return out
+
+
 def eval_keys_of(row: dict) -> list[str]:
     """The ``eval/...`` keys of a metrics row, in row order."""
     return [k for k in row if k.startswith("eval/")]
@@ -354,13 +398,20 @@ class Evaluator:
             loss_mask [B][S], temperature)`` submits it and returns a function that waits for
             ``{"logprobs": [B, S], "reference_version": int}`` (the trainer wraps
             ``MegatronLearner.reference_logprobs``); None: no reference model here, no ``kl_ref``.
+        gold_fns: task name -> scorer like ``reward_fns`` of the task's ``tasks[].eval_reward``
+            (reward-model tasks; the gold judge of ``win_rate``); None: none.
     """
 
     def __init__(self, pool, eval_by_task: dict[str, list[Prompt]], kinds: dict[str, str],
                  reward_fns: dict[str, Callable], eval_cfg, sample_temperature: float,
                  log: Callable[[str], None] | None = None, progress_every_s: float = 30.0,
-                 reference: Callable | None = None):
+                 reference: Callable | None = None, gold_fns: dict[str, Callable] | None = None):
         self.pool, self.eval_by_task, self.kinds, self.reward_fns = pool, eval_by_task, kinds, reward_fns
+        self.gold_fns = dict(gold_fns or {})
+        bad = [t for t in self.gold_fns if kinds.get(t) != "reward_model"]
+        if bad:
+            raise ValueError(f"Evaluator: gold scorers for {bad}, which are not reward-model tasks")
+        self.base: dict[str, dict[str, dict[int, float]]] = {}   # task -> judge -> prompt id -> score
         self.samples = eval_cfg.samples
         self.pass_ks = list(getattr(eval_cfg, "pass_at_k", ()) or ())
         self.temperature = eval_cfg.temperature if eval_cfg.temperature is not None else sample_temperature
@@ -376,6 +427,25 @@ class Evaluator:
                 self.kl_skipped = ("no reference model loaded (the learner holds it; tools/evaluate.py "
                                    "runs a generator alone)")
         self._told = False
+
+    def set_base(self, rows: list[dict]) -> bool:
+        """Take the starting policy's reply scores (of :func:`win_rate_metrics`) from the metrics
+        row of the eval before step 1 (``eval/step`` 0) among ``rows``: a resumed run's first
+        session's. Returns whether that row was there (without it a resumed run has no win rates)."""
+        records = [rec for r in rows for rec in (*(r.get("eval/earlier") or []), r)]   # a 1-step run's
+        for row in records:                                                            # first eval rides along
+            if row.get("eval/step") == 0:
+                self.base = {}
+                for t, kind in self.kinds.items():
+                    ids = row.get(f"eval/{t}/ids")
+                    if kind != "reward_model" or not isinstance(ids, list):
+                        continue
+                    for judge, key in (("proxy", "outcomes"), ("gold", "gold_outcomes")):
+                        vals = row.get(f"eval/{t}/{key}")
+                        if isinstance(vals, list) and len(vals) == len(ids):
+                            self.base.setdefault(t, {})[judge] = {int(i): float(v) for i, v in zip(ids, vals)}
+                return True
+        return False
 
     def evaluate(self, step: int, weights=None) -> dict:
         """Push ``weights`` (a ``PublishedWeights``; None: what the pool holds) to every worker
@@ -434,6 +504,9 @@ class Evaluator:
             math_sampled = [by_prompt[id(p)] for p in math_prompts] if sampled else []
             greedy_r = self._score(prompts, [[g[0]] for g in greedy])
             sampled_r = self._score(math_prompts, math_sampled) if math_sampled else []
+            gold_idx = [i for i, p in enumerate(prompts) if p.task in self.gold_fns]
+            gold_r = dict(zip(gold_idx, self._score([prompts[i] for i in gold_idx],
+                                                    [[greedy[i][0]] for i in gold_idx], self.gold_fns)))
         by_math = {id(p): r for p, r in zip(math_prompts, sampled_r)}
         out: dict = {"eval/step": step, "eval/weight_version": version, "eval/k": self.samples}
         for t in tasks:
@@ -443,6 +516,10 @@ class Evaluator:
                                     [len(greedy[i][0].token_ids) for i in idx], samp, self.pass_ks,
                                     ids=[prompts[i].index for i in idx],
                                     groups=[getattr(prompts[i], "group", "") for i in idx]))
+            if self.kinds[t] == "reward_model":
+                out.update(self._against_base(t, step, [prompts[i].index for i in idx],
+                                              [greedy_r[i][0] for i in idx],
+                                              [gold_r[i][0] for i in idx] if t in self.gold_fns else None))
         if self.kl_skipped is not None:
             out[KL_REF_SKIPPED] = self.kl_skipped
         out["time/eval_s"] = time.perf_counter() - t0
@@ -455,6 +532,24 @@ class Evaluator:
                 self.log(format_eval_line(label, out))
             return out
         return finish
+
+    def _against_base(self, task: str, step: int, ids: list[int], proxy: list[float],
+                      gold: list[float] | None) -> dict:
+        """``gold_reward_mean`` (+ ``/se``, ``gold_outcomes``) and the win rates of one reward-model
+        task against the starting policy's replies, recorded here at the eval before step 1."""
+        out: dict = {}
+        judged = {"proxy": [round(float(v), 4) for v in proxy]}
+        if gold is not None:
+            judged["gold"] = [round(float(v), 4) for v in gold]
+            pre = f"eval/{task}/"
+            out[pre + "gold_reward_mean"], out[pre + "gold_reward_mean/se"] = mean_se([float(v) for v in gold])
+            out[pre + "gold_outcomes"] = judged["gold"]
+        if step == 0:   # the starting policy: every later eval is judged against these replies
+            self.base[task] = {j: dict(zip(ids, vals)) for j, vals in judged.items()}
+        for judge, name in (("proxy", "proxy_win_rate"), ("gold", "win_rate")):
+            if judge in judged and judge in self.base.get(task, {}):
+                out.update(win_rate_metrics(task, name, ids, judged[judge], self.base[task][judge]))
+        return out
 
     def _submit_reference(self, prompts: list[Prompt], sampled: list[list]) -> Callable[[], dict]:
         """Submit the reference pass over every sampled completion (prompt + completion tokens,
@@ -485,16 +580,19 @@ class Evaluator:
             out.update(kl_ref_metrics(t, pol_l, ref_l, pid_l))
         return out
 
-    def _score(self, prompts: list[Prompt], groups: list[list]) -> list[list[float]]:
-        """Rewards ``[prompt][completion]``: one scorer call per task."""
+    def _score(self, prompts: list[Prompt], groups: list[list], fns: dict | None = None) -> list[list[float]]:
+        """Rewards ``[prompt][completion]``: one scorer call per task (``fns``: the scorers, default
+        the training rewards; :attr:`gold_fns` for the evaluation reward models)."""
+        fns = self.reward_fns if fns is None else fns
+        key = "eval_reward" if fns is self.gold_fns else "reward"
         out: list[list[float]] = [[] for _ in prompts]
         for t in dict.fromkeys(p.task for p in prompts):
             idx = [i for i, p in enumerate(prompts) if p.task == t]
             ps = [prompts[i] for i in idx for _ in groups[i]]
             texts = [c.text for i in idx for c in groups[i]]
-            flat = list(self.reward_fns[t](ps, texts))
+            flat = list(fns[t](ps, texts))
             if len(flat) != len(texts):
-                raise ValueError(f"tasks[{t}].reward returned {len(flat)} rewards for {len(texts)} completions")
+                raise ValueError(f"tasks[{t}].{key} returned {len(flat)} rewards for {len(texts)} completions")
             pos = 0
             for i in idx:
                 out[i] = [float(x) for x in flat[pos:pos + len(groups[i])]]
@@ -515,12 +613,23 @@ def format_eval_line(label: str, fields: dict) -> str:
                 txt += f", mean@{fields.get('eval/k')} {fields[pre + 'mean@k']:.3f}"
         elif pre + "reward_mean" in fields:
             txt = f"{t} reward {fields[pre + 'reward_mean']:.2f} +- {fields[pre + 'reward_mean/se']:.2f}"
+            if pre + "gold_reward_mean" in fields:
+                txt += f", gold {fields[pre + 'gold_reward_mean']:.2f} +- {fields[pre + 'gold_reward_mean/se']:.2f}"
+            for name, what in (("win_rate", "gold win rate"), ("proxy_win_rate", "proxy win rate")):
+                if _after_start(fields) and pre + name in fields:
+                    txt += f", {what} {fields[pre + name]:.2f} +- {fields[pre + name + '/se']:.2f}"
         else:
             continue
         if pre + "kl_ref" in fields:
             txt += f", KL to the reference {fields[pre + 'kl_ref']:.2e} nats/token"
         parts.append(txt)
     return f"{label}: " + "; ".join(parts) + f" ({fields.get('time/eval_s', 0.0):.0f} s)"
+
+
+def _after_start(fields: dict) -> bool:
+    """Whether an eval's fields are of a later eval than the one before step 1 (where a win rate
+    against the starting policy is 0.5 by construction and not worth a console word)."""
+    return fields.get("eval/step", 0) != 0
 
 
 class _Heartbeat:

@@ -42,9 +42,11 @@ __all__ = ["MetricsLogger", "StepProgress", "json_safe", "REQUIRED_KEYS", "adopt
 TENSORBOARD_DIR = "tensorboard"
 """The TensorBoard folder inside the run folder (``tensorboard --logdir <run>/tensorboard``)."""
 
-EVAL_METRICS = ("pass@1", "mean@k", "reward_mean", "len_mean_tokens", "kl_ref")
+EVAL_METRICS = ("pass@1", "mean@k", "reward_mean", "gold_reward_mean", "win_rate", "proxy_win_rate",
+                "len_mean_tokens", "kl_ref")
 """Per-task eval values (``eval/<task>/<name>`` with ``.../se``; ``trainer.evaluate``; ``kl_ref``:
-KL to the reference on fresh samples, nats/token), besides
+KL to the reference on fresh samples, nats/token; ``gold_reward_mean`` and the win rates against the
+starting policy: reward-model tasks with ``tasks[].eval_reward``), besides
 ``pass@<k>_unbiased`` (``eval.pass_at_k``; :func:`is_eval_metric`)."""
 
 

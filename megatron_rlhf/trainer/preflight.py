@@ -71,11 +71,13 @@ def check_task_files(cfg: Config) -> None:
     """Every task's data files and reward-model folder exist, checked before the model is prepared.
 
     A demo reward-model name (``smollm2-demo``) is trained on first use later; any other
-    ``tasks[].reward.reward_model`` must already be a folder with a ``config.json``.
+    ``tasks[].reward.reward_model`` or ``tasks[].eval_reward.reward_model`` must already be a
+    folder with a ``config.json``.
 
     Raises:
         ConfigError: names the key (``tasks[<name>].data.path``, ``tasks[<name>].eval_data.path``,
-            ``tasks[<name>].reward.reward_model``), the value and where it looked.
+            ``tasks[<name>].reward.reward_model``, ``tasks[<name>].eval_reward.reward_model``), the
+            value and where it looked.
     """
     from megatron_rlhf.data.jsonrecords import resolve_data_path
     from megatron_rlhf.rewards.train import DEMO_REWARD_MODELS, resolve_reward_model
@@ -90,9 +92,11 @@ def check_task_files(cfg: Config) -> None:
                 path = resolve_data_path(data.path, key=f"{key}.path")
                 if task.kind != "reward_model":   # chat files have formats of their own (data/chat.py)
                     check_prompt_fields(data, path, key)
-            if task.kind == "reward_model" and task.reward.reward_model not in DEMO_REWARD_MODELS:
-                resolve_reward_model(task.reward.reward_model, os.path.expanduser(cfg.model.cache_dir),
-                                     key=f"tasks[{task.name}].reward.reward_model")
+            specs = ((task.reward, "reward"), (task.eval_reward, "eval_reward")) if task.kind == "reward_model" else ()
+            for spec, part in specs:
+                if spec is not None and spec.reward_model not in DEMO_REWARD_MODELS:
+                    resolve_reward_model(spec.reward_model, os.path.expanduser(cfg.model.cache_dir),
+                                         key=f"tasks[{task.name}].{part}.reward_model")
         except (ValueError, FileNotFoundError) as e:
             raise ConfigError(str(e)) from e
 

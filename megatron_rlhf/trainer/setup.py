@@ -35,7 +35,7 @@ from megatron_rlhf.trainer.watchdog import HangWatchdog, dump_actor_stacks
 from megatron_rlhf.utils.stop import StoppedBeforeStart  # noqa: F401 - re-exported (a BaseException)
 
 __all__ = ["ActorStartError", "LEARNER", "prepare", "start", "resolve_model_dir", "init_ray", "worker_pythonpath", "load_prompts", "resolve_reward_models",
-           "build_reward_models", "reward_fns", "build_actors", "build_generators"]
+           "build_reward_models", "reward_fns", "eval_reward_fns", "reward_model_specs", "build_actors", "build_generators"]
 
 
 class ResumeRefusedError(ConfigError):
@@ -142,8 +142,10 @@ def _prepare_checked(run) -> "RunResult | None":
         run.replay_folder = checked_replay_folder(cfg, (state or {}).get("step", 0), run.model_dir)
     with run.phase("reward_model"):   # trains the demo reward model on first use (it says so)
         run.reward_models = resolve_reward_models(cfg)
-    for task, folder in run.reward_models.items():
-        say(f"task {task}: reward model {folder}{rm_accuracy(folder)}")
+    for key, folder in run.reward_models.items():
+        task, _, part = key.partition("/")
+        what = "evaluation reward model (never trained against)" if part else "reward model"
+        say(f"task {task}: {what} {folder}{rm_accuracy(folder)}")
     if run.restart_aside is None:
         config_damage(run_dir, run.damaged_files, "this run's resolved config is written in its place")
     _accept_folder(run)
@@ -327,6 +329,7 @@ def start(run, generators: list | None, stop=None) -> None:
     run.placement = reserve_placement(cfg, len(set(run.reward_models.values())), timeout)
     run.rm_actors = build_reward_models(cfg, run.reward_models, run.placement)
     fns = reward_fns(cfg, run.reward, run.rm_actors, run.plugins, timeout)
+    gold = eval_reward_fns(cfg, run.rm_actors, timeout)
     live = cfg.run.mode != "train_only"   # train_only replays saved batches: no vLLM engine
     run.learner, run.generators = build_actors(cfg, run.model_dir, run.shared_generators,
                                                   run.placement, live)
@@ -336,7 +339,8 @@ def start(run, generators: list | None, stop=None) -> None:
                   if cfg.generators.check_weight_sync else None)
     with learner_guard("start-up", run.ckpts):   # polls the stop flag; names what it waits for
         actors = {LEARNER: run.learner, **{f"generator {i}": g for i, g in enumerate(run.generators)},
-                  **{f"the reward model of task {t}": a for t, a in run.rm_actors.items()}}
+                  **{f"the {'evaluation ' if k.endswith('/eval') else ''}reward model of task {k.split('/')[0]}": a
+                     for k, a in run.rm_actors.items()}}
         wait_ready(actors, timeout, "start-up", stop, run.start_step + 1)
         if live and hasattr(run.transport, "setup"):   # broadcast: form the groups
             run.transport.setup(run.learner, run.generators, timeout)
@@ -394,7 +398,7 @@ def start(run, generators: list | None, stop=None) -> None:
                 f"later pushes must stay within generators.check_weight_sync_tol="
                 f"{cfg.generators.check_weight_sync_tol:g} of it")
     run.evals = eval_service(cfg, run.pool, run.eval_by_task, fns, log=run.say,
-                             reference=eval_reference(run) if cfg.eval.kl_ref else None)
+                             reference=eval_reference(run) if cfg.eval.kl_ref else None, gold_fns=gold)
     bound = cfg.run.num_steps if cfg.run.mode == "rollout_only" else run.staleness.bound
     run.producer = RolloutProducer(   # rollout_only: never waits for weights (no training)
         pool=run.pool, sampler=run.sampler, reward_fns=fns,
@@ -408,6 +412,9 @@ def start(run, generators: list | None, stop=None) -> None:
     run.staleness.on_change = run.producer.set_bound   # async.max_staleness: auto
     run.thread = threading.Thread(target=run.producer.run, name="rollout-producer", daemon=True)
     open_metrics(run)
+    if run.evals is not None and run.start_step > 0 and not run.evals.evaluator.set_base(run.metrics.rows):
+        run.say("note: the eval before step 1 is not among the metrics rows kept: no win rates against the "
+                "starting policy in this session")
 
 
 def open_metrics(run) -> None:
@@ -670,16 +677,18 @@ def probe_tokens(sampler, max_model_len: int) -> list[int]:
     return list(first.token_ids[: max_model_len - 1])
 
 
-def eval_service(cfg: Config, pool, eval_by_task: dict, reward_fns: dict, log=None, reference=None):
+def eval_service(cfg: Config, pool, eval_by_task: dict, reward_fns: dict, log=None, reference=None,
+                 gold_fns: dict | None = None):
     """The ``EvalService`` of the run's held-out prompts (None with ``eval.enabled: false``);
     ``log``: where its progress lines go (None: nowhere); ``reference``: :func:`eval_reference`
-    (``eval.kl_ref``; None: no reference pass)."""
+    (``eval.kl_ref``; None: no reference pass); ``gold_fns``: :func:`eval_reward_fns`."""
     if not cfg.eval.enabled:
         return None
     from megatron_rlhf.trainer.evaluate import EvalService, Evaluator
 
     return EvalService(Evaluator(pool, eval_by_task, {t.name: t.kind for t in cfg.tasks}, reward_fns,
-                                 cfg.eval, cfg.generators.temperature, log=log, reference=reference))
+                                 cfg.eval, cfg.generators.temperature, log=log, reference=reference,
+                                 gold_fns=gold_fns))
 
 
 def eval_reference(run):
@@ -724,30 +733,43 @@ def rm_accuracy(folder: Path) -> str:
         return ""
 
 
+def reward_model_specs(cfg: Config) -> list[tuple[str, object]]:
+    """``[(key, RewardModelSpec)]`` of every reward model the run loads: key ``<task>`` for a
+    task's ``reward``, ``<task>/eval`` for its ``eval_reward`` (the keys of
+    :func:`resolve_reward_models` and :func:`build_reward_models`)."""
+    out = []
+    for task in cfg.tasks:
+        if task.kind == "reward_model":
+            out.append((task.name, task.reward))
+            if task.eval_reward is not None:
+                out.append((f"{task.name}/eval", task.eval_reward))
+    return out
+
+
 def resolve_reward_models(cfg: Config) -> dict[str, Path]:
-    """Task name -> reward-model folder for every ``reward: {reward_model: ...}`` task (the demo
-    name ``smollm2-demo`` is trained once and cached).
+    """Key -> reward-model folder for every ``reward: {reward_model: ...}`` task (key: the task
+    name) and every ``eval_reward`` (key ``<task>/eval``); a demo name (``smollm2-demo``,
+    ``smollm2-demo-gold``, ...) is trained once and cached.
 
     Raises:
-        ConfigError: a path that does not exist / is not a reward model, named by its task.
+        ConfigError: a path that does not exist / is not a reward model, named by its task and key.
     """
     from megatron_rlhf.rewards import resolve_reward_model
 
     out = {}
-    for task in cfg.tasks:
-        if task.kind == "reward_model":
-            try:
-                out[task.name] = resolve_reward_model(task.reward.reward_model,
-                                                      os.path.expanduser(cfg.model.cache_dir),
-                                                      key=f"tasks[{task.name}].reward.reward_model")
-            except (ValueError, FileNotFoundError) as e:
-                raise ConfigError(str(e)) from e
+    for key, spec in reward_model_specs(cfg):
+        task, _, part = key.partition("/")
+        try:
+            out[key] = resolve_reward_model(spec.reward_model, os.path.expanduser(cfg.model.cache_dir),
+                                            key=f"tasks[{task}].{'eval_reward' if part else 'reward'}.reward_model")
+        except (ValueError, FileNotFoundError) as e:
+            raise ConfigError(str(e)) from e
     return out
 
 
 def build_reward_models(cfg: Config, folders: dict[str, Path], placement=None) -> dict:
-    """One ``RewardModelWorker`` Ray actor per reward-model folder (tasks sharing a folder share
-    the actor): one CPU, and on GPU clusters one GPU of the generator nodes (its placement-group
+    """One ``RewardModelWorker`` Ray actor per reward-model folder, keyed as ``folders``
+    (:func:`resolve_reward_models`; keys sharing a folder share the actor): one CPU, and on GPU clusters one GPU of the generator nodes (its placement-group
     bundle, or the ``mrlhf_generator`` resource of slurm/ray_cluster.sh; the placement check counts
     it beside the vLLM engines)."""
     import ray
@@ -756,15 +778,15 @@ def build_reward_models(cfg: Config, folders: dict[str, Path], placement=None) -
 
     by_dir: dict[Path, object] = {}
     out = {}
-    for task in cfg.tasks:
-        if task.name not in folders:
+    for key, spec in reward_model_specs(cfg):
+        if key not in folders:
             continue
-        d = folders[task.name]
+        d = folders[key]
         if d not in by_dir:
             opts = placement.reward_options(len(by_dir)) if placement else actor_options("generator", 1)
             by_dir[d] = ray.remote(**opts)(RewardModelWorker).remote(
-                model_dir=str(d), dtype=cfg.model.dtype, batch_size=task.reward.batch_size)
-        out[task.name] = by_dir[d]
+                model_dir=str(d), dtype=cfg.model.dtype, batch_size=spec.batch_size)
+        out[key] = by_dir[d]
     return out
 
 
@@ -786,6 +808,21 @@ def reward_fns(cfg: Config, math_reward, rm_actors: dict, plugins: dict, timeout
         else:
             fns[task.name] = lambda ps, texts, f=plugins[task.name]: f(list(texts), [p.answer for p in ps])
             fns[task.name].reward_name = task.reward
+    return fns
+
+
+def eval_reward_fns(cfg: Config, rm_actors: dict, timeout: float) -> dict:
+    """Task name -> ``(prompts, completions) -> rewards`` of each task's ``eval_reward`` (the
+    evaluator's gold judge; ``rm_actors`` keyed as :func:`build_reward_models`)."""
+    import ray
+
+    fns = {}
+    for task in cfg.tasks:
+        actor = rm_actors.get(f"{task.name}/eval")
+        if actor is not None:
+            fns[task.name] = lambda ps, texts, a=actor: ray.get(
+                a.score.remote([p.text for p in ps], list(texts)), timeout=timeout)
+            fns[task.name].reward_name = f"evaluation reward model {task.eval_reward.reward_model}"
     return fns
 
 
