@@ -24,6 +24,12 @@ step (``trainer/evaluate.py``).
   (Noukhovitch et al. 2024 Table 4, PPO); carried surplus off (it would reach staleness N); an eval
   every max(8, N) steps for the frontier. Cells ``C_<loss>_N<N>_s<seed>``: seed 0 is group ``C``,
   seeds 1-2 the optional group ``Cseeds``.
+* **Grid L** (issue 34, item 6a; Noukhovitch et al. 2024 Tables 1-2, lag-matched): Online DPO,
+  sync 16 steps (``L_sync_s<S>``) against one-step async 17 steps (``L_async_s<S>``), seeds 0-7, an
+  eval every 4 steps. Async update k trains on samples of pi_{k-2}, sync's on pi_{k-1}: async's
+  17th update is the first to use the version sync's 16th used, so async@17 - sync@16 is the
+  comparison with the one-step data lag removed, async@16 - sync@16 grid A's (:func:`lag_matched`).
+  **Grid L48** (item 6b): the same at 48 vs 49 steps, seeds 0-2, an eval every 8 steps.
 * **Pilot** (cells ``P_<loss>_lr<lr>``): each loss's learning rate is chosen by a short run at
   N = 1 (``--pilot-steps`` steps, one-step async, seed 0, the loss's estimator overrides) per lr of
   ``--pilot-lrs``, scored on a *validation* slice of the training prompts (the task's ``eval_data``
@@ -35,7 +41,7 @@ step (``trainer/evaluate.py``).
   cell without a fixed lr runs its loss's missing pilot cells first.
 
     nice -n 15 python bench/seeds_repro.py                  # everything but Cseeds; resumable
-    nice -n 15 python bench/seeds_repro.py --only A         # grid A (or B, P, C, Cseeds, or cell names)
+    nice -n 15 python bench/seeds_repro.py --only A         # grid A (or B, P, L, L48, C, Cseeds, or cell names)
     python bench/seeds_repro.py --list                      # every cell: group, finished or not
     python bench/seeds_repro.py --table                     # only rewrite results.md and the plots
     python bench/seeds_repro.py --dry-run --out /tmp/x      # tiny random model, 2 steps per cell
@@ -127,6 +133,9 @@ C_SEEDS = (0, 1, 2)        # seed 0 in the default run (group C); seeds 1-2 opti
 C_EVAL_EVERY = 8           # grid C evaluates every max(8, N) steps: points along each run's frontier
 # carried work would reach staleness N (max_staleness + 1): off in grid C, so staleness is 0..N-1
 C_EXTRA = ["algorithm.carry_surplus=false"]
+LAG_SEEDS = tuple(range(8))  # grid L: lag-matched sync 16 vs async 17 steps, seeds 0-7 (issue 34, item 6a)
+LAG_EVAL_EVERY = 4
+LONG_STEPS, LONG_SEEDS, LONG_EVAL_EVERY = 48, (0, 1, 2), 8   # grid L48: the same, 48 vs 49 steps (item 6b)
 OPTIONAL_GROUPS = ("Cseeds",)   # not in the default run (``--only Cseeds``)
 EVAL_SAMPLES = 1           # sampled completions per eval prompt: mean@1 and the KL on fresh samples
 DRY_TASK = {"name": "math", "reward": "megatron_rlhf.rewards.synthetic:letter_rate", "instruction": "",
@@ -137,7 +146,7 @@ DRY_TASK = {"name": "math", "reward": "megatron_rlhf.rewards.synthetic:letter_ra
 
 @dataclass
 class Cell:
-    """One run of the grid: its name, group (A, P, B, C, Cseeds) and what it sets."""
+    """One run of the grid: its name, group (A, P, B, L, L48, C, Cseeds) and what it sets."""
 
     name: str
     group: str
@@ -152,6 +161,8 @@ class Cell:
     papers_n: bool = False       # N as the papers: sync_interval = N, max_staleness = N - 1
     vs: list[str] = field(default_factory=list)   # cells its gain is compared with (gain_diff)
     eval_interval: int = 0       # eval.interval (0: before step 1 and after the last only)
+    steps: int | None = None     # learner steps of a real run (None: ``--steps``; a dry run always ``--steps``)
+    step_offset: int = 0         # steps added to that (grid L's async arm: one more, the lag-matched step)
 
 
 def estimator(loss: str) -> list[str]:
@@ -171,7 +182,8 @@ def lr_tag(lr: float) -> str:
 def grid(pilot_lrs=PILOT_LRS) -> list[Cell]:
     """Every cell, in the order ``python bench/seeds_repro.py`` runs them: A seed 0, the PG pilots,
     B, A seeds 1-2 (all run, 2026-12-01/02), then the cells defined for issue 34 (not run yet):
-    B's on-policy PG points and TIS off at N = 16, the pilots of Online DPO, PPO and Proximal RLOO,
+    B's on-policy PG points and TIS off at N = 16, grid L (lag-matched sync 16 vs async 17, seeds
+    0-7), grid L48 (48 vs 49 steps, seeds 0-2), the pilots of Online DPO, PPO and Proximal RLOO,
     grid C seed 0, and (optional) grid C seeds 1-2."""
     def a(seed):
         return [Cell(f"A_sync_s{seed}", "A", "online_dpo", sync=True, seed=seed, lr=DPO_LR),
@@ -203,12 +215,23 @@ def grid(pilot_lrs=PILOT_LRS) -> list[Cell]:
                      extra=estimator(loss) + list(C_EXTRA), eval_interval=max(C_EVAL_EVERY, n),
                      vs=[] if n == 1 else [f"C_{loss}_N1_s{seed}"]) for n in PAPERS_N]
 
+    def lag(group, seed, steps, every):   # sync N steps vs async N + 1: async's last update is the
+        # first to use data from the version sync's last update used (Noukhovitch's one-step lag)
+        return [Cell(f"{group}_sync_s{seed}", group, "online_dpo", sync=True, seed=seed, lr=DPO_LR,
+                     steps=steps, eval_interval=every),
+                Cell(f"{group}_async_s{seed}", group, "online_dpo", n=1, seed=seed, lr=DPO_LR, steps=steps,
+                     step_offset=1, eval_interval=every, vs=[f"{group}_sync_s{seed}"])]
+
     cells = a(0) + pilots("grpo") + pilots("rloo")
     for loss in B_LOSSES:
         cells += b(loss)
     cells += a(1) + a(2)
     for loss in ("grpo", "rloo"):
         cells += b_more(loss)
+    for seed in LAG_SEEDS:
+        cells += lag("L", seed, None, LAG_EVAL_EVERY)
+    for seed in LONG_SEEDS:
+        cells += lag("L48", seed, LONG_STEPS, LONG_EVAL_EVERY)
     for loss in C_LOSSES:
         cells += pilots(loss)
     for seed in C_SEEDS:
@@ -218,7 +241,7 @@ def grid(pilot_lrs=PILOT_LRS) -> list[Cell]:
 
 
 def select(cells: list[Cell], only: list[str] | None) -> list[Cell]:
-    """The cells ``--only`` names (groups A, B, P, C, Cseeds or cell names), in grid order; none
+    """The cells ``--only`` names (groups A, B, P, L, L48, C, Cseeds or cell names), in grid order; none
     named: every cell but the optional groups (:data:`OPTIONAL_GROUPS`).
 
     Raises:
@@ -239,7 +262,10 @@ def select(cells: list[Cell], only: list[str] | None) -> list[Cell]:
 
 def overrides(cell: Cell, lr: float, args, model_dir: str) -> list[str]:
     """The ``key=value`` overrides of ``cell`` over the recipe (stored in the run's JSON)."""
-    steps = args.steps if not cell.pilot else args.pilot_steps
+    if cell.pilot:
+        steps = args.pilot_steps
+    else:
+        steps = (cell.steps if cell.steps and not args.dry_run else args.steps) + cell.step_offset
     out = [f"model.source={model_dir}", f"run.output_dir={args.runs}", f"run.name={cell.name}",
            f"run.num_steps={steps}", f"run.seed={cell.seed}", f"algorithm.loss={cell.loss}",
            f"learner.optimizer.lr={lr}", "checkpoint.resume=false", "logging.progress=false",
@@ -250,7 +276,8 @@ def overrides(cell: Cell, lr: float, args, model_dir: str) -> list[str]:
         out += ["async.sync=false", f"async.max_staleness={cell.n - 1}", f"async.sync_interval={cell.n}"]
     else:   # grid B's N: one step of async lag on top (staleness 1..N in steady state)
         out += ["async.sync=false", f"async.max_staleness={cell.n}", f"async.sync_interval={cell.n}"]
-    out += [f"eval.samples={args.eval_samples}", f"eval.interval={cell.eval_interval}", "eval.kl_ref=true"]
+    every = min(cell.eval_interval, args.steps) if args.dry_run and cell.eval_interval else cell.eval_interval
+    out += [f"eval.samples={args.eval_samples}", f"eval.interval={every}", "eval.kl_ref=true"]
     out += list(cell.extra)
     if cell.pilot:   # validation slice of the training rows: the task without its eval_data
         task = dict(DRY_TASK if args.dry_run else _recipe_task())
@@ -686,6 +713,69 @@ def async_vs_sync(results: dict[str, dict], seeds=SEEDS) -> dict:
     return out
 
 
+def _over_seeds(diffs: list[float]) -> dict:
+    """Mean of per-seed differences with its t-interval and exact sign-flip p (two seeds or more)."""
+    return {"n": len(diffs), "interval": t_interval(diffs) if len(diffs) >= 2 else None,
+            "sign_flip": sign_flip_p(diffs) if len(diffs) >= 2 else None,
+            "mean": statistics.mean(diffs) if diffs else None}
+
+
+def _outcomes_at(r: dict, step: int) -> dict | None:
+    """A cell's per-prompt outcomes at its eval of ``step`` (its last, or an intermediate one), in the
+    form :func:`paired_outcome_diff` takes; None when it has no eval there."""
+    o = r.get("outcomes") or {}
+    if o.get("after_step") == step:
+        return {"outcomes": o["after"], "ids": o.get("ids"), "groups": o.get("groups")}
+    for e in o.get("intermediate") or []:
+        if e.get("step") == step:
+            return {"outcomes": e["outcomes"], "ids": o.get("ids"), "groups": o.get("groups")}
+    return None
+
+
+def lag_matched(results: dict[str, dict], group: str = "L", seeds=LAG_SEEDS) -> dict:
+    """Grid L (or L48): one-step async against sync, lag-matched and at the same step, per seed and
+    over seeds.
+
+    Sync trains N steps, async N + 1: async's last update is the first to use samples of the
+    version that sync's last update used (async update k trains on pi_{k-2}'s samples, sync's on
+    pi_{k-1}'s; Noukhovitch et al. 2024 sec. 3). Per seed with both cells:
+
+    * ``matched``: async after N + 1 steps minus sync after N (the one-step data lag removed);
+    * ``same_step``: async's eval at step N minus sync after N (what grid A compared);
+
+    each a paired difference over the same prompts (:func:`paired_outcome_diff`: se of the per-prompt
+    differences, and the cluster se by product), with ``wall_ratio`` = async's loop wall (N + 1
+    steps) / sync's (N). Over seeds, for each: the mean, its t-interval and exact sign-flip p
+    (:func:`_over_seeds`). ``curve``: per arm, the mean pass@1 over seeds at every eval step.
+    """
+    per = []
+    for s in seeds:
+        a, y = results.get(f"{group}_async_s{s}"), results.get(f"{group}_sync_s{s}")
+        if not (a and y and a.get("outcomes") and y.get("outcomes")):
+            continue
+        n_sync = y["outcomes"]["after_step"]
+        sync_after = _outcomes_at(y, n_sync)
+        row = {"seed": s, "steps": (n_sync, a["outcomes"]["after_step"]),
+               "wall_ratio": a["loop_wall_s"] / y["loop_wall_s"],
+               "load_mean": (a["load"]["mean"], y["load"]["mean"])}
+        for key, step in (("matched", a["outcomes"]["after_step"]), ("same_step", n_sync)):
+            at = _outcomes_at(a, step)
+            row[key] = paired_outcome_diff(at, sync_after) if at else None
+        per.append(row)
+    out = {"group": group, "per_seed": per}
+    for key in ("matched", "same_step"):
+        out[key] = _over_seeds([p[key]["diff"] for p in per if p[key]])
+    out["wall_ratio_mean"] = statistics.mean(p["wall_ratio"] for p in per) if per else None
+    curve: dict[str, dict[int, list[float]]] = {"sync": {}, "async": {}}
+    for s in seeds:
+        for arm in ("sync", "async"):
+            for c in (results.get(f"{group}_{arm}_s{s}") or {}).get("curve") or []:
+                curve[arm].setdefault(c["step"], []).append(c["value"])
+    out["curve"] = {arm: {st: statistics.mean(v) for st, v in sorted(d.items())} for arm, d in curve.items()}
+    out["curve_n"] = {arm: {st: len(v) for st, v in sorted(d.items())} for arm, d in curve.items()}
+    return out
+
+
 def comparisons(results: dict[str, dict], cells: list[Cell], group: str) -> list[dict]:
     """Every cell of ``group`` against each cell it names in ``vs`` (grid B: N > 1 against N = 1 and
     the on-policy point, TIS off against TIS; grid C: N > 1 against N = 1 of the same loss and seed),
@@ -784,6 +874,8 @@ def write_tables(out: Path, results: dict[str, dict], cells: list[Cell], pilot_l
                      f"exact permutation p of the afters, unpaired ({math.comb(2 * iv['n'], iv['n'])} splits): "
                      f"one-sided {pm['less']:.3f}, two-sided {pm['two_sided']:.3f}")
     lines.append("")
+    for group in ("L", "L48"):
+        lines += _lag_lines(results, [c for c in cells if c.group == group], group)
     lines += [f"## Pilot: lr per policy-gradient loss at N = 1 ({pilot_steps} steps, seed 0)", "",
               "Scored on a validation slice of the *training* rows (64 rows, sha256 order, taken out of "
               "training), never on the test rows. Choice: the largest validation pass@1 gain (ties: smaller lr).",
@@ -845,6 +937,62 @@ def write_tables(out: Path, results: dict[str, dict], cells: list[Cell], pilot_l
     (out / "results.md").write_text(text)
     _plot(out, results, cells)
     return text
+
+
+def _lag_lines(results: dict[str, dict], cells: list[Cell], group: str) -> list[str]:
+    """Grid L's (or L48's) section of ``results.md``: its cells, the per-seed and across-seed
+    differences of :func:`lag_matched` and the mean learning curves (nothing when no cell ran)."""
+    done = [c for c in cells if results.get(c.name)]
+    if not done:
+        return []
+    n = next((c.steps for c in cells if c.steps), None)
+    title = (f"## {group}. Lag-matched: sync {n or 16} steps vs one-step async {(n or 16) + 1} steps "
+             "(issue 34, item 6; Noukhovitch et al. 2024 Tables 1-2)")
+    lines = [title, "", "Online DPO, lr 3e-6, the unordered held-out split (no eval product trained in either "
+             "order). Async's last update is the first to use samples of the version sync's last update "
+             "used, so **matched** = async after N + 1 minus sync after N removes the one-step data lag; "
+             "**same step** = async at step N minus sync at N (what grid A compared). Differences are paired "
+             "over the same prompts (McNemar se; [cl.] clustered by product); across seeds: mean, 95% "
+             "t-interval, exact sign-flip p.", "",
+             "| cell | seed | steps | pass@1 before -> after | gain ± se (z) | KL fresh after | loop wall (min) | load avg |",
+             "|---|---|---|---|---|---|---|---|"]
+    for c in done:
+        r = results[c.name]
+        lines.append(f"| {c.name} | {c.seed} | {r['steps']} | {_ba(r)} | {_gain(r)} | {_kl(r)} | "
+                     f"{r['loop_wall_s'] / 60:.1f} | {_load(r)} |")
+    lm = lag_matched(results, group, sorted({c.seed for c in cells}))
+    lines.append("")
+    for p in lm["per_seed"]:
+        parts = []
+        for key, name in (("matched", "matched"), ("same_step", "same step")):
+            g = p[key]
+            if g:
+                cl = f" [cl. {g['se_cluster']:.3f}]" if g.get("se_cluster") is not None else ""
+                parts.append(f"{name} {g['diff']:+.3f} ± {g['se']:.3f}{cl} (async-only {g['a_only']}, "
+                             f"sync-only {g['b_only']})")
+        lines.append(f"- seed {p['seed']} (sync {p['steps'][0]} / async {p['steps'][1]} steps): "
+                     + "; ".join(parts) + f"; loop wall async / sync {p['wall_ratio']:.2f} "
+                     f"(load {p['load_mean'][0]:.1f} / {p['load_mean'][1]:.1f})")
+    for key, name in (("matched", "matched (async N + 1 - sync N)"), ("same_step", "same step (async N - sync N)")):
+        o = lm[key]
+        if o["interval"]:
+            iv, sf = o["interval"], o["sign_flip"]
+            lines.append(f"- **{o['n']} seeds, {name}: {iv['mean']:+.3f}, 95% t-interval [{iv['lo']:+.3f}, "
+                         f"{iv['hi']:+.3f}]**, t = {iv['t']:.2f}, two-sided p = {iv['p_two_sided']:.3f}; exact "
+                         f"sign-flip p two-sided {sf['two_sided']:.3f}")
+        elif o["n"]:
+            lines.append(f"- 1 seed, {name}: {o['mean']:+.3f} (no interval across seeds yet)")
+    if lm["wall_ratio_mean"] is not None:
+        lines.append(f"- loop wall async (N + 1 steps) / sync (N steps), mean over seeds: {lm['wall_ratio_mean']:.2f}")
+    steps = sorted(set(lm["curve"]["sync"]) | set(lm["curve"]["async"]))
+    if steps:
+        lines += ["", "Mean held-out pass@1 over seeds at each eval step (seeds in brackets):", "",
+                  "| arm | " + " | ".join(f"step {st}" for st in steps) + " |", "|---|" + "---|" * len(steps)]
+        for arm in ("sync", "async"):
+            cv, cn = lm["curve"][arm], lm["curve_n"][arm]
+            lines.append(f"| {arm} | " + " | ".join(f"{cv[st]:.3f} ({cn[st]})" if st in cv else "–"
+                                                    for st in steps) + " |")
+    return lines + [""]
 
 
 def _mode(c: Cell) -> str:
@@ -977,7 +1125,7 @@ def main(argv: list[str] | None = None, *, generator=None, model_dir: str | None
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=Fmt)
     ap.add_argument("--only", nargs="+", default=None,
-                    help="groups (A, B, P, C, Cseeds) or cell names, space- or comma-separated "
+                    help="groups (A, B, P, L, L48, C, Cseeds) or cell names, space- or comma-separated "
                          "(default: all but Cseeds)")
     ap.add_argument("--dry-run", action="store_true",
                     help="tiny random Llama, synthetic reward, 2 steps per cell (CI: the harness end to end)")

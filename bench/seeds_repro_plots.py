@@ -3,11 +3,12 @@
 * ``gain_vs_N.png``: grid B, held-out gain against N per loss (bars: the after-eval's se; every
   cell's greedy before is the same), with each loss's on-policy point and TIS-off point at N = 16.
 * ``gain_vs_wall.png``: gain against loop wall time at every eval of a run (a cell's ``curve``:
-  intermediate evals with ``eval.interval``, else its before and after), grid A sync vs async
-  and each grid-C loss by N: the papers' "same quality in less time" (Noukhovitch et al. 2024,
+  intermediate evals with ``eval.interval``, else its before and after), grid A sync vs async,
+  grids L and L48 (lag-matched sync vs async) and each grid-C loss by N: the papers' "same quality in less time" (Noukhovitch et al. 2024,
   Fig. 1) as curves, not end points.
 * ``frontier.png``: gain against KL(policy || reference) per token on the eval's fresh samples
-  (``eval/math/kl_ref``), one line per N through a run's evals, one panel per loss: the
+  (``eval/math/kl_ref``), one line per N through a run's evals (grid L's sync and async Online DPO
+  in the online_dpo panel), one panel per loss: the
   reward-KL frontier of Noukhovitch et al. 2024 (Fig. 3-4). Cells without ``kl_ref`` (those run
   before it existed) are left out.
 
@@ -67,6 +68,8 @@ def curve_points(r: dict, x: str) -> list[tuple[float, float]]:
 
 
 def _label(c) -> str:
+    if c.group in ("L", "L48"):
+        return f"{c.group} {'sync' if c.sync else 'async'}"
     if c.sync:
         return "N=1 (on-policy)"
     return f"N={c.n}" + ("" if c.papers_n else " (+1 lag)") + (", TIS off" if _tis_off(c) else "")
@@ -106,35 +109,50 @@ def _panels(n: int, plt):
     return fig, list(axes[0])
 
 
-def gain_vs_wall(path: Path, results: dict, cells: list) -> None:
-    """``gain_vs_wall.png`` (module docstring): grid A, then one panel per grid-C loss with data."""
-    plt = _plt()
-    c_losses = [loss for loss in dict.fromkeys(c.loss for c in cells if c.group in ("C", "Cseeds"))
-                if any(_res(results, c) for c in cells if c.group in ("C", "Cseeds") and c.loss == loss)]
-    fig, axes = _panels(1 + len(c_losses), plt)
-    ax = axes[0]
+def _sync_async_panel(ax, results: dict, cells: list, group: str) -> None:
+    """Grid A, L or L48: every seed's sync and async curve of gain against loop wall time."""
     for mode, marker in (("sync", "s"), ("async", "o")):
         first = True
         for c in cells:
-            r = _res(results, c) if c.group == "A" and c.sync == (mode == "sync") else None
+            r = _res(results, c) if c.group == group and c.sync == (mode == "sync") else None
             if r:
                 pts = curve_points(r, "wall_s")
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, ms=4,
                         color="tab:blue" if mode == "sync" else "tab:orange",
-                        label=f"{mode} Online DPO" if first else None)
+                        label=f"{mode} Online DPO" if first else None, alpha=0.8)
                 ax.annotate(f"s{c.seed}", pts[-1], textcoords="offset points", xytext=(5, 4), fontsize=7)
                 first = False
     ax.axhline(0, color="grey", lw=0.8)
     ax.set_xlabel("loop wall time (min; load average in results.md)")
     ax.set_ylabel("held-out gain at each eval (shared before)")
-    for ax, loss in zip(axes[1:], c_losses):
+    ax.set_title({"A": "A: sync vs one-step async (16 steps each)",
+                  "L": "L: sync 16 vs async 17 steps (lag-matched)",
+                  "L48": "L48: sync 48 vs async 49 steps"}.get(group, group), fontsize=9)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+
+
+def gain_vs_wall(path: Path, results: dict, cells: list) -> None:
+    """``gain_vs_wall.png`` (module docstring): grid A, then grids L and L48 where they have data,
+    then one panel per grid-C loss with data."""
+    plt = _plt()
+    c_losses = [loss for loss in dict.fromkeys(c.loss for c in cells if c.group in ("C", "Cseeds"))
+                if any(_res(results, c) for c in cells if c.group in ("C", "Cseeds") and c.loss == loss)]
+    lag = [g for g in ("L", "L48") if any(_res(results, c) for c in cells if c.group == g)]
+    fig, axes = _panels(1 + len(lag) + len(c_losses), plt)
+    for ax, group in zip(axes, ["A"] + lag):
+        _sync_async_panel(ax, results, cells, group)
+    for ax, loss in zip(axes[1 + len(lag):], c_losses):
         _lines(ax, results, [c for c in cells if c.group in ("C", "Cseeds") and c.loss == loss], "wall_s")
         ax.axhline(0, color="grey", lw=0.8)
         ax.set_xlabel("loop wall time (min)")
         ax.set_title(f"C: {loss}", fontsize=9)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
-    save(fig, axes[0], "A: sync vs one-step async Online DPO", path, suptitle="Held-out gain vs wall time")
+    fig.suptitle("Held-out gain vs wall time", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _lines(ax, results: dict, cells: list, x: str) -> int:
@@ -159,7 +177,7 @@ def frontier(path: Path, results: dict, cells: list) -> None:
     """``frontier.png`` (module docstring): one panel per loss with ``kl_ref`` data (grids B and C;
     solid: the papers' N, dashed: grid B's N with one step of lag), a placeholder when none has."""
     plt = _plt()
-    pool = [c for c in cells if c.group in ("B", "C", "Cseeds")]
+    pool = [c for c in cells if c.group in ("B", "C", "Cseeds", "L", "L48")]
     losses = [loss for loss in dict.fromkeys(c.loss for c in pool)
               if any(curve_points(r, "kl_ref") for c in pool if c.loss == loss and (r := _res(results, c)))]
     fig, axes = _panels(len(losses), plt)

@@ -95,7 +95,7 @@ def test_reward_reaches_threshold_and_not_at_lr_1e_30(generator, tiny_llama_dir,
         assert frozen < THRESHOLD, (loss, mode, frozen)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_seeds_repro_dry_run_end_to_end_and_resume(generator, tiny_llama_dir, tmp_path, capsys):
     """``bench/seeds_repro.py --dry-run`` (tiny random Llama, 2 steps per cell) on the module's
     generator: a B cell whose loss's pilot runs first (the pilot's lr carried over), one JSON per
@@ -138,3 +138,14 @@ def test_seeds_repro_dry_run_end_to_end_and_resume(generator, tiny_llama_dir, tm
         assert (tmp_path / png).stat().st_size > 1000
     assert seeds_repro.main(argv, generator=generator, model_dir=str(tiny_llama_dir)) == 0
     assert "every selected cell is finished" in capsys.readouterr().out
+    # grid L (lag-matched): sync 2 steps, async 3, an eval at step 2 of both; the table pairs
+    # async@3 and async@2 with sync@2 over the same prompts
+    lag = ["--dry-run", "--out", str(tmp_path), "--only", "L_sync_s0", "L_async_s0"]
+    assert seeds_repro.main(lag, generator=generator, model_dir=str(tiny_llama_dir)) == 0
+    ls, la = (json.loads((tmp_path / f"L_{m}_s0.json").read_text()) for m in ("sync", "async"))
+    assert (ls["steps"], la["steps"]) == (2, 3) and "eval.interval=2" in la["overrides"]
+    assert ls["staleness_max"] == 0 and la["staleness_max"] == 1
+    assert la["outcomes"]["after_step"] == 3 and [e["step"] for e in la["outcomes"]["intermediate"]] == [2]
+    lm = seeds_repro.lag_matched(seeds_repro.read_results(tmp_path), "L", (0,))
+    assert lm["per_seed"][0]["matched"] is not None and lm["per_seed"][0]["same_step"] is not None
+    assert "## L. Lag-matched" in (tmp_path / "results.md").read_text()

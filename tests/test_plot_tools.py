@@ -213,6 +213,55 @@ def test_seeds_repro_papers_estimators_and_n_are_defined_and_every_cell_config_l
             assert cfg.async_.max_staleness == cfg.async_.sync_interval - 1 == c.n - 1, name
 
 
+def test_seeds_repro_lag_matched_grid_pairs_async_n_plus_1_and_async_n_with_sync_n_by_hand(tmp_path):
+    """Grid L (issue 34, item 6a): sync 16 vs async 17 steps with an eval every 4; ``lag_matched``
+    pairs async's last eval (step 17) and its step-16 eval with sync's step 16 over the same prompts,
+    per seed and across seeds (t-interval, sign flips), each checked against hand-computed values;
+    the table and the gain-vs-wall and frontier plots take the L cells."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import seeds_repro as sr
+
+    cells = {c.name: c for c in sr.grid()}
+    assert [cells[f"L_{m}_s7"].group for m in ("sync", "async")] == ["L", "L"]
+    assert (cells["L_async_s0"].step_offset, cells["L_async_s0"].eval_interval, cells["L_sync_s0"].step_offset) == (1, 4, 0)
+    assert cells["L48_async_s2"].steps == 48 and cells["L_async_s0"].vs == ["L_sync_s0"]
+    ids, groups = [0, 1, 2, 3], ["a", "a", "b", "b"]
+    spec = {0: ("1100", "1110", "1000"), 1: ("1000", "1110", "1000")}   # sync@16, async@17, async@16
+    for seed, (sync16, async17, async16) in spec.items():
+        for arm, after, step, inter in (("sync", sync16, 16, []), ("async", async17, 17, [(16, async16)])):
+            name = f"L_{arm}_s{seed}"
+            _cell_json(tmp_path, name, 0.1, wall=600.0 if arm == "sync" else 450.0)
+            d = json.loads((tmp_path / f"{name}.json").read_text())
+            d["outcomes"] = {"before": "1000", "after": after, "ids": ids, "groups": groups, "after_step": step,
+                             "intermediate": [{"step": s, "outcomes": o} for s, o in inter]}
+            d["curve"] = [{"step": 0, "value": 0.25, "gain": 0.0, "wall_s": 0.0, "kl_ref": 0.0},
+                          {"step": step, "value": after.count("1") / 4, "gain": after.count("1") / 4 - 0.25,
+                           "wall_s": 500.0, "kl_ref": 0.01}]
+            d["steps"] = step
+            (tmp_path / f"{name}.json").write_text(json.dumps(d))
+    lm = sr.lag_matched(sr.read_results(tmp_path), "L", (0, 1))
+    s0, s1 = lm["per_seed"]
+    # seed 0 matched: d = [0, 0, 1, 0]: mean 0.25, sd 0.5, se 0.25; same step: d = [0, -1, 0, 0]
+    assert s0["matched"]["diff"] == pytest.approx(0.25) and s0["matched"]["se"] == pytest.approx(0.25)
+    assert s0["same_step"]["diff"] == pytest.approx(-0.25) and (s0["same_step"]["a_only"], s0["same_step"]["b_only"]) == (0, 1)
+    assert s1["matched"]["diff"] == pytest.approx(0.5) and s1["same_step"]["diff"] == 0.0
+    assert s0["steps"] == (16, 17) and s0["wall_ratio"] == pytest.approx(0.75)
+    # across seeds: matched [0.25, 0.5]: mean 0.375, sd 0.17678, se 0.125, t_{0.975,1} = 12.706
+    iv = lm["matched"]["interval"]
+    assert iv["mean"] == pytest.approx(0.375) and iv["lo"] == pytest.approx(0.375 - 12.7062 * 0.125, abs=1e-3)
+    assert lm["matched"]["sign_flip"]["two_sided"] == pytest.approx(0.5)   # ++ and -- of 4 patterns
+    assert lm["curve"]["async"] == {0: 0.25, 17: 0.75} and lm["curve_n"]["sync"] == {0: 2, 16: 2}
+    text = sr.write_tables(tmp_path, sr.read_results(tmp_path), sr.grid(), sr.PILOT_LRS, dry_run=False,
+                           steps=16, pilot_steps=8)
+    assert "## L. Lag-matched: sync 16 steps vs one-step async 17 steps" in text
+    assert "**2 seeds, matched (async N + 1 - sync N): +0.375, 95% t-interval [-1.213, +1.963]**" in text
+    assert "- seed 0 (sync 16 / async 17 steps): matched +0.250 ± 0.250 [cl." in text
+    assert "| sync | 0.250 (2) | 0.375 (2) | – |" in text and "## L48." not in text
+    assert "L_sync_s2" in text.split("## Not run yet")[1]
+    for png in ("gain_vs_wall.png", "frontier.png"):
+        assert (tmp_path / png).stat().st_size > 1000
+
+
 def test_seeds_repro_eval_curve_kl_ref_frontier_and_wall_plots(tmp_path):
     """A cell's curve: every eval's loop wall (sum of time/step_s through its step), gain and KL on
     fresh samples; the C table and its comparison with N = 1; the frontier and gain-vs-wall PNGs from
