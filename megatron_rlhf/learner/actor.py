@@ -67,7 +67,6 @@ proximal RLOO: Ahmadian et al. 2024; Noukhovitch et al. 2024, App. B.
 from __future__ import annotations
 
 import logging
-import os
 import random
 import shutil
 import time
@@ -168,8 +167,7 @@ class MegatronLearner:
         self.platform = get_platform()
         # the global CUDA->CPU function mode is only needed by pipeline schedules (PP > 1)
         self.platform.install(function_mode=pp > 1)
-        if not self.platform.is_cpu:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        self.platform.select_local_device()
         self.groups = parallel.acquire(backend=self.platform.dist_backend, tp=tp, pp=pp, rank=rank,
                                        world_size=world_size, init_method=init_method)
         self._closed = False
@@ -839,21 +837,17 @@ class MegatronLearner:
             pass
 
     # RNG helpers used by checkpoint.py
-    @staticmethod
-    def _rng_state() -> dict:
+    def _rng_state(self) -> dict:
         import numpy as np
 
         return {"torch": torch.get_rng_state(), "python": random.getstate(),
-                "numpy": np.random.get_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+                "numpy": np.random.get_state(), "cuda": self.platform.device_rng_state()}
 
-    @staticmethod
-    def _set_rng_state(state: dict) -> None:
+    def _set_rng_state(self, state: dict) -> None:
         import numpy as np
 
         torch.set_rng_state(state["torch"])
         random.setstate(state["python"])
         np.random.set_state(state["numpy"])
-        if state.get("cuda") is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda"])
+        self.platform.set_device_rng_state(state.get("cuda"))
 

@@ -351,6 +351,35 @@ class Platform:
 
         (stream or torch.cuda.current_stream()).synchronize()
 
+    def select_local_device(self) -> None:
+        """Make this process's GPU the current device: ``LOCAL_RANK`` modulo the visible devices
+        (a learner rank, before its process group and model exist); no-op on CPU."""
+        if self.is_cpu:
+            return
+        import os
+
+        import torch
+
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+
+    def device_rng_state(self):
+        """Every visible CUDA device's RNG state (``torch.cuda.get_rng_state_all``), for a
+        checkpoint; None on CPU (there is no device generator: dropout draws from the CPU one)."""
+        if self.is_cpu:
+            return None
+        import torch
+
+        return torch.cuda.get_rng_state_all()
+
+    def set_device_rng_state(self, states) -> None:
+        """Restore :meth:`device_rng_state`'s ``states`` (``torch.cuda.set_rng_state_all``). No-op
+        on CPU, and for None (a checkpoint written on CPU keeps the freshly seeded generators)."""
+        if self.is_cpu or states is None:
+            return
+        import torch
+
+        torch.cuda.set_rng_state_all(states)
+
     def bind_device(self, tensor) -> None:
         """Make ``tensor``'s device this thread's current device (CUDA; a new thread starts on
         device 0); no-op on CPU."""
