@@ -433,14 +433,22 @@ def _commit() -> str | None:
         return None
 
 
-def provenance() -> dict:
+def provenance(out: Path | None = None) -> dict:
     """The code a cell is about to run: ``{"commit", "dirty", "utc"}`` (``git rev-parse --short
-    HEAD``; ``dirty`` = tracked files differ from it, ``git status --porcelain --untracked-files=no``;
-    None where git is not available). Taken at the *start* of a cell (``commit`` in a cell JSON is the
-    one at its end)."""
+    HEAD``; ``dirty`` = tracked files differ from it, ``git status --porcelain --untracked-files=no``,
+    leaving out the results folder ``out`` when it is inside the repository: the harness rewrites
+    ``results.md`` and the plots there after every cell, which is no change of code; None where git
+    is not available). Taken at the *start* of a cell (``commit`` in a cell JSON is the one at its
+    end)."""
     dirty = None
+    spec = ["--", "."]
+    if out is not None:
+        try:
+            spec.append(f":(exclude){Path(out).resolve().relative_to(REPO)}")
+        except ValueError:   # a results folder outside the repository
+            pass
     try:
-        st = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+        st = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", *spec], cwd=REPO,
                             capture_output=True, text=True, timeout=30)
         dirty = bool(st.stdout.strip()) if st.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
@@ -824,7 +832,7 @@ def write_tables(out: Path, results: dict[str, dict], cells: list[Cell], pilot_l
              "(nats per completion token, the batch's own samples). Load = 1-minute load average during the "
              "run: **wall times and their ratios measured under load are not the paper's comparison** "
              "(quality numbers are: the handshake bounds staleness at any speed).", ""]
-    pv = provenance()
+    pv = provenance(out)
     lines += [f"Table written {pv['utc'][:10]} at commit {pv['commit']}"
               + (" + uncommitted changes" if pv["dirty"] else "") + f" on {_machine()}, from the cell files; "
               "each cell's code is in its JSON (`started`: commit and dirty flag at its start, newer cells "
@@ -1088,7 +1096,7 @@ def run_cell(cell: Cell, lr: float, args, model_dir: str, gen) -> dict:
     """Train ``cell`` from step 0 (its run folder is removed first) and write its JSON."""
     from megatron_rlhf.trainer.loop import train
 
-    started = provenance()   # before anything runs: the code of this cell
+    started = provenance(args.out)   # before anything runs: the code of this cell
     cfg, ov = load(args, cell, lr, model_dir)
     shutil.rmtree(cfg.run_dir, ignore_errors=True)
     print(f"[seeds_repro] {cell.name}: {cell.loss}, {'sync' if cell.sync else f'N={cell.n}'}, "

@@ -262,6 +262,34 @@ def test_seeds_repro_lag_matched_grid_pairs_async_n_plus_1_and_async_n_with_sync
         assert (tmp_path / png).stat().st_size > 1000
 
 
+def test_seeds_repro_provenance_is_dirty_for_changed_code_not_for_its_own_results_folder(tmp_path, monkeypatch):
+    """A cell's ``started.dirty`` flags uncommitted changes of tracked files, but not the results
+    folder the harness itself rewrites after every cell (``results.md``, the plots): grid L's
+    first run flagged every cell after the first as dirty for exactly that."""
+    import subprocess
+
+    sys.path.insert(0, str(REPO / "bench"))
+    import seeds_repro as sr
+
+    def git(*a):
+        subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True)
+
+    out = tmp_path / "bench" / "results" / "seeds_repro"
+    out.mkdir(parents=True)
+    (out / "results.md").write_text("table\n")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("init", "-q")
+    git("-c", "user.email=t@t", "-c", "user.name=t", "add", ".")
+    git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-q", "-m", "c")
+    monkeypatch.setattr(sr, "REPO", tmp_path)
+    assert sr.provenance(out)["dirty"] is False
+    (out / "results.md").write_text("table, rewritten after a cell\n")
+    assert sr.provenance(out)["dirty"] is False and sr.provenance()["dirty"] is True
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert sr.provenance(out)["dirty"] is True
+    assert sr.provenance(Path("/elsewhere"))["dirty"] is True   # a folder outside the repository
+
+
 def test_seeds_repro_eval_curve_kl_ref_frontier_and_wall_plots(tmp_path):
     """A cell's curve: every eval's loop wall (sum of time/step_s through its step), gain and KL on
     fresh samples; the C table and its comparison with N = 1; the frontier and gain-vs-wall PNGs from
