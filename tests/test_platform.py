@@ -364,3 +364,37 @@ def test_peak_table_matches_h100_nvl_and_gb200_before_their_shorter_names_and_no
     keys = [k for k, _ in PEAK_TFLOPS]
     shadowed = [(keys[i], keys[j]) for i in range(len(keys)) for j in range(i + 1, len(keys)) if keys[i] in keys[j]]
     assert not shadowed, f"(earlier key, later key it hides): {shadowed}"
+
+
+@pytest.mark.timeout(30)
+def test_gpu_platform_picks_local_rank_modulo_devices_and_round_trips_device_rng_state(monkeypatch):
+    """The GPU branches of ``Platform.select_local_device`` / ``device_rng_state`` /
+    ``set_device_rng_state`` (the learner's only CUDA device calls), with torch.cuda stood in: rank
+    LOCAL_RANK=5 on a 4-GPU node takes device 1; the saved states are every device's and are
+    handed back unchanged; a CPU-written checkpoint (None) leaves the device generators alone. The
+    CPU platform makes none of these calls."""
+    from megatron_rlhf.platform import Platform
+
+    calls = []
+    states = [torch.tensor([1, 2], dtype=torch.uint8), torch.tensor([3, 4], dtype=torch.uint8)]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: calls.append(("set_device", i)))
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: list(states))
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda s: calls.append(("set_rng", s)))
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    gpu = Platform(device="cuda", dist_backend="nccl")
+    gpu.select_local_device()
+    saved = gpu.device_rng_state()
+    gpu.set_device_rng_state(saved)
+    gpu.set_device_rng_state(None)
+    assert calls[0] == ("set_device", 1)
+    assert calls[1][0] == "set_rng" and len(calls[1][1]) == 2
+    assert all(torch.equal(a, b) for a, b in zip(calls[1][1], states))
+    assert len(calls) == 2
+
+    calls.clear()
+    cpu = Platform(device="cpu", dist_backend="gloo")
+    cpu.select_local_device()
+    assert cpu.device_rng_state() is None
+    cpu.set_device_rng_state(saved)
+    assert calls == []
