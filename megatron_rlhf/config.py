@@ -44,7 +44,15 @@ __all__ = [
 
 def _check(cond: bool, key: str, value: Any, allowed: str) -> None:
     if not cond:
-        raise ConfigError(f"config key '{key}' = {value!r} is invalid: {allowed}")
+        raise ConfigError(f"config key '{key}' = {_shown(value)} is invalid: {allowed}")
+
+
+def _shown(value: Any) -> str:
+    """``value`` as a config file spells it in an error: ``true``/``false``/``null`` for YAML's
+    booleans and null (Python would say ``True``/``None``), ``repr`` for the rest."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return "null" if value is None else repr(value)
 
 
 def _closest(name: str, names) -> str | None:
@@ -55,7 +63,12 @@ def _closest(name: str, names) -> str | None:
 
 def _did_you_mean(value: Any, choices) -> str:
     """``"did you mean 'X'? "`` for the choice ``value`` most likely misspells, else ``""``."""
-    close = _closest(str(value), [str(c) for c in choices])
+    names = [str(c) for c in choices]
+    # choices that have the value as one word ('dpo': 'online_dpo', 'group_dpo') before a spelling match ('ppo')
+    part = [c for c in names if str(value) and str(value) in c.replace("-", "_").split("_")]
+    if part:
+        return "did you mean " + " or ".join(repr(c) for c in part[:3]) + "? "
+    close = _closest(str(value), names)
     return f"did you mean {close!r}? " if close else ""
 
 
@@ -64,7 +77,7 @@ def _check_choice(key: str, value: Any, choices, note: str = "") -> None:
     (``difflib``) as a "did you mean" when the value looks like a misspelling of one."""
     if value in choices:
         return
-    raise ConfigError(f"config key '{key}' = {value!r} is invalid: {_did_you_mean(value, choices)}one of "
+    raise ConfigError(f"config key '{key}' = {_shown(value)} is invalid: {_did_you_mean(value, choices)}one of "
                       + ", ".join(str(c) for c in choices) + note)
 
 
@@ -135,7 +148,8 @@ class ModelConfig:
     cache_dir: str = "~/.cache/megatron_rlhf"
     """Where the GGUF -> HF conversion is cached."""
     dtype: str = "float32"
-    """Parameter dtype of learner and generator: float32 (CPU) or bfloat16 (GPU)."""
+    """Parameter dtype of learner and generator: float32 (the CPU demo; exact resume) or bfloat16
+    (the GPU recipes; on CPU too where it computes bf16: AVX512-BF16/AMX natively, AVX2 emulated)."""
 
     def __post_init__(self):
         _check_choice("model.dtype", self.dtype, ("float32", "bfloat16"))
@@ -1286,7 +1300,7 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             if _shape_matches(a, value):
                 return _coerce(a, value, key)
         forms = _UNION_FORMS.get(key) or " or ".join(_describe(a) for a in inner)
-        raise ConfigError(f"config key '{key}' = {value!r} must be {forms}")
+        raise ConfigError(f"config key '{key}' = {_shown(value)} must be {forms}")
     if origin is list:
         if not isinstance(value, list):
             raise ConfigError(f"config key '{key}' must be a list, got {value!r}")
@@ -1300,11 +1314,11 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         return value
     if tp is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"config key '{key}' = {value!r} must be true or false")
+            raise ConfigError(f"config key '{key}' = {_shown(value)} must be true or false")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"config key '{key}' = {value!r} must be an integer")
+            raise ConfigError(f"config key '{key}' = {_shown(value)} must be an integer")
         return value
     if tp is float:
         number = value
@@ -1314,17 +1328,17 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             except ValueError:
                 pass
         if isinstance(number, bool) or not isinstance(number, (int, float)):
-            raise ConfigError(f"config key '{key}' = {value!r} must be a number")
+            raise ConfigError(f"config key '{key}' = {_shown(value)} must be a number")
         try:
             number = float(number)
         except OverflowError:  # an integer too large for a float
             number = math.inf
         if not math.isfinite(number):
-            raise ConfigError(f"config key '{key}' = {value!r} must be a finite number")
+            raise ConfigError(f"config key '{key}' = {_shown(value)} must be a finite number")
         return number
     if tp is str:
         if not isinstance(value, str):
-            raise ConfigError(f"config key '{key}' = {value!r} must be a string")
+            raise ConfigError(f"config key '{key}' = {_shown(value)} must be a string")
         return value
     return value
 

@@ -100,7 +100,7 @@ def test_missing_file_and_bad_yaml_are_refused_in_one_line_with_the_line_and_col
     assert "\n" not in str(e.value) and "line" not in str(e.value).split("YAML:")[1], e.value
     with pytest.raises(ConfigError, match="section.key=value"):
         load_config(None, ["novalue"])
-    with pytest.raises(ConfigError, match=r"'async.max_staleness' = True must be an integer >= 0 or auto"):
+    with pytest.raises(ConfigError, match=r"'async.max_staleness' = true must be an integer >= 0 or auto"):
         load_config(None, ["async.max_staleness=true"])
 
 
@@ -241,6 +241,8 @@ def test_a_misspelled_value_is_refused_with_the_closest_allowed_value():
     with pytest.raises(ConfigError, match=r"config key 'algorithm\.loss' = 'online_dop' is invalid: "
                                           r"did you mean 'online_dpo'\? one of .*grpo"):
         load_config(REPO / "configs" / "cpu_demo.yaml", ["algorithm.loss=online_dop"])
+    with pytest.raises(ConfigError, match=r"'algorithm\.loss' = 'dpo' is invalid: did you mean 'online_dpo' or 'group_dpo'\?"):
+        load_config(REPO / "configs" / "cpu_demo.yaml", ["algorithm.loss=dpo"])   # one word of it, not 'ppo'
     with pytest.raises(ConfigError, match=r"'generators\.draw_rounding' = 'up' is invalid: one of auto, down, "
                                           r"nearest$"):   # nothing close
         load_config(REPO / "configs" / "cpu_demo.yaml", ["generators.draw_rounding=up"])

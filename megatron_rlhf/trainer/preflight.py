@@ -375,10 +375,11 @@ def import_plugins(cfg: Config) -> dict:
 
     Raises:
         ConfigError: a plug-in whose import fails in any way (missing module, ``SyntaxError``, an
-            exception raised by the module's code) or that is missing or not callable; names the
-            task and the plug-in.
+            exception raised by the module's code), that is missing or not callable, or whose
+            signature cannot take ``(completions, answers)``; names the task and the plug-in.
     """
     import importlib
+    import inspect
 
     out = {}
     for task in cfg.tasks:
@@ -398,6 +399,17 @@ def import_plugins(cfg: Config) -> dict:
         if not callable(fn):
             raise ConfigError(f"{head}: {mod}.{name} is a {type(fn).__name__}, not a function "
                               "fn(completions, answers) -> rewards")
+        try:
+            sig = inspect.signature(fn)
+        except (TypeError, ValueError):   # some builtins and C functions have none: called as is
+            sig = None
+        if sig is not None:
+            try:
+                sig.bind([], [])
+            except TypeError as e:
+                raise ConfigError(f"{head}: {mod}.{name}{sig} cannot be called as fn(completions, answers) "
+                                  f"({e}); give it two positional parameters (completions: list[str], "
+                                  "answers: list[str]) and return one float per completion") from e
         out[task.name] = fn
     return out
 

@@ -109,7 +109,8 @@ def _prepare_checked(run) -> "RunResult | None":
     except (ValueError, FileNotFoundError) as e:   # names tasks[].data.*: a config problem
         raise ConfigError(str(e)) from e
     say(f"model {run.model_dir}; prompts: " + ", ".join(
-        f"{t} {c.get('kept')} to train, {c.get('eval_prompts', 0)} held out" for t, c in run.data_counts.items()))
+        f"{t} {c.get('kept')} to train, {c.get('eval_prompts', 0)} held out{_skipped_rows(c)}"
+        for t, c in run.data_counts.items()))
     run.too_long = sum(c.get("too_long", 0) for c in run.data_counts.values())
     run.ckpts = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep_last)
     found = run.ckpts.resumable() if cfg.checkpoint.resume and run.restart_aside is None else None
@@ -744,6 +745,16 @@ def reward_model_specs(cfg: Config) -> list[tuple[str, object]]:
             if task.eval_reward is not None:
                 out.append((f"{task.name}/eval", task.eval_reward))
     return out
+
+
+def _skipped_rows(counts: dict) -> str:
+    """`` (skipped: 1 malformed, 2 too long)`` for a task's nonzero skip counts of
+    :func:`megatron_rlhf.data.prompts.load_task_prompts` (``malformed``: no prompt or answer, or
+    not a JSON object; ``filtered``: ``data.filter``; ``too_long``: over the prompt budget), else
+    ``""``: a skipped row is said at start, not only counted in the metrics."""
+    parts = [f"{counts[k]} {label}" for k, label in (("malformed", "malformed"), ("filtered", "filtered out"),
+                                                     ("too_long", "too long")) if counts.get(k)]
+    return f" (skipped: {', '.join(parts)})" if parts else ""
 
 
 def resolve_reward_models(cfg: Config) -> dict[str, Path]:
