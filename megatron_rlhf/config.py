@@ -63,12 +63,12 @@ def _closest(name: str, names) -> str | None:
 
 def _did_you_mean(value: Any, choices) -> str:
     """``"did you mean 'X'? "`` for the choice ``value`` most likely misspells, else ``""``."""
-    names = [str(c) for c in choices]
+    text, names = str(value), [str(c) for c in choices]
     # choices that have the value as one word ('dpo': 'online_dpo', 'group_dpo') before a spelling match ('ppo')
-    part = [c for c in names if str(value) and str(value) in c.replace("-", "_").split("_")]
+    part = [c for c in names if text and text in c.replace("-", "_").split("_")]
     if part:
         return "did you mean " + " or ".join(repr(c) for c in part[:3]) + "? "
-    close = _closest(str(value), names)
+    close = _closest(text, names)
     return f"did you mean {close!r}? " if close else ""
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rlhf.config import DataConfig, TaskConfig
-from megatron_rlhf.data import DATASETS, PromptSampler, dataset_config, load_task_prompts
+from megatron_rlhf.data import DATASETS, PromptSampler, dataset_config, load_task_prompts, skipped_rows_text
 from megatron_rlhf.types import Prompt
 
 REPO = Path(__file__).resolve().parents[1]
@@ -92,11 +92,9 @@ def test_malformed_rows_are_skipped_and_counted(tokenizer, tmp_path):
     prompts, counts = load_task_prompts(_task("t", path=str(f)), tokenizer, 2048)
     assert counts == {"rows": 8, "malformed": 5, "filtered": 0, "too_long": 0, "kept": 3}
     assert [(p.index, p.answer) for p in prompts] == [(0, "3"), (5, "1/2"), (6, "1,000")]
-    from megatron_rlhf.trainer.setup import _skipped_rows   # what the run's start line says of them
-
-    assert _skipped_rows(counts) == " (skipped: 5 malformed)"
-    assert _skipped_rows({**counts, "filtered": 1, "too_long": 2}) == " (skipped: 5 malformed, 1 filtered out, 2 too long)"
-    assert _skipped_rows({"rows": 3, "malformed": 0, "filtered": 0, "too_long": 0, "kept": 3}) == ""
+    assert skipped_rows_text(counts) == " (skipped: 5 malformed)"
+    assert skipped_rows_text({**counts, "filtered": 1, "too_long": 2}) == " (skipped: 5 malformed, 1 filtered out, 2 too long)"
+    assert skipped_rows_text({"rows": 3, "malformed": 0, "filtered": 0, "too_long": 0, "kept": 3}) == ""
 
 
 @pytest.mark.timeout(60)

@@ -33,7 +33,7 @@ from megatron_rlhf.data.registry import DATASETS, DatasetSpec, register_dataset
 from megatron_rlhf.types import Prompt
 
 __all__ = ["DatasetSpec", "DATASETS", "register_dataset", "dataset_config", "resolve_data_path",
-           "load_task_prompts", "load_prompts_for_task", "PromptSampler"]
+           "load_task_prompts", "load_prompts_for_task", "skipped_rows_text", "PromptSampler"]
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -202,6 +202,21 @@ def load_prompts_for_task(task_cfg: TaskConfig, tokenizer, max_prompt_tokens: in
                              "(generators.max_model_len - generators.max_new_tokens)")
         return load_chat_task_prompts(task_cfg, tokenizer, max_prompt_tokens)
     return load_task_prompts(task_cfg, tokenizer, max_prompt_tokens)
+
+
+def skipped_rows_text(counts: dict) -> str:
+    """The nonzero skip counts of :func:`load_prompts_for_task`, for a run's start line.
+
+    Args:
+        counts: ``{'rows', 'malformed', 'filtered', 'too_long', 'kept'}`` (``malformed``: no prompt
+            or answer, or not a JSON object; ``filtered``: ``data.filter``; ``too_long``: over the
+            prompt budget).
+    Returns:
+        ``" (skipped: 1 malformed, 2 too long)"``, or ``""`` when nothing was skipped.
+    """
+    parts = [f"{counts[k]} {label}" for k, label in (("malformed", "malformed"), ("filtered", "filtered out"),
+                                                     ("too_long", "too long")) if counts.get(k)]
+    return f" (skipped: {', '.join(parts)})" if parts else ""
 
 
 def _read_rows(path: Path, key: str = "tasks[].data.path"):

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from megatron_rlhf.config import Config, ConfigError, config_diff, config_to_dict, save_config
+from megatron_rlhf.data import skipped_rows_text
 from megatron_rlhf.generator.pool import GeneratorPool
 from megatron_rlhf.generator.weight_sync import PublishedWeights, make_transport
 from megatron_rlhf.trainer.checkpoint import CheckpointManager
@@ -109,7 +110,7 @@ def _prepare_checked(run) -> "RunResult | None":
     except (ValueError, FileNotFoundError) as e:   # names tasks[].data.*: a config problem
         raise ConfigError(str(e)) from e
     say(f"model {run.model_dir}; prompts: " + ", ".join(
-        f"{t} {c.get('kept')} to train, {c.get('eval_prompts', 0)} held out{_skipped_rows(c)}"
+        f"{t} {c.get('kept')} to train, {c.get('eval_prompts', 0)} held out{skipped_rows_text(c)}"
         for t, c in run.data_counts.items()))
     run.too_long = sum(c.get("too_long", 0) for c in run.data_counts.values())
     run.ckpts = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep_last)
@@ -745,16 +746,6 @@ def reward_model_specs(cfg: Config) -> list[tuple[str, object]]:
             if task.eval_reward is not None:
                 out.append((f"{task.name}/eval", task.eval_reward))
     return out
-
-
-def _skipped_rows(counts: dict) -> str:
-    """`` (skipped: 1 malformed, 2 too long)`` for a task's nonzero skip counts of
-    :func:`megatron_rlhf.data.prompts.load_task_prompts` (``malformed``: no prompt or answer, or
-    not a JSON object; ``filtered``: ``data.filter``; ``too_long``: over the prompt budget), else
-    ``""``: a skipped row is said at start, not only counted in the metrics."""
-    parts = [f"{counts[k]} {label}" for k, label in (("malformed", "malformed"), ("filtered", "filtered out"),
-                                                     ("too_long", "too long")) if counts.get(k)]
-    return f" (skipped: {', '.join(parts)})" if parts else ""
 
 
 def resolve_reward_models(cfg: Config) -> dict[str, Path]:
