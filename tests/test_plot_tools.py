@@ -225,6 +225,7 @@ def test_seeds_repro_lag_matched_grid_pairs_async_n_plus_1_and_async_n_with_sync
     assert [cells[f"L_{m}_s7"].group for m in ("sync", "async")] == ["L", "L"]
     assert (cells["L_async_s0"].step_offset, cells["L_async_s0"].eval_interval, cells["L_sync_s0"].step_offset) == (1, 4, 0)
     assert cells["L48_async_s2"].steps == 48 and cells["L_async_s0"].vs == ["L_sync_s0"]
+    assert "algorithm.carry_surplus=false" in cells["L48_async_s2"].extra and cells["L_async_s0"].extra == []
     ids, groups = [0, 1, 2, 3], ["a", "a", "b", "b"]
     spec = {0: ("1100", "1110", "1000"), 1: ("1000", "1110", "1000")}   # sync@16, async@17, async@16
     for seed, (sync16, async17, async16) in spec.items():
