@@ -1,10 +1,12 @@
 #!/usr/bin/env python
 """megatron-rlhf entry point: asynchronous RL post-training (Online DPO) of an LLM.
 
-    # CPU demo (embedded Ray, SmolLM2-135M-Instruct, real math word problems):
+    # CPU demo (embedded Ray, SmolLM2-135M-Instruct, single-digit multiplication and chat prompts):
     python train.py --config configs/cpu_demo.yaml
     # any key can be overridden:
     python train.py --config configs/cpu_demo.yaml run.num_steps=4 async.sync=true
+    # check a config as a run would before it starts anything (seconds to a minute), then exit:
+    python train.py --config configs/cpu_demo.yaml --check learner.tensor_parallel=2
     # cluster: slurm/*.sbatch start Ray and run this same script with RAY_ADDRESS set.
 
 Writes ``<run.output_dir>/<run.name>/`` (config.yaml, metrics.jsonl, checkpoints/, hf_final/,
@@ -55,7 +57,12 @@ def _main(argv: list[str] | None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML recipe, e.g. configs/cpu_demo.yaml")
     parser.add_argument("overrides", nargs="*", help="dotted overrides: run.num_steps=4 algorithm.beta=0.05")
-    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config and exit (the field checks only; --check runs the rest)")
+    parser.add_argument("--check", action="store_true",
+                        help="run every check a run makes before any actor starts (paths, layout against the "
+                             "model, vLLM engine fit, plug-ins, data rows), then exit: 0 when the config would "
+                             "start, 2 with the refused key and its fix otherwise; no actor starts, nothing is trained")
     args = parser.parse_intermixed_args(argv)
 
     from megatron_rlhf.config import ConfigError, config_to_dict, load_config
@@ -74,6 +81,21 @@ def _main(argv: list[str] | None) -> int:
     from megatron_rlhf.runtime import apply_process_env
 
     apply_process_env()
+    if args.check:
+        from megatron_rlhf.trainer import setup
+        from megatron_rlhf.trainer.run import Run
+
+        def say(*parts):
+            print("[megatron-rlhf]", *parts, flush=True)
+
+        try:
+            setup.check(Run(cfg, say))
+        except ConfigError as e:
+            print(f"config error: {e}", file=sys.stderr)
+            return 2
+        say(f"config {args.config}: every check before the start passed (a run would now start Ray and "
+             "the actors; not checked: a checkpoint to resume from)")
+        return 0
     from megatron_rlhf.rollout.producer import ProducerError
     from megatron_rlhf.trainer.loop import train
     from megatron_rlhf.trainer.run_lock import RunLockedError

@@ -257,7 +257,8 @@ def select(cells: list[Cell], only: list[str] | None) -> list[Cell]:
     groups = {c.group for c in cells}
     bad = [x for x in only if x not in names and x not in groups]
     if bad:
-        raise SystemExit(f"--only: unknown {bad}; groups {sorted(groups)}, cells {[c.name for c in cells]}")
+        raise SystemExit(f"--only: unknown {' '.join(bad)}: name a group ({' '.join(sorted(groups))}) or a "
+                         "cell (`--list` prints every cell and whether it has run)")
     return [c for c in cells if c.name in only or c.group in only]
 
 

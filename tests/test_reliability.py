@@ -464,6 +464,31 @@ def _hold_lock_in_subprocess(run_dir: Path):
 
 
 @pytest.mark.timeout(60)
+def test_train_check_runs_the_preflight_exits_2_naming_the_key_or_0_and_starts_nothing(tiny_llama_dir, tmp_path,
+                                                                                        capsys, monkeypatch):
+    """``train.py --check`` (a fresh-user finding: ``--print-config`` checks the fields only, so a
+    layout the model cannot split or a missing data file passed it): every check a run makes before
+    any actor starts, then exit. A bad layout and a missing data file exit 2 with the key; a good
+    config exits 0 with the prompt counts; no Ray, and no run folder left behind."""
+    import ray
+    import train
+
+    from megatron_rlhf import runtime
+
+    monkeypatch.setattr(runtime, "apply_process_env", lambda *a, **k: None)
+    base = ["--config", str(REPO / "configs" / "ci_tiny.yaml"), "--check", f"model.source={tiny_llama_dir}",
+            f"run.output_dir={tmp_path / 'runs'}", "tasks.0.reward=tests.plugins:char_parity"]
+    assert train.main(base + ["learner.pipeline_parallel=7"]) == 2
+    assert "pipeline_parallel" in capsys.readouterr().err
+    assert train.main(base + [f"tasks.0.data.path={tmp_path / 'nope.jsonl'}"]) == 2
+    assert "tasks" in capsys.readouterr().err
+    assert train.main(base) == 0
+    out = capsys.readouterr().out
+    assert "every check before the start passed" in out and "to train" in out
+    assert not ray.is_initialized()
+    assert not any((tmp_path / "runs").glob("*")), "--check left a run folder"
+
+
 def test_two_drivers_on_one_folder_the_second_stops_at_once_naming_pid_and_host(tiny_llama_dir, tmp_path):
     import socket
     import time

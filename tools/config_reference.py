@@ -234,8 +234,9 @@ def generate() -> str:
         "index: `tasks.0.data.path=...`). Every value is type-checked and validated when the config loads,",
         "before any actor starts; a refused value raises `ConfigError` naming the key, the value and",
         "what is allowed (the last column). `.venv/bin/python train.py --config X.yaml --print-config`",
-        "prints the resolved tree. Meanings are the first sentence of each field's docstring in the",
-        "source; the rest of the docstring is there.",
+        "prints the resolved tree; `--check` also runs what a run checks before it starts (paths, the",
+        "layout against the model, vLLM's engine fit, plug-ins, data rows) and exits. Meanings are the",
+        "first sentence of each field's docstring in the source; the rest of the docstring is there.",
         "",
     ]
     undocumented = [k.key for k in keys if not k.meaning]

@@ -84,9 +84,32 @@ def prepare(run) -> "RunResult | None":
         raise
 
 
-def _prepare_checked(run) -> "RunResult | None":
+def check(run) -> None:
+    """``train.py --check``: every check :func:`prepare` makes of the config before any actor starts,
+    and nothing else. Model source, data and reward-model paths, device and dtype, the parallel
+    layout against the model, a used run folder with ``checkpoint.resume=false``, the model folder
+    (a GGUF or Megatron source is converted and cached, as a run would), the pre-flight
+    (:func:`trainer.preflight.preflight`: vLLM engine fit, weight transport, plug-ins, logging, a
+    writable run folder) and the prompts (malformed, filtered and too-long rows counted). No actor
+    starts and a run folder this call created is removed again. Not checked: a checkpoint to resume
+    from (the learner loads it) and anything only a running actor shows.
+
+    Raises:
+        ConfigError: the first refused value, naming the key and the fix (as a run would).
+    """
+    existed = run.run_dir.exists()
+    try:
+        _checks(run)
+    finally:
+        if not existed:
+            with contextlib.suppress(OSError):
+                run.run_dir.rmdir()   # only when empty: the pre-flight's write test leaves nothing
+
+
+def _checks(run) -> None:
+    """The checks of :func:`prepare` before the resume checks (see :func:`check`); sets
+    ``run.model_dir``, ``run.plugins``, ``run.restart_aside`` and the prompts."""
     cfg, say, run_dir = run.cfg, run.say, run.run_dir
-    say(f"run folder {run_dir}")
     check_model_source(cfg.model)
     check_task_files(cfg)   # a wrong data path or reward-model folder: refused before the model is prepared
     check_device(cfg)
@@ -112,6 +135,12 @@ def _prepare_checked(run) -> "RunResult | None":
     say(f"model {run.model_dir}; prompts: " + ", ".join(
         f"{t} {c.get('kept')} to train, {c.get('eval_prompts', 0)} held out{skipped_rows_text(c)}"
         for t, c in run.data_counts.items()))
+
+
+def _prepare_checked(run) -> "RunResult | None":
+    cfg, say, run_dir = run.cfg, run.say, run.run_dir
+    say(f"run folder {run_dir}")
+    _checks(run)
     run.too_long = sum(c.get("too_long", 0) for c in run.data_counts.values())
     run.ckpts = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.keep_last)
     found = run.ckpts.resumable() if cfg.checkpoint.resume and run.restart_aside is None else None
