@@ -83,10 +83,7 @@ def _main(argv: list[str] | None) -> int:
     apply_process_env()
     if args.check:
         from megatron_rlhf.trainer import setup
-        from megatron_rlhf.trainer.run import Run
-
-        def say(*parts):
-            print("[megatron-rlhf]", *parts, flush=True)
+        from megatron_rlhf.trainer.run import Run, console_say as say
 
         try:
             setup.check(Run(cfg, say))

@@ -217,6 +217,22 @@ def test_smoke_recipe_on_a_cpu_that_cannot_compute_bf16_is_refused_before_anythi
 
 
 @pytest.mark.timeout(30)
+def test_a_cpu_layout_with_more_processes_than_cores_says_they_share_cores_and_a_gpu_config_says_nothing(monkeypatch):
+    """Learner ranks (TP x PP x DP) + vLLM workers (engines x TP) beyond the cores: one line, naming
+    both counts and the cores; at or below the cores, or on a GPU cluster config: nothing."""
+    from megatron_rlhf.config import load_config
+    from megatron_rlhf.platform import engine_args
+    from megatron_rlhf.trainer.preflight import cpu_core_sharing
+
+    cfg = load_config(REPO / "configs/cpu_demo.yaml", ["learner.tensor_parallel=2", "generators.num_workers=2"])
+    assert cpu_core_sharing(cfg, cores=4) is None   # 2 ranks + 2 workers on 4 cores
+    line = cpu_core_sharing(cfg, cores=2)
+    assert line is not None and "2 learner rank(s) + 2 vLLM worker(s) on 2 CPU core(s)" in line and "not hung" in line
+    monkeypatch.setattr(engine_args, "config_device", lambda c: "cuda")   # a GPU cluster, or CUDA visible
+    assert cpu_core_sharing(cfg, cores=1) is None
+
+
+@pytest.mark.timeout(30)
 def test_cpu_bf16_support_reads_the_cpu_flags():
     """``native`` with AVX512-BF16 or AMX-BF16, ``emulated`` with AVX2 alone, None without AVX2."""
     from megatron_rlhf.platform import cpu_bf16_support

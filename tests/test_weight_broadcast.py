@@ -316,6 +316,31 @@ def test_host_buffers_pack_whole_buffers_into_power_of_two_chunks():
     assert all(int(b.sum()) == 7 * b.numel() for b in bufs)   # no overlap
 
 
+@pytest.mark.timeout(30)
+def test_a_publish_on_broken_groups_waits_the_pools_whole_recovery_bound_from_the_break_or_ends_when_it_gives_up():
+    """While the groups are broken, a publish waits for the re-form as long as the pool may take
+    (Ray's restart of the dead engine, then recover's restart of the cut-off ones and the re-form:
+    3 x timeout_s + 10 s from the break), not timeout_s from its own start: CI's one red run ended
+    a publish 120 s in while the pool was restarting its second engine. The pool giving up ends the
+    wait at once."""
+    from megatron_rlhf.generator.weight_sync import BroadcastTransport, WeightSyncError
+
+    t = BroadcastTransport(1, 4096)
+    t.mark_broken("weight broadcast of version 3: engine 1 died while receiving")
+    t._broken_at -= 10.0   # the break was 10 s ago: 3 x 0.5 + 10 s from it leaves 1.5 s
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncError, match=r"engine 1 died.*not re-formed within 3 x async.timeout_s \+ 10 s = 12 s"):
+        t.publish(None, 4, 0.5)
+    assert 1.3 < time.monotonic() - t0 < 3.0   # the bound from the break, not 0.5 s from the publish
+
+    t.mark_broken("weight broadcast of version 5: engine 0 died while receiving")   # fresh break: 3 x 5 + 10 s
+    threading.Timer(0.5, t.abandon, args=("GeneratorDiedError: restarts used up",)).start()
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncError, match="will not be re-formed .GeneratorDiedError: restarts used up"):
+        t.publish(None, 6, 5.0)
+    assert time.monotonic() - t0 < 3.0   # the pool's verdict, not the 25 s bound
+
+
 @pytest.mark.timeout(60)
 def test_a_closed_group_with_a_receive_pending_is_released_once_its_peer_drops_its_own():
     """gloo: a member's broadcast receive is pending (the sender stopped); ``close()`` aborts the
@@ -613,7 +638,7 @@ def test_a_receiver_killed_mid_broadcast_fails_the_push_naming_it_then_the_pool_
         with pytest.raises(Exception):
             ray.get(busy, timeout=5)
         with pytest.raises(WeightSyncError, match="broken since a failed push.*engine 1.*not re-formed within"):
-            transport.publish(learner, 2, 3.0)   # waits for the pool's re-form (nobody re-forms here)
+            transport.publish(learner, 2, 1.0)   # waits 3 x 1 + 10 s from the break for a re-form (none here)
 
         deadline = time.monotonic() + timeout
         while True:   # Ray restarts it: a fresh engine (base weights) outside the groups

@@ -398,6 +398,7 @@ class BroadcastTransport(WeightTransport):
         self.learner, self.workers, self._stages, self._group = None, [], [], False
         self._broken: str | None = None   # a failed push: groups must be re-formed (setup/recover)
         self._given_up: str | None = None  # the pool will not re-form them (abandon)
+        self._broken_at = 0.0                # time.monotonic() of the failed push (mark_broken)
         self._health = threading.Condition()   # setup() / abandon() -> publish() waiting on a re-form
         self._layouts, self._layouts_ref = None, None
 
@@ -436,7 +437,7 @@ class BroadcastTransport(WeightTransport):
     def mark_broken(self, why: str) -> None:
         """A push failed: the groups take no publish until they are re-formed (:meth:`setup`)."""
         with self._health:
-            self._broken = why
+            self._broken, self._broken_at = why, time.monotonic()
 
     def abandon(self, why: str) -> None:
         """The pool will not re-form the groups (a worker died beyond ``generators.max_restarts``,
@@ -450,17 +451,28 @@ class BroadcastTransport(WeightTransport):
         """While a failed push's groups are broken, wait for the pool to re-form them (Ray restarts
         the dead worker, :meth:`recover`).
 
+        The wait lasts as long as the pool may take, each part under its own bound: after the
+        break, the pool's settle (at most 5 s), Ray's restart of the dead engine (``timeout_s``),
+        then :meth:`recover`'s restart of the engines whose receive was cut off and the re-form
+        (``timeout_s`` for both), so ``3 * timeout_s + 10`` s from the break, or ``deadline`` if
+        later. The pool calls :meth:`abandon` when one of its bounds runs out, which ends the wait
+        at once. (A publish bounded by ``timeout_s`` from its own start ended the run whenever the
+        two restarts, one after the other, took longer than that: vLLM engines on a loaded CPU in
+        CI, and a 70B engine loading its weights on GPU.)
+
         Raises:
-            WeightSyncError: the pool gave up (:meth:`abandon`), or no re-form by ``deadline``.
+            WeightSyncError: the pool gave up (:meth:`abandon`), or no re-form by the bound above.
         """
         with self._health:
             while self._broken is not None and self._given_up is None:
-                left = deadline - time.monotonic()
+                until = max(deadline, self._broken_at + 3 * timeout_s + 10.0)
+                left = until - time.monotonic()
                 if left <= 0:
                     raise WeightSyncError(
                         f"weight broadcast: cannot publish version {version}: the groups are broken since a "
-                        f"failed push ({self._broken}) and were not re-formed within async.timeout_s="
-                        f"{timeout_s:.0f} s (the pool re-forms them once Ray restarted the worker)")
+                        f"failed push ({self._broken}) and were not re-formed within 3 x async.timeout_s + 10 s "
+                        f"= {3 * timeout_s + 10:.0f} s of it (the pool re-forms them once Ray restarted the "
+                        "worker)")
                 self._health.wait(min(left, 1.0))
             if self._given_up is not None:
                 raise WeightSyncError(f"weight broadcast: cannot publish version {version}: the groups are "
@@ -469,7 +481,8 @@ class BroadcastTransport(WeightTransport):
     def publish(self, learner, version, timeout_s, probe=None):
         """Stage ``version`` on the exporters (see the class doc). A publish that lands while a
         failed push's groups are broken (a generator died in it and the pool is waiting for Ray
-        to restart it) waits for the re-form and then stages, bounded by ``timeout_s``; one
+        to restart it) waits for the re-form (bounded as :meth:`_wait_healthy` says) and then
+        stages, bounded by ``timeout_s``; one
         whose staging failed because the push in flight broke meanwhile stages again after the
         re-form.
 
@@ -480,7 +493,8 @@ class BroadcastTransport(WeightTransport):
         deadline = time.monotonic() + timeout_s
         while True:
             self._wait_healthy(version, deadline, timeout_s)
-            if not self._forming.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            # the re-form's resend holds the lock for at most timeout_s after the groups are healthy
+            if not self._forming.acquire(timeout=max(timeout_s, deadline - time.monotonic())):
                 raise WeightSyncError(f"weight broadcast: cannot publish version {version}, the groups were "
                                       f"being re-formed for more than async.timeout_s={timeout_s:.0f} s")
             try:

@@ -185,7 +185,8 @@ def check_prompt_fields(data, path: Path, key: str, n: int = 50) -> None:
 
 
 def check_device(cfg: Config) -> None:
-    """``model.dtype: bfloat16`` without a GPU runs on CPU where the CPU computes bf16, else is refused.
+    """``model.dtype: bfloat16`` without a GPU runs on CPU where the CPU computes bf16, else is refused;
+    a CPU run whose processes outnumber the cores says so (:func:`cpu_core_sharing`).
 
     bf16 is what the GPU recipes train and sample in (``base_cluster.yaml``, ``smoke-1n8g.yaml``).
     On a machine that sees no CUDA device (``placement.gpus_per_node: 0``) the same bf16 path runs
@@ -201,6 +202,8 @@ def check_device(cfg: Config) -> None:
     from megatron_rlhf.platform import cpu_bf16_support
     from megatron_rlhf.platform.engine_args import config_device   # cuda on SLURM GPU nodes or when visible
 
+    if (line := cpu_core_sharing(cfg)) is not None:
+        print(line, flush=True)
     if cfg.model.dtype != "bfloat16" or config_device(cfg) == "cuda":
         return
     support = cpu_bf16_support()
@@ -214,6 +217,32 @@ def check_device(cfg: Config) -> None:
         print("[megatron-rlhf] model.dtype=bfloat16 on a CPU without AVX512-BF16/AMX: bf16 is computed "
               "by widening to fp32 (the same bf16 numbers, about 27x slower per GEMM than fp32; "
               "see megatron_rlhf.platform.cpu_bf16_support)", flush=True)
+
+
+def cpu_core_sharing(cfg: Config, cores: int | None = None) -> str | None:
+    """The line a CPU run prints when its learner ranks and vLLM workers outnumber the cores, else None.
+
+    Each learner rank and each vLLM worker is pinned to a core of its own on CPU
+    (:func:`megatron_rlhf.runtime.pin_to_core`, ``VLLM_CPU_OMP_THREADS_BIND``); with more processes
+    than cores they share cores round robin, so the run is slower, not hung. Nothing on a GPU
+    config (``placement.gpus_per_node > 0`` or a visible CUDA device).
+
+    Args:
+        cores: cores this process may use (default ``len(os.sched_getaffinity(0))``).
+    """
+    from megatron_rlhf.platform.engine_args import config_device
+
+    if config_device(cfg) == "cuda":
+        return None
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    lrn, gen = cfg.learner, cfg.generators
+    ranks = lrn.tensor_parallel * lrn.pipeline_parallel * lrn.data_parallel
+    workers = gen.num_workers * gen.tensor_parallel
+    if ranks + workers <= cores:
+        return None
+    return (f"[megatron-rlhf] {ranks} learner rank(s) + {workers} vLLM worker(s) on {cores} CPU core(s): "
+            "processes share cores, so steps are slower than the layout suggests (not hung)")
 
 
 def check_layout_before_conversion(cfg: Config) -> None:

@@ -100,7 +100,7 @@ class Run:
                 actors and ``async.timeout_s``).
             setup.StoppedBeforeStart: ``stop`` was requested during start-up (all is stopped).
         """
-        say = (lambda *a: None) if quiet else _say
+        say = (lambda *a: None) if quiet else console_say
         run = cls(cfg, say)
         from megatron_rlhf.trainer import setup
 
@@ -481,7 +481,7 @@ class Run:
 
 # ----- helpers ----------------------------------------------------------------------------------
 
-def _say(*parts) -> None:
+def console_say(*parts) -> None:
     """A ``[megatron-rlhf]`` console line; through ``tqdm.write`` so that a line printed while the
     step bar is shown (an eval's progress, from the producer thread) does not break the bar."""
     from tqdm import tqdm

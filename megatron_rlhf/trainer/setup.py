@@ -78,9 +78,7 @@ def prepare(run) -> "RunResult | None":
     try:
         return _prepare_checked(run)
     except ConfigError:
-        if not existed:
-            with contextlib.suppress(OSError):
-                run.run_dir.rmdir()   # only when empty
+        _remove_if_new_and_empty(run.run_dir, existed)
         raise
 
 
@@ -101,9 +99,14 @@ def check(run) -> None:
     try:
         _checks(run)
     finally:
-        if not existed:
-            with contextlib.suppress(OSError):
-                run.run_dir.rmdir()   # only when empty: the pre-flight's write test leaves nothing
+        _remove_if_new_and_empty(run.run_dir, existed)   # the pre-flight's write test leaves nothing
+
+
+def _remove_if_new_and_empty(run_dir: Path, existed: bool) -> None:
+    """Remove ``run_dir`` when it did not exist before this call and is empty (never its contents)."""
+    if not existed:
+        with contextlib.suppress(OSError):
+            run_dir.rmdir()
 
 
 def _checks(run) -> None:
