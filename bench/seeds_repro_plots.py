@@ -67,9 +67,12 @@ def curve_points(r: dict, x: str) -> list[tuple[float, float]]:
     return [(c["kl_ref"], c["gain"]) for c in curve if c.get("kl_ref") is not None]
 
 
+_LAG_COLORS = {True: "tab:gray", False: "tab:purple"}   # grids L / L48: sync, async (not an N)
+
+
 def _label(c) -> str:
     if c.group in ("L", "L48"):
-        return f"{c.group} {'sync' if c.sync else 'async'}"
+        return f"{c.group} {'sync' if c.sync else 'async'} (lr {c.lr:g})" if c.lr else f"{c.group} {'sync' if c.sync else 'async'}"
     if c.sync:
         return "N=1 (on-policy)"
     return f"N={c.n}" + ("" if c.papers_n else " (+1 lag)") + (", TIS off" if _tis_off(c) else "")
@@ -167,7 +170,8 @@ def _lines(ax, results: dict, cells: list, x: str) -> int:
         label = _label(c) if (_label(c), c.group) not in labelled and c.seed == 0 else None
         labelled.add((_label(c), c.group))
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3,
-                ls="-" if (c.papers_n or c.sync) else "--", color=_COLORS.get(c.n, "tab:gray"),
+                ls="-" if (c.papers_n or c.sync) else "--",
+                color=(_LAG_COLORS[bool(c.sync)] if c.group in ("L", "L48") else _COLORS.get(c.n, "tab:gray")),
                 alpha=1.0 if c.seed == 0 else 0.4, label=label)
         drawn += 1
     return drawn
