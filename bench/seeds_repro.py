@@ -913,10 +913,12 @@ def write_tables(out: Path, results: dict[str, dict], cells: list[Cell], pilot_l
                          f"{r['loop_wall_s'] / 60:.1f} | {_load(r)} | {_kl(r)} |")
     lines += _comparison_lines(comparisons(results, cells, "B"),
                                "Each cell against the cells it is compared with (seed 0): N > 1 against N = 1 "
-                               "and the on-policy point of the same loss, TIS off against TIS at N = 16. The greedy "
-                               "before is the same in every cell, so a difference of gains is a difference of "
-                               "afters: se = hypot(after_se, after_se) (unpaired; paired McNemar when both cells "
-                               "store outcomes). The last column is the z the earlier verdicts used, hypot(gain_se, "
+                               "and the on-policy point of the same loss, TIS off against TIS at N = 16. Cells on the "
+                               "same held-out split share their greedy before, so a difference of gains is a "
+                               "difference of afters: se = hypot(after_se, after_se) (unpaired; paired McNemar when "
+                               "both cells store outcomes). `gain-gain` rows compare a cell of the old split "
+                               "(before 0.609) with one of the split that does not leak (before 0.547): gains on "
+                               "different prompts, indicative only. The last column is the z the earlier verdicts used, hypot(gain_se, "
                                "gain_se): it counts the shared before twice. No B se includes run-to-run variance "
                                "(one seed; grid A's seed sd of a DPO gain is 0.005-0.016).")
     lines += ["", "## C. The papers' N: sync_interval = N, max_staleness = N - 1 (Noukhovitch Fig. 3-4)", "",
