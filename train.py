@@ -19,6 +19,7 @@ start-up it stops the start-up and exits 0 ("stopped before step N").
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from megatron_rlhf.utils.stop import StoppedBeforeStart
@@ -75,7 +76,10 @@ def _main(argv: list[str] | None) -> int:
     if args.print_config:
         import yaml
 
-        print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+        try:
+            print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), flush=True)
+        except BrokenPipeError:   # `--print-config | head`: the reader closed the pipe; not an error
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
 
     from megatron_rlhf.runtime import apply_process_env
