@@ -127,8 +127,12 @@ def _main(argv: list[str] | None) -> int:
         print(f"timed out: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:   # a second Ctrl-C: stop now (the first one finishes the step and checkpoints)
-        print("interrupted: stopped at once without a checkpoint; the last complete one is intact "
-              "(run the same command again to resume from it)", file=sys.stderr)
+        from pathlib import Path
+
+        had = any((Path(cfg.run_dir) / "checkpoints").glob("step_*/COMPLETE"))
+        print("interrupted: stopped at once without a checkpoint; " + (
+            "the last complete one is intact (run the same command again to resume from it)" if had else
+            "none was written before (run the same command again to start afresh)"), file=sys.stderr)
         return 130
     print(format_summary(res), flush=True)
     return 0

@@ -34,9 +34,11 @@ def test_train_print_config_with_overrides_on_both_sides(capsys):
     assert code == 0 and "num_steps: 3" in out and "beta: 0.05" in out
 
 
-def test_a_second_ctrl_c_exits_130_with_one_line_and_no_traceback(capsys, monkeypatch):
+def test_a_second_ctrl_c_exits_130_with_one_line_and_no_traceback_saying_whether_a_checkpoint_is_intact(
+        capsys, monkeypatch, tmp_path):
     """A fresh-user finding: the second Ctrl-C (the first finishes the step and checkpoints)
-    printed a KeyboardInterrupt traceback from deep inside the run's shutdown."""
+    printed a KeyboardInterrupt traceback from deep inside the run's shutdown; and before any
+    checkpoint existed the line said "the last complete one is intact"."""
     import train
 
     from megatron_rlhf import runtime
@@ -47,9 +49,17 @@ def test_a_second_ctrl_c_exits_130_with_one_line_and_no_traceback(capsys, monkey
 
     monkeypatch.setattr(loop, "train", interrupted)
     monkeypatch.setattr(runtime, "apply_process_env", lambda *a, **k: None)
-    code = train.main(["--config", str(REPO / "configs" / "ci_tiny.yaml")])
+    argv = ["--config", str(REPO / "configs" / "ci_tiny.yaml"), f"run.output_dir={tmp_path}"]
+    code = train.main(argv)
     err = capsys.readouterr().err
     assert code == 130 and err.startswith("interrupted: stopped at once without a checkpoint") and "Traceback" not in err
+    assert "none was written before" in err and "intact" not in err
+    from megatron_rlhf.config import load_config
+
+    run_dir = load_config(REPO / "configs" / "ci_tiny.yaml", [f"run.output_dir={tmp_path}"]).run_dir
+    (run_dir / "checkpoints" / "step_2").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step_2" / "COMPLETE").write_text("")
+    assert train.main(argv) == 130 and "the last complete one is intact" in capsys.readouterr().err
 
 
 def test_a_reward_that_raises_exits_1_with_one_line_naming_where_and_the_traceback_file(capsys, monkeypatch, tmp_path):
