@@ -127,9 +127,9 @@ def _main(argv: list[str] | None) -> int:
         print(f"timed out: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:   # a second Ctrl-C: stop now (the first one finishes the step and checkpoints)
-        from pathlib import Path
+        from megatron_rlhf.trainer.checkpoint import CheckpointManager
 
-        had = any((Path(cfg.run_dir) / "checkpoints").glob("step_*/COMPLETE"))
+        had = bool(CheckpointManager(cfg.run_dir / "checkpoints").complete_checkpoints())
         print("interrupted: stopped at once without a checkpoint; " + (
             "the last complete one is intact (run the same command again to resume from it)" if had else
             "none was written before (run the same command again to start afresh)"), file=sys.stderr)

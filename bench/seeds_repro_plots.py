@@ -72,7 +72,7 @@ _LAG_COLORS = {True: "tab:gray", False: "tab:purple"}   # grids L / L48: sync, a
 
 def _label(c) -> str:
     if c.group in ("L", "L48"):
-        return f"{c.group} {'sync' if c.sync else 'async'} (lr {c.lr:g})" if c.lr else f"{c.group} {'sync' if c.sync else 'async'}"
+        return f"{c.group} {'sync' if c.sync else 'async'}" + (f" (lr {c.lr:g})" if c.lr else "")
     if c.sync:
         return "N=1 (on-policy)"
     return f"N={c.n}" + ("" if c.papers_n else " (+1 lag)") + (", TIS off" if _tis_off(c) else "")

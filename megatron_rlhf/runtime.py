@@ -103,6 +103,14 @@ def apply_process_env(tmp_dir: str | None = None) -> dict[str, str]:
     return env
 
 
+def usable_cores() -> int:
+    """Cores this process may run on: ``os.sched_getaffinity`` (which a SLURM step or container
+    narrows), ``os.cpu_count()`` where the OS has no affinity API, at least 1."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def pin_to_core(core: int) -> None:
     """Pin this process to CPU ``core`` (modulo the cores available) and use one torch thread.
 

@@ -58,7 +58,8 @@ def test_a_second_ctrl_c_exits_130_with_one_line_and_no_traceback_saying_whether
 
     run_dir = load_config(REPO / "configs" / "ci_tiny.yaml", [f"run.output_dir={tmp_path}"]).run_dir
     (run_dir / "checkpoints" / "step_2").mkdir(parents=True)
-    (run_dir / "checkpoints" / "step_2" / "COMPLETE").write_text("")
+    for name in ("COMPLETE", "trainer_state.json"):   # what makes a checkpoint complete
+        (run_dir / "checkpoints" / "step_2" / name).write_text("{}")
     assert train.main(argv) == 130 and "the last complete one is intact" in capsys.readouterr().err
 
 

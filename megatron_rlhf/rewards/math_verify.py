@@ -134,7 +134,9 @@ def default_num_workers(configured: int = 0, cores: int | None = None) -> int:
     if configured > 0:
         return int(configured)
     if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        from megatron_rlhf.runtime import usable_cores
+
+        cores = usable_cores()
     return max(1, min(32, int(cores) - 1))
 
 

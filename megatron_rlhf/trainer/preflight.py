@@ -228,14 +228,14 @@ def cpu_core_sharing(cfg: Config, cores: int | None = None) -> str | None:
     config (``placement.gpus_per_node > 0`` or a visible CUDA device).
 
     Args:
-        cores: cores this process may use (default ``len(os.sched_getaffinity(0))``).
+        cores: cores this process may use (default :func:`megatron_rlhf.runtime.usable_cores`).
     """
     from megatron_rlhf.platform.engine_args import config_device
+    from megatron_rlhf.runtime import usable_cores
 
     if config_device(cfg) == "cuda":
         return None
-    if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cores() if cores is None else cores
     lrn, gen = cfg.learner, cfg.generators
     ranks = lrn.tensor_parallel * lrn.pipeline_parallel * lrn.data_parallel
     workers = gen.num_workers * gen.tensor_parallel
